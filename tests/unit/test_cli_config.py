@@ -1,0 +1,50 @@
+import pytest
+
+from harness.cli import build_parser, config_from_args, main
+from harness.config import ConfigError, E2EConfig, env_defaults
+
+
+def cfg(argv, env=None):
+    return config_from_args(build_parser().parse_args(["e2e", *argv]), env=env or {})
+
+
+def test_defaults_tiny_model_tp_1_1():
+    c = cfg(["--device", "cpu"])
+    assert (c.tp_p, c.tp_d, c.model, c.device) == (1, 1, None, "cpu")
+    assert c.block_sizes() == (32, 32) and c.lease_s == 120
+
+
+def test_upstream_env_names_are_defaults_and_flags_win():
+    env = {"PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "8", "DECODE_BLOCK_SIZE": "64", "DECODER_KV_LAYOUT": "HND",
+           "GPU_MEMORY_UTILIZATION": "0.2"}
+    c = cfg(["--device", "cpu"], env)
+    assert (c.tp_p, c.tp_d, c.block_size_d, c.kv_layout_d, c.gpu_memory_utilization) == (2, 8, 64, "HND", 0.2)
+    assert cfg(["--device", "cpu", "--tp-d", "4"], env).tp_d == 4
+
+
+@pytest.mark.parametrize("env", [{"DECODER_TP_SIZE": "x"}, {"DECODER_TP_SIZE": "0"}, {"DECODER_KV_LAYOUT": "ABC"}])
+def test_bad_env_values_are_errors(env):
+    with pytest.raises(ConfigError):
+        cfg(["--device", "cpu"], env)
+
+
+def test_block_sizes_must_divide():
+    with pytest.raises(ConfigError, match="divide"):
+        cfg(["--device", "cpu", "--block-size-p", "64", "--block-size-d", "96"])
+
+
+def test_gpu_needs_a_model():
+    with pytest.raises(ConfigError):
+        E2EConfig(device="gpu").validate()
+
+
+def test_bad_flags_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["e2e", "--tp-p", "0"])
+    assert e.value.code == 2
+    assert main(["e2e", "--device", "cpu", "--block-size-p", "64", "--block-size-d", "96"]) == 2
+    assert "divide" in capsys.readouterr().err
+
+
+def test_env_defaults_ignores_empty():
+    assert env_defaults({"PREFILLER_TP_SIZE": ""}) == {}

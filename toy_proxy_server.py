@@ -1,0 +1,69 @@
+"""P/D routing proxy for vLLM's NixlConnector (FastAPI + httpx).
+
+    python toy_proxy_server.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from harness.proxy import corrupt_block_ids, create_app
+
+FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill base URLs")
+    ap.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode base URLs")
+    ap.add_argument("--prefiller-hosts", nargs="+", default=["127.0.0.1"])
+    ap.add_argument("--prefiller-ports", nargs="+", type=int, default=[])
+    ap.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"])
+    ap.add_argument("--decoder-ports", nargs="+", type=int, default=[])
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per backend request")
+    ap.add_argument("--fault", choices=sorted(FAULTS), default="none", help="fault injection for tests")
+    ap.add_argument("--log-level", default="info")
+    args = ap.parse_args(argv)
+    try:
+        backend_urls(args)
+    except ValueError as e:
+        ap.error(str(e))
+    return args
+
+
+def _urls(hosts: list[str], ports: list[int], what: str) -> list[str]:
+    if not ports:
+        return []
+    if len(hosts) == 1:
+        hosts = hosts * len(ports)
+    if len(hosts) != len(ports):
+        raise ValueError(f"{len(hosts)} {what} hosts but {len(ports)} ports")
+    return [f"http://{h}:{p}" for h, p in zip(hosts, ports)]
+
+
+def backend_urls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    prefill = list(args.prefill) + _urls(args.prefiller_hosts, args.prefiller_ports, "prefiller")
+    decode = list(args.decode) + _urls(args.decoder_hosts, args.decoder_ports, "decoder")
+    if not prefill:
+        raise ValueError("no prefill backend: give --prefill URL or --prefiller-ports")
+    if not decode:
+        raise ValueError("no decode backend: give --decode URL or --decoder-ports")
+    return prefill, decode
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    prefill, decode = backend_urls(args)
+    app = create_app(prefill, decode, timeout_s=args.timeout, kv_params_hook=FAULTS[args.fault])
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+
+
+if __name__ == "__main__":
+    main()
