@@ -124,6 +124,18 @@ def make_proxy(python: str, alloc: PortAllocator, prefill_urls: list[str], decod
     return proc, url
 
 
+def model_heads(model: str) -> dict[str, int | None]:
+    """Attention and KV heads (K): from a local config.json, else from configs/models.yaml."""
+    cfg_file = Path(model) / "config.json"
+    if cfg_file.exists():
+        c = json.loads(cfg_file.read_text())
+        return {"attention_heads": c.get("num_attention_heads"), "kv_heads": c.get("num_key_value_heads", c.get("num_attention_heads"))}
+    from harness.models_config import load_models
+
+    entry = load_models().find(model)
+    return {"attention_heads": entry.attention_heads if entry else None, "kv_heads": entry.kv_heads if entry else None}
+
+
 class PDRun:
     def __init__(self, cfg: E2EConfig):
         cfg.validate()
@@ -172,6 +184,7 @@ class PDRun:
         model, name = resolve_model(cfg)
         self.report.config["resolved_model"] = model
         self.report.config["served_model_name"] = name
+        self.report.config["model_heads"] = model_heads(model)
         self.report.config["prompts"] = len(self.prompts)
         bs_p, bs_d = cfg.block_sizes()
         binds: list[str | None] = [None, None]

@@ -42,12 +42,15 @@ def body(prompt="the river runs past an old stone house", **kw):
     return {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
 
 
+def sse_events(resp):
+    for line in resp.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            yield json.loads(line[6:])
+
+
 def sse_text(resp) -> tuple[str, list[str]]:
     text, errors = "", []
-    for line in resp.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        event = json.loads(line[6:])
+    for event in sse_events(resp):
         if "error" in event:
             errors.append(event["error"]["message"])
         else:
@@ -85,9 +88,13 @@ def test_malformed_body_is_400_and_reaches_no_backend(pd, raw):
     assert requests.get(f"{pd['url']}/proxy/stats", timeout=10).json()["requests"] == before
 
 
-def test_backend_error_is_passed_with_hop(pd):
+def test_client_errors_pass_through_naming_the_hop(pd):
+    # P sees max_tokens=1, so only D rejects an oversized max_tokens ...
     r = requests.post(f"{pd['url']}/v1/completions", json=body(max_tokens=100000), timeout=60)
-    assert r.status_code == 400 and r.headers.get("x-proxy-hop") == "prefill"
+    assert r.status_code == 400 and r.headers.get("x-proxy-hop") == "decode", r.text
+    # ... while a prompt longer than the context is rejected by P already.
+    r = requests.post(f"{pd['url']}/v1/completions", json=body(prompt="the river " * 400), timeout=60)
+    assert r.status_code == 400 and r.headers.get("x-proxy-hop") == "prefill", r.text
 
 
 def test_decode_killed_mid_request(pd):
@@ -96,10 +103,7 @@ def test_decode_killed_mid_request(pd):
     t0 = time.monotonic()
     with requests.post(f"{pd['url']}/v1/completions", json=body(max_tokens=480, stream=True, ignore_eos=True), stream=True, timeout=120) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            event = json.loads(line[6:])
+        for event in sse_events(r):
             if "error" in event:
                 errors.append(event["error"]["message"])
                 continue

@@ -1,0 +1,68 @@
+"""configs/models.yaml: the models the harness knows, validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from harness.config import REPO_ROOT, ConfigError
+
+MODELS_YAML = REPO_ROOT / "configs" / "models.yaml"
+
+
+class ModelEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    hub_id: str | None = None
+    description: str | None = None
+    attention_heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    gsm8k_expected: float | None = Field(default=None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelEntry:
+        if self.attention_heads % self.kv_heads:
+            raise ValueError(f"attention_heads ({self.attention_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        return self
+
+
+class ModelsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    models: list[ModelEntry]
+
+    @model_validator(mode="after")
+    def _unique(self) -> ModelsFile:
+        seen: set[str] = set()
+        for m in self.models:
+            if m.id in seen:
+                raise ValueError(f"duplicate model id {m.id!r}")
+            seen.add(m.id)
+        return self
+
+    def find(self, name: str) -> ModelEntry | None:
+        """By id, hub id, or a local folder named like either."""
+        base = Path(name).name
+        for m in self.models:
+            if name in (m.id, m.hub_id) or base in (m.id, (m.hub_id or "").split("/")[-1]):
+                return m
+        return None
+
+
+def one_line(e: ValidationError, path: Path) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "<top>"
+    return f"{path}: {loc}: {err['msg']}"
+
+
+def load_models(path: Path = MODELS_YAML) -> ModelsFile:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    try:
+        return ModelsFile.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(one_line(e, Path(path))) from None
