@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
 REGIMES = {
-    "A": "K >= max(P, D): plain head slicing",
+    "A": "K >= max(P, D), D >= P: plain head slicing",
     "B": "P <= K < D: D replicates heads P slices (issue #45330 regime)",
     "C": "K < P <= D: replicated on both sides, equal block lengths",
     "D": "K < P and P > D: replicated prefill larger than decode (rejected by design)",
@@ -68,15 +68,16 @@ def tp_ratio(tp_p: int, tp_d: int) -> int:
 
 
 def regime(k: int, p: int, d: int) -> str:
+    # E is the part of "K >= max(P, D)" where P > D: named apart because D merges reads from several P ranks.
+    if d < p <= k:
+        return "E"
     if k >= max(p, d):
         return "A"
     if p <= k < d:
         return "B"
     if k < p <= d:
         return "C"
-    if k < p and p > d:
-        return "D"
-    return "E"  # d < p <= k is covered by A; kept for completeness of the partition
+    return "D"  # k < p and p > d
 
 
 def validity(shape: ModelShape, p: int, d: int, bs_p: int, bs_d: int) -> list[str]:

@@ -32,7 +32,7 @@ def test_tinyllama_p2_d8_block_lengths_match_the_report():
 
 def test_regime_e_and_negative_ratio():
     t = predict(ModelShape(4, 2), 2, 1)
-    assert t.regime == "A" and t.tp_ratio == -2 and t.expected == "ok"
+    assert t.regime == "E" and t.tp_ratio == -2 and t.expected == "ok"
     assert regime(1, 2, 1) == "D"
 
 

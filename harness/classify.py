@@ -1,0 +1,86 @@
+"""Failure classifier: server logs and HTTP errors matched against known signatures (pure)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+TAIL_LINES = 40
+CONTEXT_LINES = 3
+
+
+@dataclass(frozen=True)
+class Signature:
+    cls: str
+    pattern: re.Pattern[str]
+    meaning: str
+
+
+def _sig(cls: str, pattern: str, meaning: str) -> Signature:
+    return Signature(cls, re.compile(pattern, re.IGNORECASE), meaning)
+
+
+# Most specific first: a #45330 traceback also contains "handshake_setup_failed".
+SIGNATURES: tuple[Signature, ...] = (
+    _sig("assert-45330", r"Remote P worker KV layer cache must be of shape",
+         "vLLM issue #45330: block-length assertion when a TP size exceeds the KV heads"),
+    _sig("rejected-replicated-p-gt-d", r"tp_ratio < 0 and self\.transfer_topo\.is_kv_replicated",
+         "replicated prefill TP larger than decode TP: refused at handshake by design"),
+    _sig("kv-layout-mismatch", r"Heterogeneous TP expects same kv_cache_layout", "P and D KV cache layouts differ"),
+    _sig("non-contiguous-heads", r"Heterogeneous TP head-dimension splitting requires contiguous heads",
+         "head splitting needs a block-contiguous layout on P"),
+    _sig("nixl-unavailable", r"NIXL is not available", "the nixl package is missing or failed to load"),
+    _sig("out-of-memory", r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError|"
+         r"Not enough memory|No available memory for the cache blocks|Cannot allocate memory|MemoryError",
+         "a server ran out of memory"),
+    _sig("kv-lease-expired", r"Releasing expired KV blocks for request|Potentially invalid KV blocks for",
+         "P released KV blocks on lease expiry before every D rank read them"),
+    _sig("handshake-timeout", r"zmq\.error\.Again|handshake.*time[d ]*out|Timed out waiting for .*handshake",
+         "the NIXL side-channel handshake timed out"),
+    _sig("config-error", r"is not divisible by|must be divisible by|should be divisible by|ValidationError|"
+         r"pydantic_core\._pydantic_core\.ValidationError|Invalid (?:value|argument)|error: argument|"
+         r"No common block size", "vLLM refused its configuration"),
+    _sig("handshake-failed", r"handshake_setup_failed|handshake_failed", "the NIXL handshake failed for another reason"),
+)
+CLASSES = tuple(s.cls for s in SIGNATURES) + ("unknown",)
+
+
+@dataclass(frozen=True)
+class Failure:
+    cls: str
+    excerpt: str
+    source: str | None = None  # which log or error matched
+    meaning: str = ""
+
+    def to_dict(self) -> dict:
+        return {"class": self.cls, "excerpt": self.excerpt, "source": self.source, "meaning": self.meaning}
+
+
+def excerpt_around(text: str, start: int, context: int = CONTEXT_LINES) -> str:
+    lines = text.splitlines()
+    line_no = text.count("\n", 0, start)
+    lo, hi = max(0, line_no - context), min(len(lines), line_no + context + 1)
+    return "\n".join(lines[lo:hi])
+
+
+def tail(text: str, n: int = TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+def classify(texts: dict[str, str]) -> Failure:
+    """First signature (in priority order) found in any of ``texts`` (name -> log or error text)."""
+    for sig in SIGNATURES:
+        for source, text in texts.items():
+            m = sig.pattern.search(text or "")
+            if m:
+                ex = excerpt_around(text, m.start())
+                if sig.cls == "kv-lease-expired":
+                    # Both sides of a lease expiry are evidence: P's release and D's late read.
+                    ex = "\n".join(f"{src}: {x.group(0)}" for src, t in texts.items() for x in _lease_lines(t))[:4000]
+                return Failure(sig.cls, ex, source, sig.meaning)
+    source = next((s for s, t in texts.items() if t), None)
+    return Failure("unknown", tail(texts.get(source, "")) if source else "", source, "no known signature matched")
+
+
+def _lease_lines(text: str):
+    return re.finditer(r"(?:Releasing expired KV blocks for request|Potentially invalid KV blocks for)[^\n]*", text or "")
