@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-TAIL_LINES = 40
+from harness.procs import tail_text
+from harness.transfer import LEASE_PATTERNS
+
 CONTEXT_LINES = 3
 
 
@@ -14,10 +16,12 @@ class Signature:
     cls: str
     pattern: re.Pattern[str]
     meaning: str
+    # Evidence spread over several logs (e.g. P's release and D's late read): every matching line, by source.
+    every_line: bool = False
 
 
-def _sig(cls: str, pattern: str, meaning: str) -> Signature:
-    return Signature(cls, re.compile(pattern, re.IGNORECASE), meaning)
+def _sig(cls: str, pattern: str, meaning: str, every_line: bool = False) -> Signature:
+    return Signature(cls, re.compile(pattern, re.IGNORECASE), meaning, every_line)
 
 
 # Most specific first: a #45330 traceback also contains "handshake_setup_failed".
@@ -30,15 +34,14 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig("non-contiguous-heads", r"Heterogeneous TP head-dimension splitting requires contiguous heads",
          "head splitting needs a block-contiguous layout on P"),
     _sig("nixl-unavailable", r"NIXL is not available", "the nixl package is missing or failed to load"),
-    _sig("out-of-memory", r"CUDA out of memory|OutOfMemoryError|torch\.OutOfMemoryError|"
-         r"Not enough memory|No available memory for the cache blocks|Cannot allocate memory|MemoryError",
+    _sig("out-of-memory", r"CUDA out of memory|MemoryError|Not enough memory|No available memory for the cache blocks|"
+         r"Cannot allocate memory",
          "a server ran out of memory"),
-    _sig("kv-lease-expired", r"Releasing expired KV blocks for request|Potentially invalid KV blocks for",
-         "P released KV blocks on lease expiry before every D rank read them"),
+    _sig("kv-lease-expired", "|".join(p.pattern for p in LEASE_PATTERNS),
+         "P released KV blocks on lease expiry before every D rank read them", every_line=True),
     _sig("handshake-timeout", r"zmq\.error\.Again|handshake.*time[d ]*out|Timed out waiting for .*handshake",
          "the NIXL side-channel handshake timed out"),
-    _sig("config-error", r"is not divisible by|must be divisible by|should be divisible by|ValidationError|"
-         r"pydantic_core\._pydantic_core\.ValidationError|Invalid (?:value|argument)|error: argument|"
+    _sig("config-error", r"is not divisible by|must be divisible by|should be divisible by|ValidationError|Invalid (?:value|argument)|error: argument|"
          r"No common block size", "vLLM refused its configuration"),
     _sig("handshake-failed", r"handshake_setup_failed|handshake_failed", "the NIXL handshake failed for another reason"),
 )
@@ -63,24 +66,17 @@ def excerpt_around(text: str, start: int, context: int = CONTEXT_LINES) -> str:
     return "\n".join(lines[lo:hi])
 
 
-def tail(text: str, n: int = TAIL_LINES) -> str:
-    return "\n".join(text.splitlines()[-n:])
-
-
 def classify(texts: dict[str, str]) -> Failure:
     """First signature (in priority order) found in any of ``texts`` (name -> log or error text)."""
     for sig in SIGNATURES:
         for source, text in texts.items():
             m = sig.pattern.search(text or "")
             if m:
-                ex = excerpt_around(text, m.start())
-                if sig.cls == "kv-lease-expired":
-                    # Both sides of a lease expiry are evidence: P's release and D's late read.
-                    ex = "\n".join(f"{src}: {x.group(0)}" for src, t in texts.items() for x in _lease_lines(t))[:4000]
+                ex = every_matching_line(sig.pattern, texts) if sig.every_line else excerpt_around(text, m.start())
                 return Failure(sig.cls, ex, source, sig.meaning)
     source = next((s for s, t in texts.items() if t), None)
-    return Failure("unknown", tail(texts.get(source, "")) if source else "", source, "no known signature matched")
+    return Failure("unknown", tail_text(texts[source]) if source else "", source, "no known signature matched")
 
 
-def _lease_lines(text: str):
-    return re.finditer(r"(?:Releasing expired KV blocks for request|Potentially invalid KV blocks for)[^\n]*", text or "")
+def every_matching_line(pattern: re.Pattern[str], texts: dict[str, str], limit: int = 4000) -> str:
+    return "\n".join(f"{src}: {line}" for src, t in texts.items() for line in (t or "").splitlines() if pattern.search(line))[:limit]

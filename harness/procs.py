@@ -52,6 +52,10 @@ class ProcessSpec:
     stop_grace_s: float = 15.0
 
 
+def tail_text(text: str, lines: int = LOG_TAIL_LINES) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
 def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
     try:
         with open(path, "rb") as f:
@@ -61,7 +65,7 @@ def tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
             data = f.read().decode("utf-8", "replace")
     except FileNotFoundError:
         return "<no log>"
-    return "\n".join(data.splitlines()[-lines:])
+    return tail_text(data, lines)
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
