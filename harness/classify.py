@@ -45,7 +45,11 @@ SIGNATURES: tuple[Signature, ...] = (
          r"No common block size", "vLLM refused its configuration"),
     _sig("handshake-failed", r"handshake_setup_failed|handshake_failed", "the NIXL handshake failed for another reason"),
 )
-CLASSES = tuple(s.cls for s in SIGNATURES) + ("unknown",)
+# Classes no retry can cure: a run that logs one of them stops at once.
+FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismatch", "non-contiguous-heads", "nixl-unavailable")
+# Classes the pipeline gives when no log signature matched.
+RUN_CLASSES = ("server-exited", "startup-timeout", "output-mismatch", "no-transfer", "checks-failed", "interrupted")
+CLASSES = tuple(s.cls for s in SIGNATURES) + RUN_CLASSES + ("unknown",)
 
 
 @dataclass(frozen=True)
@@ -66,17 +70,30 @@ def excerpt_around(text: str, start: int, context: int = CONTEXT_LINES) -> str:
     return "\n".join(lines[lo:hi])
 
 
-def classify(texts: dict[str, str]) -> Failure:
-    """First signature (in priority order) found in any of ``texts`` (name -> log or error text)."""
-    for sig in SIGNATURES:
+def _first_match(texts: dict[str, str], signatures: tuple[Signature, ...]) -> Failure | None:
+    for sig in signatures:
         for source, text in texts.items():
             m = sig.pattern.search(text or "")
             if m:
                 ex = every_matching_line(sig.pattern, texts) if sig.every_line else excerpt_around(text, m.start())
                 return Failure(sig.cls, ex, source, sig.meaning)
+    return None
+
+
+def classify(texts: dict[str, str]) -> Failure:
+    """First signature (in priority order) found in any of ``texts`` (name -> log or error text)."""
+    hit = _first_match(texts, SIGNATURES)
+    if hit is not None:
+        return hit
     source = next((s for s, t in texts.items() if t), None)
     return Failure("unknown", tail_text(texts[source]) if source else "", source, "no known signature matched")
 
 
 def every_matching_line(pattern: re.Pattern[str], texts: dict[str, str], limit: int = 4000) -> str:
     return "\n".join(f"{src}: {line}" for src, t in texts.items() for line in (t or "").splitlines() if pattern.search(line))[:limit]
+
+
+
+def classify_fatal(texts: dict[str, str]) -> Failure | None:
+    """The first fatal handshake signature in ``texts``, or None."""
+    return _first_match(texts, tuple(s for s in SIGNATURES if s.cls in FATAL_CLASSES))

@@ -9,6 +9,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import requests
 
 from harness.checks import Check
+from harness.classify import Failure, classify, classify_fatal
 from harness.compare import compare_completions
 from harness.config import REPO_ROOT, E2EConfig
 from harness.openai_client import CompletionRun, GenerationSettings, run_completions
@@ -31,6 +33,14 @@ MIN_PROMPTS = 16
 PROXY_SCRIPT = REPO_ROOT / "toy_proxy_server.py"
 # Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
 RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
+
+
+class HandshakeFailed(RuntimeError):
+    """A server log shows a handshake failure that no retry can cure: the run stops at once."""
+
+    def __init__(self, failure: Failure):
+        self.failure = failure
+        super().__init__(f"{failure.cls} in the {failure.source} log")
 
 
 @dataclass
@@ -136,10 +146,18 @@ def model_heads(model: str) -> dict[str, int | None]:
     return {"attention_heads": entry.attention_heads if entry else None, "kv_heads": entry.kv_heads if entry else None}
 
 
+BaselineKey = tuple
+
+
 class PDRun:
-    def __init__(self, cfg: E2EConfig):
+    """One run. ``baseline_last`` runs the baseline after P/D (and not at all when P/D fails);
+    ``baseline_cache`` shares baseline answers between runs of one matrix."""
+
+    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[BaselineKey, CompletionRun] | None = None):
         cfg.validate()
         self.cfg = cfg
+        self.baseline_last = baseline_last
+        self.baseline_cache = baseline_cache
         self.run_dir = new_run_dir(cfg)
         self.logs = self.run_dir / "logs"
         self.report = Report(config=cfg.to_dict())
@@ -170,17 +188,74 @@ class PDRun:
         try:
             self._run()
         except ProcessFailed as e:
-            self.report.failure = {"reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path), "excerpt": e.log_tail}
+            self.report.failure = self._process_failure(e)
+        except HandshakeFailed as e:
+            f = e.failure
+            self.report.failure = {"class": f.cls, "reason": f"{f.cls} ({f.meaning}) in the {f.source} log", "source": f.source, "excerpt": f.excerpt}
         except KeyboardInterrupt:
-            self.report.failure = {"reason": "interrupted", "excerpt": ""}
+            self.report.failure = {"class": "interrupted", "reason": "interrupted", "excerpt": ""}
             raise
         finally:
             self._timed("wall", wall)
             d = write_report(self.report, self.run_dir, self.cfg.runs_root if self.cfg.run_dir is None else None)
         return d
 
+    def _logs(self) -> dict[str, str]:
+        out = {}
+        for role, path in self.report.logs.items():
+            try:
+                out[role] = Path(path).read_text(errors="replace")
+            except OSError:
+                pass
+        return out
+
+    def _process_failure(self, e: ProcessFailed) -> dict:
+        """A server that died or never became ready: its log's signature if known, else how it failed."""
+        f = classify({e.name: e.log_tail, **self._logs()})
+        if f.cls == "unknown":
+            cls = "startup-timeout" if "not ready within" in e.reason else ("server-exited" if e.returncode is not None else "unknown")
+            f = Failure(cls, e.log_tail, e.name, e.reason)
+        return {"class": f.cls, "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
+                "source": f.source, "excerpt": f.excerpt}
+
+    def _watched_requests(self, url: str, name: str, procs: list[ManagedProcess], logged: dict[str, ManagedProcess]) -> CompletionRun:
+        """Send the prompts while watching the servers: a dead process or a fatal handshake line ends the wait at once
+        (vLLM retries a failed handshake on every request, minutes each, so waiting out the requests is no option)."""
+        box: dict[str, CompletionRun] = {}
+        t = threading.Thread(target=lambda: box.setdefault("run", run_completions(url, name, self.prompts, self.gen, "pd-")),
+                             name="pd-requests", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(0.5)
+            for p in procs:
+                p.check()
+            fatal = classify_fatal({role: p.log_text() for role, p in logged.items()})
+            if fatal is not None:
+                raise HandshakeFailed(fatal)
+        return box["run"]
+
+    def _baseline(self, alloc: PortAllocator, model: str, name: str, bs_d: int | None, bind: str | None) -> CompletionRun:
+        key = (model, self.cfg.tp_d, bs_d, self.cfg.python, self.cfg.max_tokens, self.cfg.seed, self.cfg.device)
+        if self.baseline_cache is not None and key in self.baseline_cache:
+            self.report.config["baseline_reused"] = True
+            return self.baseline_cache[key]
+        t0 = time.monotonic()
+        base = self._server(alloc, "baseline", self.cfg.tp_d, model, name, bs_d, bind)
+        with contextlib.ExitStack() as stack:
+            ready = start_all([base.proc], stack, self.cfg.ready_timeout_s)
+            self.report.timings_s["baseline_launch_to_ready"] = ready["baseline"]
+            t1 = time.monotonic()
+            baseline = run_completions(base.url, name, self.prompts, self.gen, "baseline-")
+            self._timed("baseline_requests", t1)
+        self._timed("baseline_phase", t0)
+        self._leftovers += base.proc.leftover_pids()
+        if self.baseline_cache is not None and not baseline.failures:
+            self.baseline_cache[key] = baseline
+        return baseline
+
     def _run(self) -> None:
         cfg = self.cfg
+        self._leftovers: list[int] = []
         model, name = resolve_model(cfg)
         self.report.config["resolved_model"] = model
         self.report.config["served_model_name"] = name
@@ -193,16 +268,8 @@ class PDRun:
         self.report.config["cpu_bind"] = {"prefill": binds[0], "decode": binds[1], "baseline": binds[1]}
 
         with PortAllocator() as alloc:
-            # Baseline first and alone, at D's TP and D's cores, so both sides compute alike.
-            t0 = time.monotonic()
-            base = self._server(alloc, "baseline", cfg.tp_d, model, name, bs_d, binds[1])
-            with contextlib.ExitStack() as stack:
-                ready = start_all([base.proc], stack, cfg.ready_timeout_s)
-                self.report.timings_s["baseline_launch_to_ready"] = ready["baseline"]
-                t1 = time.monotonic()
-                baseline = run_completions(base.url, name, self.prompts, self.gen, "baseline-")
-                self._timed("baseline_requests", t1)
-            self._timed("baseline_phase", t0)
+            # The baseline runs alone (never beside P/D), at D's TP and D's cores, so both sides compute alike.
+            baseline = None if self.baseline_last else self._baseline(alloc, model, name, bs_d, binds[1])
 
             t0 = time.monotonic()
             pre = self._server(alloc, "prefill", cfg.tp_p, model, name, bs_p, binds[0])
@@ -215,7 +282,7 @@ class PDRun:
                 self.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
                 before = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
                 t1 = time.monotonic()
-                pd = run_completions(proxy_url, name, self.prompts, self.gen, "pd-")
+                pd = self._watched_requests(proxy_url, name, [pre.proc, dec.proc, proxy], {"prefill": pre.proc, "decode": dec.proc})
                 self._timed("pd_requests", t1)
                 for p in (pre.proc, dec.proc, proxy):
                     p.check()  # a server that died mid-run fails here with its log tail
@@ -224,9 +291,27 @@ class PDRun:
                 t_stop = time.monotonic()
             self.report.timings_s["pd_teardown"] = time.monotonic() - t_stop
             self._timed("pd_phase", t0)
-            leftovers = [pid for p in (base.proc, pre.proc, dec.proc, proxy) for pid in p.leftover_pids()]
+            self._leftovers += [pid for p in (pre.proc, dec.proc, proxy) for pid in p.leftover_pids()]
+            if baseline is None:
+                baseline = self._baseline(alloc, model, name, bs_d, binds[1])
 
-        self._checks(baseline, pd, before, after, stats, dec.proc.log_text(), {"prefill": pre.proc.log_text(), "decode": dec.proc.log_text()}, leftovers)
+        self._checks(baseline, pd, before, after, stats, dec.proc.log_text(), {"prefill": pre.proc.log_text(), "decode": dec.proc.log_text()}, self._leftovers)
+        self._classify_checks(baseline, pd)
+
+    def _classify_checks(self, baseline: CompletionRun, pd: CompletionRun) -> None:
+        """A run whose checks failed still gets a class: a known log signature first, else what the checks say."""
+        failed = [c for c in self.report.checks if not c.passed]
+        if not failed:
+            return
+        errors = {f"http-{f.prompt_id}": f.detail for f in (pd.failures + baseline.failures)[:5]}
+        f = classify({**self._logs(), **errors})
+        if f.cls == "unknown":
+            names = {c.name for c in failed}
+            cls = ("output-mismatch" if "outputs_match_baseline" in names
+                   else "no-transfer" if names & transfer.TRANSFER_CHECKS else "checks-failed")
+            f = Failure(cls, "; ".join(f"{c.name}: {c.detail}" for c in failed)[:2000], None, "checks failed")
+        self.report.failure = {"class": f.cls, "reason": "; ".join(f"{c.name}: {c.detail}" for c in failed), "source": f.source,
+                               "excerpt": f.excerpt}
 
     def _checks(self, baseline: CompletionRun, pd: CompletionRun, before, after, stats: dict, decode_log: str, logs: dict[str, str], leftovers: list[int]) -> None:
         checks: list[Check] = []
@@ -276,7 +361,7 @@ def print_summary(d: dict, run_dir: Path, out=sys.stdout) -> None:
     for c in d.get("checks", []):
         print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}", file=out)
     if d.get("failure"):
-        print(f"  run failed: {d['failure']['reason']}", file=out)
+        print(f"  run failed [{d['failure'].get('class', 'unknown')}]: {d['failure']['reason']}", file=out)
         print("  " + str(d["failure"].get("excerpt", "")).replace("\n", "\n  "), file=out)
     print(f"verdict: {d['verdict']}" + (f" ({d.get('reason')})" if d["verdict"] != "pass" else ""), file=out)
     print(f"report: {run_dir / 'report.md'}", file=out)

@@ -67,7 +67,7 @@ def render_markdown(d: dict[str, Any]) -> str:
         lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {detail} |")
     if d.get("failure"):
         f = d["failure"]
-        lines += ["", "## Failure", "", f"{f.get('reason')}", "", "```", str(f.get("excerpt", "")), "```"]
+        lines += ["", "## Failure", "", f"Class: `{f.get('class', 'unknown')}`", "", f"{f.get('reason')}", "", "```", str(f.get("excerpt", "")), "```"]
     comp = d.get("comparison")
     if comp:
         lines += ["", "## Comparison with the baseline", "", f"{comp.get('summary', '')}", "",

@@ -18,6 +18,9 @@ TRANSFER_PLAN = re.compile(r"Transfer plan: (TransferTopology\(.*\))")
 COMPAT_PASSED = "NIXL compatibility check passed"
 # vLLM prints its engine config at start-up; this proves the policy the server really runs with.
 POLICY_FAIL = re.compile(r"kv_load_failure_policy='fail'")
+# The checks that prove KV moved; failing any of them means "no transfer" unless a log says more.
+TRANSFER_CHECKS = frozenset({"prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
+                             "prompt_tokens_from_transfer", "transfer_plan_logged"})
 LEASE_PATTERNS = (
     re.compile(r"Releasing expired KV blocks for request .*"),
     re.compile(r"Potentially invalid KV blocks for .*"),

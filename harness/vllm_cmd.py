@@ -48,6 +48,8 @@ class CpuTuning:
     enabled: bool = True
     progress_thread_delay_us: int = 1000
     skip_nixl_core_pinning: bool = True
+    shm_busy_loop_s: float | None = 0.0  # None: vLLM's 1 s of spinning after each RPC read
+    shm_recheck_ms: int | None = 20  # None: vLLM's 5 s
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -187,6 +189,10 @@ def build_server_command(
             env["PD_HARNESS_NIXL_PTHR_DELAY_US"] = str(tuning.progress_thread_delay_us)
             if tuning.skip_nixl_core_pinning:
                 env["PD_HARNESS_SKIP_NIXL_PINNING"] = "1"
+            if tuning.shm_busy_loop_s is not None:
+                env["PD_HARNESS_SHM_BUSY_LOOP_S"] = str(tuning.shm_busy_loop_s)
+            if tuning.shm_recheck_ms is not None:
+                env["PD_HARNESS_SHM_RECHECK_MS"] = str(tuning.shm_recheck_ms)
     else:
         if spec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)

@@ -8,6 +8,13 @@ It changes scheduling only, never what is computed:
 - vLLM's CPU NIXL worker pins its main thread to the last core of each NUMA
   node; on a 2-core box every server then shares core 1, so we skip that call
   and let the harness's explicit OpenMP binding decide.
+- vLLM's shared-memory RPC queues busy-spin for 1 s after every read; with a
+  P/D pair stepping every millisecond that is several spinning processes on
+  2 cores, starving the threads that do the handshake and the transfer. The
+  configured busy-loop time (0: sleep on the queue's notification) is used.
+  A sleeping reader rechecks the queue every 5 s in case a notification was
+  dropped (the notifying socket keeps one message); the recheck interval is
+  shortened so that such a drop costs milliseconds, not 5 s.
 """
 
 import importlib.abc
@@ -19,6 +26,10 @@ _DELAY = os.environ.get("PD_HARNESS_NIXL_PTHR_DELAY_US")
 _SKIP_PIN = os.environ.get("PD_HARNESS_SKIP_NIXL_PINNING") == "1"
 _NIXL_API = {"nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"}
 _NIXL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+_SHM = "vllm.distributed.device_communicators.shm_broadcast"
+_BUSY_LOOP = os.environ.get("PD_HARNESS_SHM_BUSY_LOOP_S")
+_RECHECK_MS = os.environ.get("PD_HARNESS_SHM_RECHECK_MS")
+_MODULES = _NIXL_API | {_NIXL_WORKER, _SHM}
 
 
 def _log(msg):
@@ -58,6 +69,24 @@ def _patch(module):
         _log(f"NIXL progress thread delay set to {_DELAY} us")
     elif module.__name__ == _NIXL_WORKER and _SKIP_PIN:
         module.os = _OsWithoutPinning()
+    elif module.__name__ == _SHM:
+        if _BUSY_LOOP is not None and hasattr(module, "SpinCondition"):
+            _set_busy_loop(module.SpinCondition, float(_BUSY_LOOP))
+        if _RECHECK_MS is not None and hasattr(module, "SHM_READER_RECHECK_INTERVAL_MS"):
+            module.SHM_READER_RECHECK_INTERVAL_MS = int(_RECHECK_MS)
+            _log(f"shared-memory queue recheck interval set to {_RECHECK_MS} ms")
+
+
+def _set_busy_loop(cls, seconds):
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if getattr(self, "is_reader", False):
+            self.busy_loop_s = seconds
+
+    cls.__init__ = __init__
+    _log(f"shared-memory queue busy loop set to {seconds} s")
 
 
 class _Loader(importlib.abc.Loader):
@@ -74,7 +103,7 @@ class _Loader(importlib.abc.Loader):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _NIXL_API and fullname != _NIXL_WORKER:
+        if fullname not in _MODULES:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is not None and spec.loader is not None:
@@ -82,5 +111,5 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _DELAY is not None or _SKIP_PIN:
+if _DELAY is not None or _SKIP_PIN or _BUSY_LOOP is not None or _RECHECK_MS is not None:
     sys.meta_path.insert(0, _Finder())

@@ -61,7 +61,9 @@ def test_report_records_config_versions_timings_and_logs(e2e):
     md = (run_dir / "report.md").read_text()
     assert "**PASS**" in md and "outputs_match_baseline" in md
     # The CPU tuning really reached the servers (and is visible in their logs).
-    assert "NIXL progress thread delay set to 1000 us" in Path(report["logs"]["decode"]).read_text()
+    decode_log = Path(report["logs"]["decode"]).read_text()
+    assert "NIXL progress thread delay set to 1000 us" in decode_log
+    assert "shared-memory queue busy loop set to 0.0 s" in decode_log and "recheck interval set to 20 ms" in decode_log
 
 
 def test_nothing_left_running(e2e):

@@ -51,3 +51,13 @@ def test_unknown_failure_keeps_the_log_tail():
     f = classify({"proxy": "", "decode": log})
     assert f.cls == "unknown" and f.source == "decode"
     assert f.excerpt.splitlines()[-1] == "line 99" and len(f.excerpt.splitlines()) == 40
+
+
+def test_fatal_handshake_lines_stop_a_run_but_lease_and_timeouts_do_not():
+    from harness.classify import classify_fatal
+
+    assert classify_fatal({"decode": "AssertionError: Remote P worker KV layer cache must be of shape [2, N, ...]"}).cls == "assert-45330"
+    assert classify_fatal({"decode": "assert tp_ratio < 0 and self.transfer_topo.is_kv_replicated(engine_id)"}).cls == "rejected-replicated-p-gt-d"
+    assert classify_fatal({"decode": "zmq.error.Again: Resource temporarily unavailable"}) is None
+    assert classify_fatal({"prefill": "Releasing expired KV blocks for request r1 which were retrieved by 1 remote worker(s)"}) is None
+    assert classify_fatal({"decode": "INFO all fine"}) is None
