@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harness.config import REPO_ROOT, ConfigError
-from harness.models_config import ModelEntry, load_models, one_line
+from harness.models_config import ModelEntry, load_models, one_line, require_unique_ids
 from harness.topology import ModelShape
 
 MATRIX_YAML = REPO_ROOT / "configs" / "gqa_replication.yaml"
@@ -75,19 +75,11 @@ class MatrixFile(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> MatrixFile:
-        seen: set[str] = set()
-        for e in self.entries:
-            if e.id in seen:
-                raise ValueError(f"duplicate entry id {e.id!r}")
-            seen.add(e.id)
+        require_unique_ids([e.id for e in self.entries], "entry")
         return self
 
     def get(self, entry_id: str) -> MatrixEntry | None:
         return next((e for e in self.entries if e.id == entry_id), None)
-
-
-def model_of(entry: MatrixEntry, models: dict[str, ModelEntry]) -> ModelEntry:
-    return models[entry.model]
 
 
 def shape_of(entry: MatrixEntry, model: ModelEntry) -> ModelShape:

@@ -35,11 +35,7 @@ class ModelsFile(BaseModel):
 
     @model_validator(mode="after")
     def _unique(self) -> ModelsFile:
-        seen: set[str] = set()
-        for m in self.models:
-            if m.id in seen:
-                raise ValueError(f"duplicate model id {m.id!r}")
-            seen.add(m.id)
+        require_unique_ids([m.id for m in self.models], "model")
         return self
 
     def find(self, name: str) -> ModelEntry | None:
@@ -49,6 +45,14 @@ class ModelsFile(BaseModel):
             if name in (m.id, m.hub_id) or base in (m.id, (m.hub_id or "").split("/")[-1]):
                 return m
         return None
+
+
+def require_unique_ids(ids: list[str], what: str) -> None:
+    seen: set[str] = set()
+    for i in ids:
+        if i in seen:
+            raise ValueError(f"duplicate {what} id {i!r}")
+        seen.add(i)
 
 
 def one_line(e: ValidationError, path: Path) -> str:
