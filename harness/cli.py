@@ -57,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--vllm-version", help="e.g. 0.21.0 (default: a fixed version)")
     tp.add_argument("--json", action="store_true")
 
+    mx = sub.add_parser("matrix", help="the GQA-replication matrix: plan which pairs run here (--list)")
+    mx.add_argument("file", nargs="?", type=Path, help="default: configs/gqa_replication.yaml")
+    mx.add_argument("--list", action="store_true", help="print the plan with predictions and skip reasons; launch nothing")
+    mx.add_argument("--vllm-version", help="version whose expectations apply (default: a fixed version)")
+    mx.add_argument("--only", help="comma-separated entry ids")
+    mx.add_argument("--model", help="entries of this model (id in configs/models.yaml or hub id)")
+    mx.add_argument("--tp-p", type=_positive_int)
+    mx.add_argument("--tp-d", type=_positive_int)
+    mx.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    mx.add_argument("--gpus", type=int, help="GPUs present (default: counted from /proc/driver/nvidia/gpus)")
+    mx.add_argument("--json", action="store_true")
+
     m = sub.add_parser("model", help="build local models")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     t = msub.add_parser("tiny", help="a deterministic random-weights Llama with a locally trained tokenizer")
@@ -134,10 +146,42 @@ def topology_main(a: argparse.Namespace) -> int:
     return 0
 
 
+def count_gpus() -> int:
+    d = Path("/proc/driver/nvidia/gpus")
+    return len(list(d.iterdir())) if d.is_dir() else 0
+
+
+def matrix_main(a: argparse.Namespace) -> int:
+    import json
+
+    from harness.matrix import plan, render_plan
+    from harness.matrix_config import MATRIX_YAML, load_matrix
+
+    try:
+        matrix, models = load_matrix(a.file or MATRIX_YAML)
+        only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
+        device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+        pairs = plan(matrix, models, a.vllm_version, device, a.gpus if a.gpus is not None else count_gpus(),
+                     only, a.model, a.tp_p, a.tp_d)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not pairs:
+        print("error: no matrix entry matches the filters", file=sys.stderr)
+        return 2
+    if not a.list:
+        print("error: running the matrix is not available yet; --list prints the plan", file=sys.stderr)
+        return 2
+    print(json.dumps([p.to_dict() for p in pairs], indent=2) if a.json else render_plan(pairs, a.vllm_version))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.cmd == "topology":
         return topology_main(a)
+    if a.cmd == "matrix":
+        return matrix_main(a)
     if a.cmd == "model":
         from harness.tiny_model import TinyModelSpec, ensure_tiny_model, export
 
