@@ -15,7 +15,6 @@ from harness.topology import ModelShape
 MATRIX_YAML = REPO_ROOT / "configs" / "gqa_replication.yaml"
 TINY_MODEL_ID = "tiny-llama"
 # What a pair can be expected to do; a known failure names a classifier class instead (see `known_failure`).
-OUTCOMES = ("ok", "assert-45330", "rejected", "invalid")
 Outcome = Literal["ok", "assert-45330", "rejected", "invalid"]
 Family = Literal["pre-fix", "fixed"]
 

@@ -146,14 +146,11 @@ def model_heads(model: str) -> dict[str, int | None]:
     return {"attention_heads": entry.attention_heads if entry else None, "kv_heads": entry.kv_heads if entry else None}
 
 
-BaselineKey = tuple
-
-
 class PDRun:
     """One run. ``baseline_last`` runs the baseline after P/D (and not at all when P/D fails);
     ``baseline_cache`` shares baseline answers between runs of one matrix."""
 
-    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[BaselineKey, CompletionRun] | None = None):
+    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[tuple, CompletionRun] | None = None):
         cfg.validate()
         self.cfg = cfg
         self.baseline_last = baseline_last
