@@ -50,6 +50,8 @@ FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismat
 # Classes the pipeline gives when no log signature matched.
 RUN_CLASSES = ("server-exited", "startup-timeout", "output-mismatch", "no-transfer", "checks-failed", "interrupted")
 CLASSES = tuple(s.cls for s in SIGNATURES) + RUN_CLASSES + ("unknown",)
+# The same signatures as log patterns for a server's fatal-line watch (case-insensitive, as above).
+FATAL_PATTERNS = tuple("(?i)" + s.pattern.pattern for s in SIGNATURES if s.cls in FATAL_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,3 @@ def classify(texts: dict[str, str]) -> Failure:
 
 def every_matching_line(pattern: re.Pattern[str], texts: dict[str, str], limit: int = 4000) -> str:
     return "\n".join(f"{src}: {line}" for src, t in texts.items() for line in (t or "").splitlines() if pattern.search(line))[:limit]
-
-
-
-def classify_fatal(texts: dict[str, str]) -> Failure | None:
-    """The first fatal handshake signature in ``texts``, or None."""
-    return _first_match(texts, tuple(s for s in SIGNATURES if s.cls in FATAL_CLASSES))

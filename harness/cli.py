@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
     e.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
+    e.add_argument("--vllm-version", help="serve from this vLLM version, installed under .venvs/ the first time (default: $VLLM_VERSION or the pinned one)")
     e.add_argument("--max-tokens", type=_positive_int, default=16)
     e.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
     e.add_argument("--request-timeout", type=float, default=180.0)
@@ -60,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     mx = sub.add_parser("matrix", help="the GQA-replication matrix: plan which pairs run here (--list)")
     mx.add_argument("file", nargs="?", type=Path, help="default: configs/gqa_replication.yaml")
     mx.add_argument("--list", action="store_true", help="print the plan with predictions and skip reasons; launch nothing")
-    mx.add_argument("--vllm-version", help="version whose expectations apply (default: a fixed version)")
+    mx.add_argument("--vllm-version", help="comma-separated versions to run, each from its own environment under .venvs/ "
+                                           "(default: $VLLM_VERSION or the version requirements/ pins)")
+    mx.add_argument("--run-dir", type=Path, help="matrix folder (default: runs/<timestamp>-matrix)")
     mx.add_argument("--only", help="comma-separated entry ids")
     mx.add_argument("--model", help="entries of this model (id in configs/models.yaml or hub id)")
     mx.add_argument("--tp-p", type=_positive_int)
@@ -91,6 +94,19 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
         return v if v is not None else defaults.get(name, fallback)
 
     device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+    python = a.python or _sys.executable
+    if a.vllm_version is not None or defaults_env_version(env):
+        if a.python:
+            raise ConfigError("give --python or --vllm-version, not both")
+        from harness.vllm_env import EnvSetupFailed, ensure_env
+
+        version = versions_from(a.vllm_version, device, env)
+        if len(version) != 1:
+            raise ConfigError("e2e runs one vLLM version at a time")
+        try:
+            python = str(ensure_env(device, version[0]))
+        except EnvSetupFailed as e:
+            raise ConfigError(str(e)) from None
     tuning = CpuTuning(enabled=not a.no_cpu_tuning, progress_thread_delay_us=a.nixl_progress_delay_us)
     cfg = E2EConfig(
         tp_p=pick("tp_p", 1),
@@ -102,7 +118,7 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
         kv_layout_d=pick("kv_layout_d"),
         gpu_memory_utilization=pick("gpu_memory_utilization"),
         run_dir=a.run_dir,
-        python=a.python or _sys.executable,
+        python=python,
         cpu_tuning=tuning,
         max_tokens=a.max_tokens,
         ready_timeout_s=a.ready_timeout,
@@ -111,6 +127,12 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
     )
     cfg.validate()
     return cfg
+
+
+def defaults_env_version(env=None) -> str:
+    import os
+
+    return (os.environ if env is None else env).get("VLLM_VERSION", "").strip()
 
 
 def _sigterm_to_exit(signum, frame):  # so `with` blocks unwind and tear servers down
@@ -151,6 +173,17 @@ def count_gpus() -> int:
     return len(list(d.iterdir())) if d.is_dir() else 0
 
 
+def versions_from(arg: str | None, device: str, env=None) -> list[str]:
+    """--vllm-version, else $VLLM_VERSION, else the pinned version; comma-separated, checked."""
+    import os
+
+    from harness.vllm_env import DISTRIBUTION, check_version, pinned
+
+    raw = arg if arg is not None else (os.environ if env is None else env).get("VLLM_VERSION", "")
+    versions = [check_version(v.strip()) for v in raw.split(",") if v.strip()]
+    return versions or [pinned(device)[DISTRIBUTION[device]]]
+
+
 def matrix_main(a: argparse.Namespace) -> int:
     import json
 
@@ -161,19 +194,44 @@ def matrix_main(a: argparse.Namespace) -> int:
         matrix, models = load_matrix(a.file or MATRIX_YAML)
         only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
         device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
-        pairs = plan(matrix, models, a.vllm_version, device, a.gpus if a.gpus is not None else count_gpus(),
-                     only, a.model, a.tp_p, a.tp_d)
+        versions = versions_from(a.vllm_version, device)
+        gpus = a.gpus if a.gpus is not None else count_gpus()
+        plans = {v: plan(matrix, models, v, device, gpus, only, a.model, a.tp_p, a.tp_d) for v in versions}
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not pairs:
+    if not any(plans.values()):
         print("error: no matrix entry matches the filters", file=sys.stderr)
         return 2
-    if not a.list:
-        print("error: running the matrix is not available yet; --list prints the plan", file=sys.stderr)
-        return 2
-    print(json.dumps([p.to_dict() for p in pairs], indent=2) if a.json else render_plan(pairs, a.vllm_version))
-    return 0
+    if a.list:
+        if a.json:
+            print(json.dumps([{**p.to_dict(), "vllm_version": v} for v, pairs in plans.items() for p in pairs], indent=2))
+        else:
+            print("\n".join(render_plan(pairs, v) for v, pairs in plans.items()))
+        return 0
+    return run_matrix_main(a, plans, models, device)
+
+
+def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: str) -> int:
+    from harness.matrix_run import new_matrix_dir, run_matrix, summary
+    from harness.vllm_env import EnvSetupFailed, ensure_env
+
+    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    try:
+        # Every environment first: a failed install stops the matrix before any server starts.
+        pythons = {v: str(ensure_env(device, v)) for v, pairs in plans.items() if any(p.run for p in pairs)}
+    except EnvSetupFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    pythons.update({v: "-" for v in plans if v not in pythons})
+    base = E2EConfig(device=device)
+    run_dir = a.run_dir or new_matrix_dir(base.runs_root)
+    print(f"matrix folder: {run_dir}", flush=True)
+    results = run_matrix(plans, pythons, models, base, run_dir)
+    print(summary(results, list(plans)))
+    print(f"report: {run_dir / 'report.md'}")
+    ran = [r for r in results if r.as_expected is not None]
+    return 0 if ran and all(r.as_expected for r in ran) else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,6 +36,14 @@ class KnownFailure(BaseModel):
     cls: str = Field(alias="class", min_length=1)
     evidence: str = Field(min_length=1)
 
+    @model_validator(mode="after")
+    def _known_class(self) -> KnownFailure:
+        from harness.classify import CLASSES
+
+        if self.cls not in CLASSES:
+            raise ValueError(f"class {self.cls!r} is not a failure class (known: {', '.join(CLASSES)})")
+        return self
+
 
 class MatrixEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -17,7 +17,7 @@ from pathlib import Path
 import requests
 
 from harness.checks import Check
-from harness.classify import Failure, classify, classify_fatal
+from harness.classify import FATAL_PATTERNS, Failure, classify
 from harness.compare import compare_completions
 from harness.config import REPO_ROOT, E2EConfig
 from harness.openai_client import CompletionRun, GenerationSettings, run_completions
@@ -33,14 +33,6 @@ MIN_PROMPTS = 16
 PROXY_SCRIPT = REPO_ROOT / "toy_proxy_server.py"
 # Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
 RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
-
-
-class HandshakeFailed(RuntimeError):
-    """A server log shows a handshake failure that no retry can cure: the run stops at once."""
-
-    def __init__(self, failure: Failure):
-        self.failure = failure
-        super().__init__(f"{failure.cls} in the {failure.source} log")
 
 
 @dataclass
@@ -116,7 +108,7 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
             env={**cmd.env, RUN_TAG_ENV: str(logs_dir)},
             log_path=logs_dir / f"{role}.log",
             health_url=f"{url}/health",
-            fatal_patterns=FATAL_LOG_PATTERNS,
+            fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
             ready_timeout_s=cfg.ready_timeout_s,
         )
     )
@@ -186,9 +178,6 @@ class PDRun:
             self._run()
         except ProcessFailed as e:
             self.report.failure = self._process_failure(e)
-        except HandshakeFailed as e:
-            f = e.failure
-            self.report.failure = {"class": f.cls, "reason": f"{f.cls} ({f.meaning}) in the {f.source} log", "source": f.source, "excerpt": f.excerpt}
         except KeyboardInterrupt:
             self.report.failure = {"class": "interrupted", "reason": "interrupted", "excerpt": ""}
             raise
@@ -215,21 +204,19 @@ class PDRun:
         return {"class": f.cls, "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
                 "source": f.source, "excerpt": f.excerpt}
 
-    def _watched_requests(self, url: str, name: str, procs: list[ManagedProcess], logged: dict[str, ManagedProcess]) -> CompletionRun:
-        """Send the prompts while watching the servers: a dead process or a fatal handshake line ends the wait at once
+    def _watched_requests(self, url: str, name: str, procs: list[ManagedProcess]) -> CompletionRun:
+        """Send the prompts while watching the servers: a dead process or a fatal log line ends the wait at once
         (vLLM retries a failed handshake on every request, minutes each, so waiting out the requests is no option)."""
         box: dict[str, CompletionRun] = {}
         t = threading.Thread(target=lambda: box.setdefault("run", run_completions(url, name, self.prompts, self.gen, "pd-")),
                              name="pd-requests", daemon=True)
         t.start()
-        while t.is_alive():
+        while True:
             t.join(0.5)
             for p in procs:
-                p.check()
-            fatal = classify_fatal({role: p.log_text() for role, p in logged.items()})
-            if fatal is not None:
-                raise HandshakeFailed(fatal)
-        return box["run"]
+                p.check()  # last pass after the requests too: a server that died mid-run fails with its log tail
+            if not t.is_alive():
+                return box["run"]
 
     def _baseline(self, alloc: PortAllocator, model: str, name: str, bs_d: int | None, bind: str | None) -> CompletionRun:
         key = (model, self.cfg.tp_d, bs_d, self.cfg.python, self.cfg.max_tokens, self.cfg.seed, self.cfg.device)
@@ -279,10 +266,8 @@ class PDRun:
                 self.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
                 before = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
                 t1 = time.monotonic()
-                pd = self._watched_requests(proxy_url, name, [pre.proc, dec.proc, proxy], {"prefill": pre.proc, "decode": dec.proc})
+                pd = self._watched_requests(proxy_url, name, [pre.proc, dec.proc, proxy])
                 self._timed("pd_requests", t1)
-                for p in (pre.proc, dec.proc, proxy):
-                    p.check()  # a server that died mid-run fails here with its log tail
                 after = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
                 stats = requests.get(f"{proxy_url}/proxy/stats", timeout=30).json()
                 t_stop = time.monotonic()

@@ -75,6 +75,9 @@ def _patch(module):
         if _RECHECK_MS is not None and hasattr(module, "SHM_READER_RECHECK_INTERVAL_MS"):
             module.SHM_READER_RECHECK_INTERVAL_MS = int(_RECHECK_MS)
             _log(f"shared-memory queue recheck interval set to {_RECHECK_MS} ms")
+        elif _RECHECK_MS is not None and hasattr(module, "SpinCondition"):
+            # Older vLLM (0.21) has no recheck: a sleeping reader whose notification was dropped waits forever.
+            _cap_wait(module.SpinCondition, int(_RECHECK_MS))
 
 
 def _set_busy_loop(cls, seconds):
@@ -87,6 +90,16 @@ def _set_busy_loop(cls, seconds):
 
     cls.__init__ = __init__
     _log(f"shared-memory queue busy loop set to {seconds} s")
+
+
+def _cap_wait(cls, cap_ms):
+    wait = cls.wait
+
+    def capped(self, timeout_ms=None):
+        return wait(self, timeout_ms=cap_ms if timeout_ms is None else min(timeout_ms, cap_ms))
+
+    cls.wait = capped
+    _log(f"shared-memory queue recheck interval set to {cap_ms} ms (wait capped)")
 
 
 class _Loader(importlib.abc.Loader):

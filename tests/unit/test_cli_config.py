@@ -48,3 +48,20 @@ def test_bad_flags_exit_2(capsys):
 
 def test_env_defaults_ignores_empty():
     assert env_defaults({"PREFILLER_TP_SIZE": ""}) == {}
+
+
+def test_vllm_version_selects_an_environment_and_conflicts_with_python(monkeypatch):
+    monkeypatch.setattr("harness.vllm_env.ensure_env", lambda device, version: f"/envs/{device}-{version}/bin/python")
+    assert cfg(["--device", "cpu", "--vllm-version", "0.21.0"]).python == "/envs/cpu-0.21.0/bin/python"
+    assert cfg(["--device", "cpu"], {"VLLM_VERSION": "0.21.0"}).python == "/envs/cpu-0.21.0/bin/python"
+    with pytest.raises(ConfigError, match="not both"):
+        cfg(["--device", "cpu", "--vllm-version", "0.21.0", "--python", "/usr/bin/python3"])
+    with pytest.raises(ConfigError, match="one vLLM version"):
+        cfg(["--device", "cpu", "--vllm-version", "0.21.0,0.32.0"])
+    with pytest.raises(ConfigError, match="not a version number"):
+        cfg(["--device", "cpu", "--vllm-version", "latest"])
+
+
+def test_matrix_with_a_bad_version_launches_nothing(capsys):
+    assert main(["matrix", "--vllm-version", "0.21;x", "--device", "cpu"]) == 2
+    assert "not a version number" in capsys.readouterr().err

@@ -41,6 +41,7 @@ GOOD = "entries:\n  - id: x-p1-d2\n    model: tiny-llama\n    device: cpu\n    t
     (GOOD.replace("device: cpu", "device: gpu"), "gpus"),
     (GOOD.replace("model: tiny-llama", "model: qwen3-0.6b\n    kv_heads: 2"), "kv_heads"),
     (GOOD + GOOD.replace("entries:\n", ""), "duplicate"),
+    (GOOD + "    known_failure: {family: fixed, class: slow-ish, evidence: seen once}\n", "entries.0.known_failure"),
     ("entries: [\n", "gqa.yaml"),
 ])
 def test_bad_entry_is_one_line_naming_file_and_field(tmp_path, text, field):
