@@ -75,8 +75,11 @@ def pair_line(r: PairResult) -> str:
     return f"  {p.id:<20} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} {state}"
 
 
-def render_markdown(results: list[PairResult], versions: list[str], run_dir: Path) -> str:
-    lines = ["# GQA-replication matrix", ""] + [f"- **{version_line(v, results)}**" for v in versions]
+def render_markdown(results: list[PairResult], versions: list[str], run_dir: Path, complete: bool = True) -> str:
+    lines = ["# GQA-replication matrix", ""]
+    if not complete:
+        lines += [f"In progress: {len(results)} pairs done; the lines below cover only those.", ""]
+    lines += [f"- **{version_line(v, results)}**" for v in versions]
     lines += ["", "| vLLM | id | K | P→D | regime | predicted | expected | observed | verdict | run |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
@@ -90,12 +93,12 @@ def render_markdown(results: list[PairResult], versions: list[str], run_dir: Pat
     return "\n".join(lines) + "\n"
 
 
-def write_matrix_report(results: list[PairResult], versions: list[str], run_dir: Path) -> None:
+def write_matrix_report(results: list[PairResult], versions: list[str], run_dir: Path, complete: bool = True) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = {"versions": {v: version_line(v, results) for v in versions},
+    data = {"complete": complete, "versions": {v: version_line(v, results) for v in versions},
             "all_as_expected": all(r.as_expected is not False for r in results),
             "pairs": [r.to_dict() for r in results]}
-    for name, text in (("report.json", json.dumps(data, indent=2) + "\n"), ("report.md", render_markdown(results, versions, run_dir))):
+    for name, text in (("report.json", json.dumps(data, indent=2) + "\n"), ("report.md", render_markdown(results, versions, run_dir, complete))):
         tmp = run_dir / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, run_dir / name)  # a reader never sees half a report
@@ -143,7 +146,7 @@ def run_matrix(plans: dict[str, list[PlannedPair]], pythons: dict[str, str], mod
                 detail = "" if observed == "ok" else str(report.get("reason") or "")[:300]
                 results.append(PairResult(p, version, observed, judge(p, observed), str(cfg.run_dir), detail))
             print(pair_line(results[-1]), file=out, flush=True)
-            write_matrix_report(results, versions, run_dir)
+            write_matrix_report(results, versions, run_dir, complete=False)
     write_matrix_report(results, versions, run_dir)
     return results
 

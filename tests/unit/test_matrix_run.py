@@ -61,7 +61,7 @@ def test_0_21_reproduces_and_0_32_does_not(tmp_path, monkeypatch):
     assert {c.python for c in fake.seen} == {"/envs/0.21.0/python", "/envs/0.32.0/python"}
     assert fake.seen[0].run_dir == tmp_path / "vllm-0.21.0" / "tiny-k1-p1-d2"
     data = json.loads((tmp_path / "report.json").read_text())
-    assert data["all_as_expected"] and len(data["pairs"]) == 4
+    assert data["complete"] and data["all_as_expected"] and len(data["pairs"]) == 4
     assert data["versions"]["0.21.0"].startswith("#45330 REPRODUCED")
     md = (tmp_path / "report.md").read_text()
     assert "| 0.21.0 | tiny-k1-p1-d2 | 1 | 1→2 | B | assert-45330 | assert-45330 | assert-45330 | as expected |" in md
