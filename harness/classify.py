@@ -72,21 +72,14 @@ def excerpt_around(text: str, start: int, context: int = CONTEXT_LINES) -> str:
     return "\n".join(lines[lo:hi])
 
 
-def _first_match(texts: dict[str, str], signatures: tuple[Signature, ...]) -> Failure | None:
-    for sig in signatures:
+def classify(texts: dict[str, str]) -> Failure:
+    """First signature (in priority order) found in any of ``texts`` (name -> log or error text)."""
+    for sig in SIGNATURES:
         for source, text in texts.items():
             m = sig.pattern.search(text or "")
             if m:
                 ex = every_matching_line(sig.pattern, texts) if sig.every_line else excerpt_around(text, m.start())
                 return Failure(sig.cls, ex, source, sig.meaning)
-    return None
-
-
-def classify(texts: dict[str, str]) -> Failure:
-    """First signature (in priority order) found in any of ``texts`` (name -> log or error text)."""
-    hit = _first_match(texts, SIGNATURES)
-    if hit is not None:
-        return hit
     source = next((s for s, t in texts.items() if t), None)
     return Failure("unknown", tail_text(texts[source]) if source else "", source, "no known signature matched")
 

@@ -95,12 +95,12 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
 
     device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
     python = a.python or _sys.executable
-    if a.vllm_version is not None or defaults_env_version(env):
+    version = requested_versions(a.vllm_version, env)
+    if version:
         if a.python:
             raise ConfigError("give --python or --vllm-version, not both")
         from harness.vllm_env import EnvSetupFailed, ensure_env
 
-        version = versions_from(a.vllm_version, device, env)
         if len(version) != 1:
             raise ConfigError("e2e runs one vLLM version at a time")
         try:
@@ -127,12 +127,6 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
     )
     cfg.validate()
     return cfg
-
-
-def defaults_env_version(env=None) -> str:
-    import os
-
-    return (os.environ if env is None else env).get("VLLM_VERSION", "").strip()
 
 
 def _sigterm_to_exit(signum, frame):  # so `with` blocks unwind and tear servers down
@@ -173,15 +167,21 @@ def count_gpus() -> int:
     return len(list(d.iterdir())) if d.is_dir() else 0
 
 
-def versions_from(arg: str | None, device: str, env=None) -> list[str]:
-    """--vllm-version, else $VLLM_VERSION, else the pinned version; comma-separated, checked."""
+def requested_versions(arg: str | None, env=None) -> list[str]:
+    """--vllm-version, else $VLLM_VERSION: comma-separated, checked; empty when neither is given."""
     import os
 
-    from harness.vllm_env import DISTRIBUTION, check_version, pinned
+    from harness.vllm_env import check_version
 
     raw = arg if arg is not None else (os.environ if env is None else env).get("VLLM_VERSION", "")
-    versions = [check_version(v.strip()) for v in raw.split(",") if v.strip()]
-    return versions or [pinned(device)[DISTRIBUTION[device]]]
+    return [check_version(v.strip()) for v in raw.split(",") if v.strip()]
+
+
+def versions_from(arg: str | None, device: str) -> list[str]:
+    """The requested versions, else the one requirements/ pins."""
+    from harness.vllm_env import DISTRIBUTION, pinned
+
+    return requested_versions(arg) or [pinned(device)[DISTRIBUTION[device]]]
 
 
 def matrix_main(a: argparse.Namespace) -> int:

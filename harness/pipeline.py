@@ -277,7 +277,8 @@ class PDRun:
             if baseline is None:
                 baseline = self._baseline(alloc, model, name, bs_d, binds[1])
 
-        self._checks(baseline, pd, before, after, stats, dec.proc.log_text(), {"prefill": pre.proc.log_text(), "decode": dec.proc.log_text()}, self._leftovers)
+        logs = {"prefill": pre.proc.log_text(), "decode": dec.proc.log_text()}
+        self._checks(baseline, pd, before, after, stats, logs["decode"], logs, self._leftovers)
         self._classify_checks(baseline, pd)
 
     def _classify_checks(self, baseline: CompletionRun, pd: CompletionRun) -> None:
@@ -285,15 +286,15 @@ class PDRun:
         failed = [c for c in self.report.checks if not c.passed]
         if not failed:
             return
+        reason = "; ".join(f"{c.name}: {c.detail}" for c in failed)
         errors = {f"http-{f.prompt_id}": f.detail for f in (pd.failures + baseline.failures)[:5]}
         f = classify({**self._logs(), **errors})
         if f.cls == "unknown":
             names = {c.name for c in failed}
             cls = ("output-mismatch" if "outputs_match_baseline" in names
                    else "no-transfer" if names & transfer.TRANSFER_CHECKS else "checks-failed")
-            f = Failure(cls, "; ".join(f"{c.name}: {c.detail}" for c in failed)[:2000], None, "checks failed")
-        self.report.failure = {"class": f.cls, "reason": "; ".join(f"{c.name}: {c.detail}" for c in failed), "source": f.source,
-                               "excerpt": f.excerpt}
+            f = Failure(cls, reason[:2000], None, "checks failed")
+        self.report.failure = {"class": f.cls, "reason": reason, "source": f.source, "excerpt": f.excerpt}
 
     def _checks(self, baseline: CompletionRun, pd: CompletionRun, before, after, stats: dict, decode_log: str, logs: dict[str, str], leftovers: list[int]) -> None:
         checks: list[Check] = []

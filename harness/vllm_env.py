@@ -126,8 +126,9 @@ def _pip(python: Path, args: list[str], log) -> None:
         raise EnvSetupFailed(f"pip {' '.join(args[:3])} ... failed with exit code {rc}")
 
 
+# Run in the new environment: the server module and NIXL import, and the distribution's version.
 VERIFY = ("import json, importlib.metadata as m, nixl._api, vllm.entrypoints.openai.api_server\n"
-          "print(json.dumps({'version': m.version({dist!r})}))")
+          "print(json.dumps({{'version': m.version({dist!r})}}))")
 
 
 def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr) -> Path:
@@ -160,7 +161,7 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
                     log.write(f"# {s.why}\n")
                     _pip(python, [str(wheel) if a == "{wheel}" else str(constraints) if a == "{constraints}" else a for a in s.pip], log)
                 dist = DISTRIBUTION[device]
-                got = subprocess.run([str(python), "-c", VERIFY.replace("{dist!r}", repr(dist))], capture_output=True, text=True, timeout=300)
+                got = subprocess.run([str(python), "-c", VERIFY.format(dist=dist)], capture_output=True, text=True, timeout=300)
                 log.write(got.stdout + got.stderr)
                 if got.returncode:
                     raise EnvSetupFailed(f"vLLM or NIXL does not import: {got.stderr.strip().splitlines()[-1:]}")

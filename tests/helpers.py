@@ -21,3 +21,15 @@ def processes_tagged(logs_dir: Path) -> list[int]:
             pass
     return out
 
+
+
+def config_error(load, path: Path, text: str) -> str:
+    """The ConfigError message that ``load`` gives for a config file holding ``text``."""
+    import pytest
+
+    from harness.config import ConfigError
+
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load(path)
+    return str(e.value)

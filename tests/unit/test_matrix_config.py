@@ -2,9 +2,9 @@
 
 import pytest
 
-from harness.config import ConfigError
 from harness.matrix_config import load_matrix, shape_of
 from harness.topology import predict
+from tests.helpers import config_error
 
 MATRIX, MODELS = load_matrix()
 REQUIRED = {"tinyllama-p2-d8", "tinyllama-p4-d8", "tinyllama-p1-d8", "tinyllama-p2-d4", "llama32-1b-p8-d16",
@@ -46,10 +46,7 @@ GOOD = "entries:\n  - id: x-p1-d2\n    model: tiny-llama\n    device: cpu\n    t
 ])
 def test_bad_entry_is_one_line_naming_file_and_field(tmp_path, text, field):
     p = tmp_path / "gqa.yaml"
-    p.write_text(text)
-    with pytest.raises(ConfigError) as e:
-        load_matrix(p)
-    msg = str(e.value)
+    msg = config_error(load_matrix, p, text)
     assert field in msg and str(p) in msg and "\n" not in msg.strip()
 
 

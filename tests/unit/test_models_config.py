@@ -1,7 +1,7 @@
 import pytest
 
-from harness.config import ConfigError
 from harness.models_config import load_models
+from tests.helpers import config_error
 
 
 def test_shipped_models_file_is_valid():
@@ -20,8 +20,5 @@ def test_shipped_models_file_is_valid():
     ("models: [\n", "models.yaml"),
 ])
 def test_bad_entry_is_one_line_naming_the_field(tmp_path, text, field):
-    p = tmp_path / "models.yaml"
-    p.write_text(text)
-    with pytest.raises(ConfigError) as e:
-        load_models(p)
-    assert field in str(e.value) and "\n" not in str(e.value).strip() or "models.yaml" in field
+    msg = config_error(load_models, tmp_path / "models.yaml", text)
+    assert field in msg and "\n" not in msg.strip() or "models.yaml" in field
