@@ -6,6 +6,7 @@ MODEL ?=
 DEVICE ?=
 RUN_DIR ?=
 VLLM_VERSION ?=
+ACCURACY ?=
 E2E_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -15,7 +16,7 @@ setup:
 	@DEVICE=$(DEVICE) bash scripts/setup.sh
 
 e2e: setup
-	$(PY) -m harness e2e --tp-p $(TP_P) --tp-d $(TP_D) $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) $(E2E_ARGS)
+	$(PY) -m harness e2e --tp-p $(TP_P) --tp-d $(TP_D) $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) $(if $(filter 1 yes true,$(ACCURACY)),--accuracy) $(E2E_ARGS)
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)

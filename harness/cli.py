@@ -7,7 +7,8 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.config import ConfigError, E2EConfig, env_defaults, has_nvidia_gpu
+from harness.accuracy import AccuracySettings
+from harness.config import PROXY_FAULTS, ConfigError, E2EConfig, env_defaults, has_nvidia_gpu
 from harness.vllm_cmd import CpuTuning
 
 
@@ -43,6 +44,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-lease", type=_positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
     e.add_argument("--no-cpu-tuning", action="store_true", help="run NIXL with stock busy polling and core pinning")
     e.add_argument("--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning")
+    e.add_argument("--accuracy", action="store_true",
+                   help="also run lm-eval through the proxy and against the baseline (on CPU: the tiny model trained on the offline task)")
+    e.add_argument("--accuracy-task", help="lm-eval task (default: gsm8k_offline for a local model, gsm8k for a hub model)")
+    e.add_argument("--accuracy-limit", type=_positive_int, help="samples of the test split (default: all)")
+    e.add_argument("--num-fewshot", type=int, help="default: the task's")
+    e.add_argument("--lm-eval-concurrency", type=_positive_int, default=2)
+    e.add_argument("--proxy-fault", choices=PROXY_FAULTS, default="none",
+                   help="fault injection: corrupt-block-ids hands D wrong remote block ids (the run must fail)")
 
     tp = sub.add_parser("topology", help="predict heads per rank, regime and handshake outcome for a TP pair")
     src = tp.add_mutually_exclusive_group(required=True)
@@ -108,6 +117,12 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
         except EnvSetupFailed as e:
             raise ConfigError(str(e)) from None
     tuning = CpuTuning(enabled=not a.no_cpu_tuning, progress_thread_delay_us=a.nixl_progress_delay_us)
+    accuracy = None
+    if a.accuracy or a.accuracy_task or a.accuracy_limit or a.num_fewshot is not None:
+        if a.num_fewshot is not None and a.num_fewshot < 0:
+            raise ConfigError("--num-fewshot must be >= 0")
+        accuracy = AccuracySettings(task=a.accuracy_task, limit=a.accuracy_limit, num_fewshot=a.num_fewshot,
+                                    num_concurrent=a.lm_eval_concurrency, request_timeout_s=a.request_timeout)
     cfg = E2EConfig(
         tp_p=pick("tp_p", 1),
         tp_d=pick("tp_d", 1),
@@ -124,6 +139,8 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
         ready_timeout_s=a.ready_timeout,
         request_timeout_s=a.request_timeout,
         kv_lease_s=a.kv_lease,
+        accuracy=accuracy,
+        proxy_fault=a.proxy_fault,
     )
     cfg.validate()
     return cfg

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness.accuracy import AccuracySettings
 from harness.vllm_cmd import CpuTuning
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +22,9 @@ UPSTREAM_ENV = {
     "kv_layout_d": "DECODER_KV_LAYOUT",
     "gpu_memory_utilization": "GPU_MEMORY_UTILIZATION",
 }
+
+
+PROXY_FAULTS = ("none", "corrupt-block-ids")  # what toy_proxy_server.py --fault accepts
 
 
 class ConfigError(ValueError):
@@ -51,6 +55,8 @@ class E2EConfig:
     request_timeout_s: float = 180.0
     kv_lease_s: int | None = None  # None: 120 s on CPU (handshakes are slow there), vLLM's default on GPU
     seed: int = 0
+    accuracy: AccuracySettings | None = None  # None: no lm-eval run
+    proxy_fault: str = "none"  # fault injection for tests: "corrupt-block-ids" hands D wrong remote block ids
 
     def validate(self) -> None:
         for name in ("tp_p", "tp_d"):
@@ -69,6 +75,8 @@ class E2EConfig:
             raise ConfigError(f"decode KV layout must be HND or NHD, got {self.kv_layout_d!r}")
         if self.model is None and self.device == "gpu":
             raise ConfigError("--model is required on GPU")
+        if self.proxy_fault not in PROXY_FAULTS:
+            raise ConfigError(f"proxy fault must be one of {', '.join(PROXY_FAULTS)}, got {self.proxy_fault!r}")
         if self.max_tokens < 1 or self.logprobs < 1:
             raise ConfigError("max_tokens and logprobs must be >= 1")
 

@@ -23,6 +23,7 @@ class PlannedPair:
     version_family: str
     run: bool
     skip_reason: str | None
+    tolerated: str | None = None  # a known intermittent failure class, accepted beside `expected`
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,7 +57,8 @@ def plan(matrix: MatrixFile, models: dict[str, ModelEntry], vllm_version: str | 
         elif e.device == "gpu" and (e.gpus or 0) > gpus_present:
             skip = f"needs {e.gpus} GPUs, {gpus_present} present"
         out.append(PlannedPair(e.id, e.model, e.device, e.tp_p, e.tp_d, shape.kv_heads, t.regime, t.expected,
-                               e.expected_for(t.version_family), t.version_family, skip is None, skip))
+                               e.expected_for(t.version_family), t.version_family, skip is None, skip,
+                               e.tolerated_for(t.version_family)))
     return out
 
 
@@ -65,6 +67,7 @@ def render_plan(pairs: list[PlannedPair], vllm_version: str | None) -> str:
              f"{sum(not p.run for p in pairs)} skipped"]
     for p in pairs:
         state = "to run" if p.run else f"skip: {p.skip_reason}"
+        also = f" (or, known intermittent: {p.tolerated})" if p.tolerated else ""
         lines.append(f"  {p.id:<20} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} "
-                     f"expected {p.expected:<13} [{state}]")
+                     f"expected {p.expected:<13} [{state}]{also}")
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import requests
 
+from harness import accuracy as acc
 from harness.checks import Check
 from harness.classify import FATAL_PATTERNS, Failure, classify
 from harness.compare import compare_completions
@@ -70,8 +71,17 @@ def installed_versions(python: str) -> dict[str, str | None]:
     return versions
 
 
+TRAINED_NAME = "tiny-llama-trained"
+# The trained tiny model scores well above this on its task; below it, a broken transfer could not show.
+TRAINED_MIN_SCORE = 0.8
+
+
 def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
-    """(model path or hub id, served model name)."""
+    """(model path or hub id, served model name). Accuracy runs on CPU use the tiny model trained on the offline task."""
+    if cfg.model is None and cfg.accuracy is not None:
+        from harness.trained_model import ensure_trained_model
+
+        return str(ensure_trained_model()), TRAINED_NAME
     if cfg.model is None:
         from harness.tiny_model import ensure_tiny_model
 
@@ -138,11 +148,40 @@ def model_heads(model: str) -> dict[str, int | None]:
     return {"attention_heads": entry.attention_heads if entry else None, "kv_heads": entry.kv_heads if entry else None}
 
 
+def resolve_accuracy(s: AccuracySettings, model: str, served_name: str) -> AccuracySettings:
+    """Fill in what the model decides: the task, its include path, and the score the baseline must reach."""
+    from dataclasses import replace
+
+    from harness.models_config import load_models
+
+    trained = served_name == TRAINED_NAME
+    task = s.task or (acc.OFFLINE_TASK if trained or Path(model).exists() else "gsm8k")
+    out = replace(s, task=task)
+    if task == acc.OFFLINE_TASK and s.include_path is None:
+        from harness.gsm8k_offline import ensure_task
+        from harness.trained_model import TrainedModelSpec
+
+        out = replace(out, include_path=str(ensure_task(TrainedModelSpec().task)))
+    if trained and s.min_baseline_score is None:
+        out = replace(out, min_baseline_score=TRAINED_MIN_SCORE)
+    entry = load_models().find(model)
+    full_gsm8k = task == "gsm8k" and s.limit is None and s.num_fewshot is None
+    if full_gsm8k and s.expected_score is None and entry is not None and entry.gsm8k_expected is not None:
+        out = replace(out, expected_score=entry.gsm8k_expected)
+    return out
+
+
+@dataclass
+class BaselineResult:
+    completions: CompletionRun
+    eval: acc.EvalRun | None = None
+
+
 class PDRun:
     """One run. ``baseline_last`` runs the baseline after P/D (and not at all when P/D fails);
     ``baseline_cache`` shares baseline answers between runs of one matrix."""
 
-    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[tuple, CompletionRun] | None = None):
+    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[tuple, BaselineResult] | None = None):
         cfg.validate()
         self.cfg = cfg
         self.baseline_last = baseline_last
@@ -161,7 +200,8 @@ class PDRun:
         return srv
 
     def _proxy(self, alloc: PortAllocator, prefill: Server, decode: Server) -> tuple[ManagedProcess, str]:
-        proc, url = make_proxy(self.cfg.python, alloc, [prefill.url], [decode.url], self.logs, self.cfg.request_timeout_s)
+        proc, url = make_proxy(self.cfg.python, alloc, [prefill.url], [decode.url], self.logs, self.cfg.request_timeout_s,
+                               fault=self.cfg.proxy_fault)
         self.report.commands["proxy"] = " ".join(proc.spec.argv)
         self.report.logs["proxy"] = str(proc.spec.log_path)
         return proc, url
@@ -178,6 +218,8 @@ class PDRun:
             self._run()
         except ProcessFailed as e:
             self.report.failure = self._process_failure(e)
+        except acc.AccuracyFailed as e:
+            self.report.failure = {"class": "lm-eval-failed", "reason": e.reason, "source": "lm-eval", "excerpt": e.log_tail}
         except KeyboardInterrupt:
             self.report.failure = {"class": "interrupted", "reason": "interrupted", "excerpt": ""}
             raise
@@ -218,8 +260,17 @@ class PDRun:
             if not t.is_alive():
                 return box["run"]
 
-    def _baseline(self, alloc: PortAllocator, model: str, name: str, bs_d: int | None, bind: str | None) -> CompletionRun:
-        key = (model, self.cfg.tp_d, bs_d, self.cfg.python, self.cfg.max_tokens, self.cfg.seed, self.cfg.device)
+    def _lm_eval(self, url: str, name: str, which: str, watch: list[ManagedProcess]) -> acc.EvalRun:
+        assert self.accuracy is not None
+        t0 = time.monotonic()
+        log = self.logs / f"lm_eval_{which}.log"
+        self.report.logs[f"lm_eval_{which}"] = str(log)
+        out = acc.run_lm_eval(self.cfg.python, url, name, self.accuracy, self.run_dir / "lm_eval" / which, log, watch)
+        self._timed(f"lm_eval_{which}", t0)
+        return out
+
+    def _baseline(self, alloc: PortAllocator, model: str, name: str, bs_d: int | None, bind: str | None) -> BaselineResult:
+        key = (model, self.cfg.tp_d, bs_d, self.cfg.python, self.cfg.max_tokens, self.cfg.seed, self.cfg.device, self.accuracy)
         if self.baseline_cache is not None and key in self.baseline_cache:
             self.report.config["baseline_reused"] = True
             return self.baseline_cache[key]
@@ -229,13 +280,15 @@ class PDRun:
             ready = start_all([base.proc], stack, self.cfg.ready_timeout_s)
             self.report.timings_s["baseline_launch_to_ready"] = ready["baseline"]
             t1 = time.monotonic()
-            baseline = run_completions(base.url, name, self.prompts, self.gen, "baseline-")
+            result = BaselineResult(run_completions(base.url, name, self.prompts, self.gen, "baseline-"))
             self._timed("baseline_requests", t1)
+            if self.accuracy is not None:
+                result.eval = self._lm_eval(base.url, name, "baseline", [base.proc])
         self._timed("baseline_phase", t0)
         self._leftovers += base.proc.leftover_pids()
-        if self.baseline_cache is not None and not baseline.failures:
-            self.baseline_cache[key] = baseline
-        return baseline
+        if self.baseline_cache is not None and not result.completions.failures:
+            self.baseline_cache[key] = result
+        return result
 
     def _run(self) -> None:
         cfg = self.cfg
@@ -245,6 +298,9 @@ class PDRun:
         self.report.config["served_model_name"] = name
         self.report.config["model_heads"] = model_heads(model)
         self.report.config["prompts"] = len(self.prompts)
+        self.accuracy = resolve_accuracy(cfg.accuracy, model, name) if cfg.accuracy is not None else None
+        if self.accuracy is not None:
+            self.report.config["accuracy"] = self.accuracy.to_dict()
         bs_p, bs_d = cfg.block_sizes()
         binds: list[str | None] = [None, None]
         if cfg.device == "cpu":
@@ -270,6 +326,12 @@ class PDRun:
                 self._timed("pd_requests", t1)
                 after = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
                 stats = requests.get(f"{proxy_url}/proxy/stats", timeout=30).json()
+                pd_eval, through = None, None
+                if self.accuracy is not None:
+                    pd_eval = self._lm_eval(proxy_url, name, "pd", [pre.proc, dec.proc, proxy])
+                    stats_after = requests.get(f"{proxy_url}/proxy/stats", timeout=30).json()
+                    xfers = transfer.delta(after, parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text), transfer.XFER_COUNT).delta
+                    through = acc.check_through_pd(pd_eval.n, stats, stats_after, xfers)
                 t_stop = time.monotonic()
             self.report.timings_s["pd_teardown"] = time.monotonic() - t_stop
             self._timed("pd_phase", t0)
@@ -278,8 +340,11 @@ class PDRun:
                 baseline = self._baseline(alloc, model, name, bs_d, binds[1])
 
         logs = {"prefill": pre.proc.log_text(), "decode": dec.proc.log_text()}
-        self._checks(baseline, pd, before, after, stats, logs["decode"], logs, self._leftovers)
-        self._classify_checks(baseline, pd)
+        self._checks(baseline.completions, pd, before, after, stats, logs["decode"], logs, self._leftovers)
+        if self.accuracy is not None and pd_eval is not None and baseline.eval is not None and through is not None:
+            checks, self.report.accuracy = acc.accuracy_checks(baseline.eval, pd_eval, self.accuracy)
+            self.report.checks += [through, *checks]
+        self._classify_checks(baseline.completions, pd)
 
     def _classify_checks(self, baseline: CompletionRun, pd: CompletionRun) -> None:
         """A run whose checks failed still gets a class: a known log signature first, else what the checks say."""
@@ -292,7 +357,8 @@ class PDRun:
         if f.cls == "unknown":
             names = {c.name for c in failed}
             cls = ("output-mismatch" if "outputs_match_baseline" in names
-                   else "no-transfer" if names & transfer.TRANSFER_CHECKS else "checks-failed")
+                   else "no-transfer" if names & (transfer.TRANSFER_CHECKS | {"accuracy_through_pd"})
+                   else "accuracy-mismatch" if any(n.startswith("accuracy_") for n in names) else "checks-failed")
             f = Failure(cls, reason[:2000], None, "checks failed")
         self.report.failure = {"class": f.cls, "reason": reason, "source": f.source, "excerpt": f.excerpt}
 

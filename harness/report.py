@@ -21,6 +21,7 @@ class Report:
     commands: dict[str, str] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
     failure: dict[str, Any] | None = None  # set when the run could not complete
+    accuracy: dict[str, Any] | None = None  # lm-eval scores and per-sample diff (with --accuracy)
 
     @property
     def verdict(self) -> str:
@@ -48,6 +49,8 @@ class Report:
             commands=self.commands,
             logs=self.logs,
         )
+        if self.accuracy is not None:
+            d["accuracy"] = self.accuracy
         if self.failure is not None:
             d["failure"] = self.failure
         return d
@@ -68,6 +71,12 @@ def render_markdown(d: dict[str, Any]) -> str:
     if d.get("failure"):
         f = d["failure"]
         lines += ["", "## Failure", "", f"Class: `{f.get('class', 'unknown')}`", "", f"{f.get('reason')}", "", "```", str(f.get("excerpt", "")), "```"]
+    a = d.get("accuracy")
+    if a:
+        lines += ["", f"## Accuracy ({a['task']}, lm-eval {a.get('lm_eval')})", "",
+                  "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |", "|---|---|---|---|---|---|---|",
+                  f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | {a['tolerance']:.3f} | "
+                  f"{a['differing_responses']} | {a['score_flips']} |"]
     comp = d.get("comparison")
     if comp:
         lines += ["", "## Comparison with the baseline", "", f"{comp.get('summary', '')}", "",
@@ -85,11 +94,18 @@ def render_markdown(d: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write beside the target and rename: a reader never sees half a report."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def write_report(report: Report, run_dir: Path, runs_root: Path | None = None) -> dict[str, Any]:
     d = report.to_dict()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "report.json").write_text(json.dumps(d, indent=2, default=str) + "\n")
-    (run_dir / "report.md").write_text(render_markdown(d))
+    write_atomic(run_dir / "report.json", json.dumps(d, indent=2, default=str) + "\n")
+    write_atomic(run_dir / "report.md", render_markdown(d))
     if runs_root is not None:
         point_latest(runs_root, run_dir)
     return d

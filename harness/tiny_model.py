@@ -74,7 +74,8 @@ def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(spec: TinyModelSpec, out: Path) -> int:
+def train_tokenizer(spec: TinyModelSpec, out: Path, lines: list[str] | None = None) -> int:
+    """A byte-level BPE trained on ``lines`` (default: the generated corpus); returns the vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -87,7 +88,7 @@ def train_tokenizer(spec: TinyModelSpec, out: Path) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(seed=spec.seed), trainer=trainer)
+    tok.train_from_iterator(corpus(seed=spec.seed) if lines is None else lines, trainer=trainer)
     # No BOS post-processor: a one-word prompt is then a one-token prompt.
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.model_max_length = spec.max_positions
@@ -97,7 +98,8 @@ def train_tokenizer(spec: TinyModelSpec, out: Path) -> int:
     return tok.get_vocab_size()
 
 
-def write_model(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
+def build_model(spec: TinyModelSpec, vocab_size: int):
+    """The Llama of ``spec`` with seeded random weights, float32."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -116,8 +118,11 @@ def write_model(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
         eos_token_id=2,
     )
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def write_model(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
+    build_model(spec, vocab_size).save_pretrained(out, safe_serialization=True)
 
 
 def ensure_tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path = DEFAULT_CACHE) -> Path:

@@ -50,6 +50,7 @@ class CpuTuning:
     skip_nixl_core_pinning: bool = True
     shm_busy_loop_s: float | None = 0.0  # None: vLLM's 1 s of spinning after each RPC read
     shm_recheck_ms: int | None = 20  # None: vLLM's 5 s
+    engine_idle_sleep_ms: int | None = 10  # None: vLLM's 1 ms between steps that run no model (e.g. waiting for KV)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -193,6 +194,8 @@ def build_server_command(
                 env["PD_HARNESS_SHM_BUSY_LOOP_S"] = str(tuning.shm_busy_loop_s)
             if tuning.shm_recheck_ms is not None:
                 env["PD_HARNESS_SHM_RECHECK_MS"] = str(tuning.shm_recheck_ms)
+            if tuning.engine_idle_sleep_ms is not None:
+                env["PD_HARNESS_ENGINE_IDLE_SLEEP_MS"] = str(tuning.engine_idle_sleep_ms)
     else:
         if spec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)

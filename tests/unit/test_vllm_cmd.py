@@ -58,9 +58,10 @@ def test_cpu_tuning_injected_and_opt_out():
     assert on.env["PD_HARNESS_NIXL_PTHR_DELAY_US"] == "1000"
     assert on.env["PD_HARNESS_SKIP_NIXL_PINNING"] == "1"
     assert on.env["PD_HARNESS_SHM_BUSY_LOOP_S"] == "0.0" and on.env["PD_HARNESS_SHM_RECHECK_MS"] == "20"
-    stock_shm = build_server_command(ServerSpec(role="decode", model="/m", served_model_name="m"), PORTS, "/py",
-                                     CpuTuning(shm_busy_loop_s=None, shm_recheck_ms=None), base_env={})
-    assert "PD_HARNESS_SHM_BUSY_LOOP_S" not in stock_shm.env and "PD_HARNESS_SHM_RECHECK_MS" not in stock_shm.env
+    assert on.env["PD_HARNESS_ENGINE_IDLE_SLEEP_MS"] == "10"
+    stock = build_server_command(ServerSpec(role="decode", model="/m", served_model_name="m"), PORTS, "/py",
+                                 CpuTuning(shm_busy_loop_s=None, shm_recheck_ms=None, engine_idle_sleep_ms=None), base_env={})
+    assert not {"PD_HARNESS_SHM_BUSY_LOOP_S", "PD_HARNESS_SHM_RECHECK_MS", "PD_HARNESS_ENGINE_IDLE_SLEEP_MS"} & set(stock.env)
     assert on.env["PYTHONPATH"].endswith("cpu_tuning")
     spec = ServerSpec(role="decode", model="/m", served_model_name="m")
     off = build_server_command(spec, PORTS, "/py", CpuTuning(enabled=False), base_env={})
