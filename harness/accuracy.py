@@ -18,6 +18,8 @@ from harness.checks import Check
 from harness.procs import ManagedProcess, ProcessSpec
 
 OFFLINE_TASK = "gsm8k_offline"
+HUB_TASK = "gsm8k"
+HUB_DATASET = "openai/gsm8k"  # what lm-eval's builtin gsm8k loads
 # Upstream compares full GSM8K scores with a model's published value at this tolerance.
 EXPECTED_SCORE_TOLERANCE = 0.05
 # Greedy P/D and baseline should agree almost everywhere: at most this share of responses may differ.
@@ -219,11 +221,31 @@ def _examples(baseline: EvalRun, pd: EvalRun, doc_ids: list[int], k: int = 2) ->
     return ("; " + "; ".join(parts)) if parts else ""
 
 
+def hub_dataset_reachable(env: dict[str, str], cache_root: Path | None = None, probe=None) -> bool:
+    """Can lm-eval load the real GSM8K? From the local hub cache, or from the hub unless offline mode is set."""
+    root = cache_root or Path(env.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hub"
+    if (root / f"datasets--{HUB_DATASET.replace('/', '--')}").is_dir():
+        return True
+    if env.get("HF_HUB_OFFLINE") == "1" or env.get("HF_DATASETS_OFFLINE") == "1":
+        return False
+    if probe is None:
+        import requests
+
+        def probe() -> bool:
+            try:
+                return requests.head(f"https://huggingface.co/api/datasets/{HUB_DATASET}", timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+    return probe()
+
+
 def run_lm_eval(python: str, base_url: str, model_name: str, s: AccuracySettings, out_dir: Path, log_path: Path,
                 watch: list[ManagedProcess], env: dict[str, str] | None = None) -> EvalRun:
     """Run lm-eval to completion while watching the servers it talks to: a dead server ends the wait at once."""
+    # The offline task must never touch the hub; a hub task may need to download its dataset.
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if s.task == OFFLINE_TASK else {}
     spec = ProcessSpec(name=log_path.stem, argv=lm_eval_argv(python, base_url, model_name, s, out_dir), log_path=log_path,
-                       env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+                       env={**offline, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     deadline = time.monotonic() + s.timeout_s
     with ManagedProcess(spec) as lm:
         while lm.returncode is None:

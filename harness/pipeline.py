@@ -148,14 +148,18 @@ def model_heads(model: str) -> dict[str, int | None]:
     return {"attention_heads": entry.attention_heads if entry else None, "kv_heads": entry.kv_heads if entry else None}
 
 
-def resolve_accuracy(s: AccuracySettings, model: str, served_name: str) -> AccuracySettings:
+def resolve_accuracy(s: AccuracySettings, model: str, served_name: str, hub_reachable=None) -> AccuracySettings:
     """Fill in what the model decides: the task, its include path, and the score the baseline must reach."""
     from dataclasses import replace
 
     from harness.models_config import load_models
 
+    hub_reachable = hub_reachable or (lambda: acc.hub_dataset_reachable(dict(os.environ)))
     trained = served_name == TRAINED_NAME
-    task = s.task or (acc.OFFLINE_TASK if trained or Path(model).exists() else "gsm8k")
+    task = s.task
+    if task is None:  # the real gsm8k for a hub model when its dataset can be loaded, else the offline task
+        hub = not trained and not Path(model).exists() and hub_reachable()
+        task = acc.HUB_TASK if hub else acc.OFFLINE_TASK
     out = replace(s, task=task)
     if task == acc.OFFLINE_TASK and s.include_path is None:
         from harness.gsm8k_offline import ensure_task
@@ -165,7 +169,7 @@ def resolve_accuracy(s: AccuracySettings, model: str, served_name: str) -> Accur
     if trained and s.min_baseline_score is None:
         out = replace(out, min_baseline_score=TRAINED_MIN_SCORE)
     entry = load_models().find(model)
-    full_gsm8k = task == "gsm8k" and s.limit is None and s.num_fewshot is None
+    full_gsm8k = task == acc.HUB_TASK and s.limit is None and s.num_fewshot is None
     if full_gsm8k and s.expected_score is None and entry is not None and entry.gsm8k_expected is not None:
         out = replace(out, expected_score=entry.gsm8k_expected)
     return out

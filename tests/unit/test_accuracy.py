@@ -129,7 +129,19 @@ def test_the_model_decides_task_include_path_and_the_bar():
     trained = resolve_accuracy(AccuracySettings(), "/models/trained", TRAINED_NAME)
     assert trained.task == "gsm8k_offline" and trained.min_baseline_score == 0.8 and trained.expected_score is None
     assert (Path(trained.include_path) / "gsm8k_offline.yaml").exists()
-    hub = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B")
+    hub = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", hub_reachable=lambda: True)
     assert (hub.task, hub.include_path, hub.expected_score, hub.min_baseline_score) == ("gsm8k", None, 0.41, None)
     # a published score holds for the full task only
-    assert resolve_accuracy(AccuracySettings(limit=100), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B").expected_score is None
+    assert resolve_accuracy(AccuracySettings(limit=100), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", lambda: True).expected_score is None
+    # no way to load the real dataset: the offline task, and no published score to compare with
+    off = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", hub_reachable=lambda: False)
+    assert (off.task, off.expected_score) == ("gsm8k_offline", None) and off.include_path
+
+
+def test_is_the_real_gsm8k_reachable(tmp_path):
+    from harness.accuracy import hub_dataset_reachable
+
+    assert not hub_dataset_reachable({"HF_HUB_OFFLINE": "1"}, tmp_path, probe=lambda: True)
+    assert hub_dataset_reachable({}, tmp_path, probe=lambda: True) and not hub_dataset_reachable({}, tmp_path, probe=lambda: False)
+    (tmp_path / "datasets--openai--gsm8k").mkdir()
+    assert hub_dataset_reachable({"HF_HUB_OFFLINE": "1"}, tmp_path, probe=lambda: False)  # cached locally
