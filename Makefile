@@ -9,8 +9,10 @@ VLLM_VERSION ?=
 ACCURACY ?=
 E2E_ARGS ?=
 PYTEST_ARGS ?=
+DRY_RUN ?=
+NIGHTLY_ARGS ?=
 
-.PHONY: setup e2e test test-unit test-integration clean-runs
+.PHONY: setup e2e test test-unit test-integration clean-runs nightly
 
 setup:
 	@DEVICE=$(DEVICE) bash scripts/setup.sh
@@ -26,6 +28,10 @@ test-unit: setup
 
 test-integration: setup
 	$(PY) -m pytest tests/integration $(PYTEST_ARGS)
+
+# The nightly GPU run (8 GPUs); DRY_RUN=1 prints every step, server command and GPU plan on any machine.
+nightly: setup
+	$(PY) -m harness nightly $(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) $(NIGHTLY_ARGS)
 
 clean-runs:
 	rm -rf runs

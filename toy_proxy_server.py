@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from harness.proxy import corrupt_block_ids, create_app
+from harness.proxy import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app
 
 FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids}
 
@@ -25,6 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"])
     ap.add_argument("--decoder-ports", nargs="+", type=int, default=[])
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per backend request")
+    ap.add_argument("--max-body-mib", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
+                    help="larger request bodies get 413 (default %(default)g MiB)")
     ap.add_argument("--fault", choices=sorted(FAULTS), default="none", help="fault injection for tests")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
@@ -32,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         backend_urls(args)
     except ValueError as e:
         ap.error(str(e))
+    if args.max_body_mib <= 0:
+        ap.error("--max-body-mib must be > 0")
     return args
 
 
@@ -61,8 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     prefill, decode = backend_urls(args)
-    app = create_app(prefill, decode, timeout_s=args.timeout, kv_params_hook=FAULTS[args.fault])
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    app = create_app(prefill, decode, timeout_s=args.timeout, kv_params_hook=FAULTS[args.fault],
+                     max_body_bytes=int(args.max_body_mib * 2**20))
+    # uvloop and httptools (pinned in requirements/harness.txt) when installed; uvicorn's pure-Python fallbacks otherwise.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, loop="auto", http="auto")
 
 
 if __name__ == "__main__":

@@ -240,8 +240,8 @@ def hub_dataset_reachable(env: dict[str, str], cache_root: Path | None = None, p
 
 
 def run_lm_eval(python: str, base_url: str, model_name: str, s: AccuracySettings, out_dir: Path, log_path: Path,
-                watch: list[ManagedProcess], env: dict[str, str] | None = None) -> EvalRun:
-    """Run lm-eval to completion while watching the servers it talks to: a dead server ends the wait at once."""
+                watch: list, env: dict[str, str] | None = None) -> EvalRun:
+    """Run lm-eval to completion while watching the servers it talks to (anything with check()): a dead server ends the wait at once."""
     # The offline task must never touch the hub; a hub task may need to download its dataset.
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if s.task == OFFLINE_TASK else {}
     spec = ProcessSpec(name=log_path.stem, argv=lm_eval_argv(python, base_url, model_name, s, out_dir), log_path=log_path,

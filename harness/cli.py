@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from pathlib import Path
@@ -10,6 +11,16 @@ from pathlib import Path
 from harness.accuracy import AccuracySettings
 from harness.config import PROXY_FAULTS, ConfigError, E2EConfig, env_defaults, has_nvidia_gpu
 from harness.vllm_cmd import CpuTuning
+
+
+# Subcommands that live in their own modules; each has add_parser(subparsers) and main(args) -> exit code.
+SUBCOMMAND_MODULES = {"plan": "harness.plan_cli", "bench": "harness.bench_cli", "nightly": "harness.nightly"}
+
+
+def _subcommand(name: str):
+    import importlib
+
+    return importlib.import_module(SUBCOMMAND_MODULES[name])
 
 
 def _positive_int(s: str) -> int:
@@ -51,7 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-fewshot", type=int, help="default: the task's")
     e.add_argument("--lm-eval-concurrency", type=_positive_int, default=2)
     e.add_argument("--proxy-fault", choices=PROXY_FAULTS, default="none",
-                   help="fault injection: corrupt-block-ids hands D wrong remote block ids (the run must fail)")
+                   help="fault injection: corrupt-block-ids hands D wrong remote block ids, no-remote-decode skips the "
+                        "transfer (the run must fail either way)")
+    e.add_argument("--prefill-url", help="attach mode: comma-separated URLs of prefill servers started elsewhere (needs --decode-url)")
+    e.add_argument("--decode-url", help="attach mode: comma-separated URLs of decode servers started elsewhere")
+    e.add_argument("--baseline-url", help="attach mode: a non-disaggregated server started elsewhere (default: launch one here)")
 
     tp = sub.add_parser("topology", help="predict heads per rank, regime and handshake outcome for a TP pair")
     src = tp.add_mutually_exclusive_group(required=True)
@@ -89,12 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=_positive_int, default=2)
     t.add_argument("--head-dim", type=_positive_int, default=64)
     t.add_argument("--out", type=Path, help="copy the model here (it is always cached under .cache/models)")
+    for name in SUBCOMMAND_MODULES:
+        _subcommand(name).add_parser(sub)
     return ap
 
 
-def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
+def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -> E2EConfig:
+    """The run's config from flags over env defaults. ``preflight``: also refuse a run that cannot work here
+    (harness/preflight.py: TP vs heads, block sizes, CPU cores), before any vLLM environment is installed."""
     import os
     import sys as _sys
+    from dataclasses import replace
 
     defaults = env_defaults(os.environ if env is None else env)
 
@@ -108,14 +128,8 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
     if version:
         if a.python:
             raise ConfigError("give --python or --vllm-version, not both")
-        from harness.vllm_env import EnvSetupFailed, ensure_env
-
         if len(version) != 1:
             raise ConfigError("e2e runs one vLLM version at a time")
-        try:
-            python = str(ensure_env(device, version[0]))
-        except EnvSetupFailed as e:
-            raise ConfigError(str(e)) from None
     tuning = CpuTuning(enabled=not a.no_cpu_tuning, progress_thread_delay_us=a.nixl_progress_delay_us)
     accuracy = None
     if a.accuracy or a.accuracy_task or a.accuracy_limit or a.num_fewshot is not None:
@@ -143,11 +157,58 @@ def config_from_args(a: argparse.Namespace, env=None) -> E2EConfig:
         proxy_fault=a.proxy_fault,
     )
     cfg.validate()
+    if preflight:
+        from harness.preflight import check_config
+
+        check_config(cfg, vllm_version=version[0] if version else None)
+    if version:
+        from harness.vllm_env import EnvSetupFailed, ensure_env
+
+        try:
+            cfg = replace(cfg, python=str(ensure_env(device, version[0])))
+        except EnvSetupFailed as e:
+            raise ConfigError(str(e)) from None
     return cfg
 
 
-def _sigterm_to_exit(signum, frame):  # so `with` blocks unwind and tear servers down
-    raise SystemExit(128 + signum)
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM: unwinds like Ctrl-C, so every `with` block tears its servers down."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _interrupt(signum, frame):
+    # The first signal stops the run; later ones are ignored so that the teardown it started can finish
+    # (it is bounded: SIGTERM, a grace period, then SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def catch_interrupts() -> None:
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def attach_from_args(a: argparse.Namespace):
+    """The Attach spec when --prefill-url/--decode-url are given, else None."""
+    if not (a.prefill_url or a.decode_url or a.baseline_url):
+        return None
+    from harness.servers import Attach
+
+    def urls(raw: str | None, flag: str) -> tuple[str, ...]:
+        out = tuple(u.strip() for u in (raw or "").split(",") if u.strip())
+        if not out:
+            raise ConfigError(f"attach mode needs {flag}")
+        bad = [u for u in out if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"{flag}: not an http(s) URL: {bad[0]}")
+        return out
+
+    baseline = urls(a.baseline_url, "--baseline-url")[0] if a.baseline_url else None
+    return Attach(urls(a.prefill_url, "--prefill-url"), urls(a.decode_url, "--decode-url"), baseline)
 
 
 def topology_main(a: argparse.Namespace) -> int:
@@ -233,7 +294,7 @@ def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: st
     from harness.matrix_run import new_matrix_dir, run_matrix, summary
     from harness.vllm_env import EnvSetupFailed, ensure_env
 
-    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    catch_interrupts()
     try:
         # Every environment first: a failed install stops the matrix before any server starts.
         pythons = {v: str(ensure_env(device, v)) for v, pairs in plans.items() if any(p.run for p in pairs)}
@@ -244,7 +305,11 @@ def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: st
     base = E2EConfig(device=device)
     run_dir = a.run_dir or new_matrix_dir(base.runs_root)
     print(f"matrix folder: {run_dir}", flush=True)
-    results = run_matrix(plans, pythons, models, base, run_dir)
+    try:
+        results = run_matrix(plans, pythons, models, base, run_dir)
+    except KeyboardInterrupt as e:  # the pair's own report says "interrupted"; the matrix report keeps the pairs done
+        print(f"interrupted; partial report: {run_dir / 'report.md'}", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
     print(summary(results, list(plans)))
     print(f"report: {run_dir / 'report.md'}")
     ran = [r for r in results if r.as_expected is not None]
@@ -253,6 +318,8 @@ def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: st
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    if a.cmd in SUBCOMMAND_MODULES:
+        return _subcommand(a.cmd).main(a)
     if a.cmd == "topology":
         return topology_main(a)
     if a.cmd == "matrix":
@@ -269,15 +336,22 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
         return 0
     try:
-        cfg = config_from_args(a)
+        attach = attach_from_args(a)
+        # Attached servers already run with their own TP sizes: nothing here to check before launch.
+        cfg = config_from_args(a, preflight=attach is None)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, _sigterm_to_exit)
+    catch_interrupts()
     from harness.pipeline import PDRun, print_summary
 
-    run = PDRun(cfg)
+    run = PDRun(cfg, attach=attach)
     print(f"run folder: {run.run_dir}", flush=True)
-    d = run.run()
+    try:
+        d = run.run()
+    except KeyboardInterrupt as e:
+        signum = getattr(e, "signum", signal.SIGINT)
+        print_summary(json.loads((run.run_dir / "report.json").read_text()), run.run_dir)
+        return 128 + signum
     print_summary(d, run.run_dir)
     return 0 if d["verdict"] == "pass" else 1

@@ -105,13 +105,18 @@ def env_defaults(env: Mapping[str, str] = os.environ) -> dict[str, object]:
         raw = env.get(var)
         if raw is None or raw == "":
             continue
+        if key == "kv_layout_d":
+            if raw not in ("HND", "NHD"):
+                raise ConfigError(f"{var}={raw!r} must be HND or NHD")
+            out[key] = raw
+            continue
         try:
-            if key == "kv_layout_d":
-                out[key] = raw
-            elif key == "gpu_memory_utilization":
-                out[key] = float(raw)
-            else:
-                out[key] = int(raw)
+            value: float | int = float(raw) if key == "gpu_memory_utilization" else int(raw)
         except ValueError:
             raise ConfigError(f"{var}={raw!r} is not a valid number") from None
+        if key == "gpu_memory_utilization" and not 0 < value <= 1:
+            raise ConfigError(f"{var}={raw!r} must be in (0, 1]")
+        if key != "gpu_memory_utilization" and value < 1:
+            raise ConfigError(f"{var}={raw!r} must be a positive integer")
+        out[key] = value
     return out

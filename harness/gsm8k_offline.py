@@ -27,8 +27,6 @@ import math
 import os
 import random
 import re
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,7 +34,8 @@ from pathlib import Path
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CACHE = REPO_ROOT / ".cache" / "tasks"
+# PD_HARNESS_CACHE_DIR moves the cache root, as for the models (harness/tiny_model.py).
+DEFAULT_CACHE = Path(os.environ.get("PD_HARNESS_CACHE_DIR") or REPO_ROOT / ".cache") / "tasks"
 GENERATOR_VERSION = 2  # bump when the examples or the YAML change, so caches are rebuilt
 
 NAMES = (
@@ -229,25 +228,20 @@ def write_yaml(spec: TaskSpec, out: Path, train_file: Path, test_file: Path) -> 
 def ensure_task(spec: TaskSpec = TaskSpec(), cache_dir: Path = DEFAULT_CACHE) -> Path:
     """Return the cached task folder for ``spec`` (an lm-eval ``include_path``), writing it first if needed."""
     spec.validate()
+    from harness.tiny_model import build_cached
+
     target = Path(cache_dir).resolve() / spec.dirname()
-    yaml_path = target / f"{spec.task_name}.yaml"
-    if yaml_path.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a crashed build never looks cached.
-    # The YAML names the final paths, which exist once the rename is done.
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
+
+    def complete(folder: Path) -> bool:
+        return all((folder / f).exists() for f in ("train.jsonl", "test.jsonl", f"{spec.task_name}.yaml"))
+
+    def build(tmp: Path) -> None:
         write_task(spec, tmp)
+        # The YAML names the final paths, which exist once the rename is done.
         write_yaml(spec, tmp, target / "train.jsonl", target / "test.jsonl")
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not yaml_path.exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    # Written once even when two runs ask at the same time; never seen half-written (see tiny_model.build_cached).
+    return build_cached(target, complete, build)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harness.config import REPO_ROOT, ConfigError
-from harness.models_config import ModelEntry, load_models, one_line, require_unique_ids
+from harness.models_config import ModelEntry, load_models, one_line, require_unique_ids, yaml_error_line
 from harness.topology import ModelShape
 
 MATRIX_YAML = REPO_ROOT / "configs" / "gqa_replication.yaml"
@@ -112,7 +112,7 @@ def load_matrix(path: Path = MATRIX_YAML) -> tuple[MatrixFile, dict[str, ModelEn
     try:
         data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(yaml_error_line(e, path)) from None
     try:
         matrix = MatrixFile.model_validate(data)
     except ValidationError as e:

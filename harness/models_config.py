@@ -20,6 +20,7 @@ class ModelEntry(BaseModel):
     description: str | None = None
     attention_heads: int = Field(ge=1)
     kv_heads: int = Field(ge=1)
+    params_b: float | None = Field(default=None, gt=0)  # parameters in billions, for GPU memory planning (harness/gpu_plan.py)
     gsm8k_expected: float | None = Field(default=None, ge=0, le=1)
 
     @model_validator(mode="after")
@@ -55,17 +56,32 @@ def require_unique_ids(ids: list[str], what: str) -> None:
         seen.add(i)
 
 
+def _flat(text: str) -> str:
+    return " ".join(str(text).split())
+
+
 def one_line(e: ValidationError, path: Path) -> str:
-    err = e.errors()[0]
+    """The first validation error as one line: file, field, message (and how many more there are)."""
+    errors = e.errors()
+    err = errors[0]
     loc = ".".join(str(x) for x in err["loc"]) or "<top>"
-    return f"{path}: {loc}: {err['msg']}"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{path}: {loc}: {_flat(err['msg'])}{more}"
+
+
+def yaml_error_line(e: Exception, path: Path) -> str:
+    """A YAML syntax or read error as one line naming the file (and the line where YAML knows it)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = getattr(e, "problem", None) or (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+    return f"{path}:{where}: {_flat(what)}" if where else f"{path}: {_flat(what)}"
 
 
 def load_models(path: Path = MODELS_YAML) -> ModelsFile:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigError(yaml_error_line(e, Path(path))) from None
     try:
         return ModelsFile.model_validate(data)
     except ValidationError as e:

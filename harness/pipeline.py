@@ -9,24 +9,26 @@ import os
 import platform
 import subprocess
 import sys
+import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import requests
 
 from harness import accuracy as acc
 from harness.checks import Check
 from harness.classify import FATAL_PATTERNS, Failure, classify
 from harness.compare import compare_completions
-from harness.config import REPO_ROOT, E2EConfig
+from harness.config import REPO_ROOT, ConfigError, E2EConfig
 from harness.openai_client import CompletionRun, GenerationSettings, run_completions
 from harness.ports import PortAllocator, server_ports
 from harness.procs import ManagedProcess, ProcessFailed, ProcessSpec, start_all
-from harness.prometheus import parse_metrics
 from harness.prompts import prompt_set
 from harness.report import Report, write_report
+from harness.servers import (Attach, AttachedServers, LocalServers, MetricsUnavailable, ServerSet, decode_metrics, read_json,
+                             served_model)
 from harness import transfer
 from harness.vllm_cmd import FATAL_LOG_PATTERNS, ServerSpec, build_server_command, plan_cpu_binding
 
@@ -148,7 +150,7 @@ def model_heads(model: str) -> dict[str, int | None]:
     return {"attention_heads": entry.attention_heads if entry else None, "kv_heads": entry.kv_heads if entry else None}
 
 
-def resolve_accuracy(s: AccuracySettings, model: str, served_name: str, hub_reachable=None) -> AccuracySettings:
+def resolve_accuracy(s: acc.AccuracySettings, model: str, served_name: str, hub_reachable=None) -> acc.AccuracySettings:
     """Fill in what the model decides: the task, its include path, and the score the baseline must reach."""
     from dataclasses import replace
 
@@ -185,9 +187,11 @@ class PDRun:
     """One run. ``baseline_last`` runs the baseline after P/D (and not at all when P/D fails);
     ``baseline_cache`` shares baseline answers between runs of one matrix."""
 
-    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[tuple, BaselineResult] | None = None):
+    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[tuple, BaselineResult] | None = None,
+                 attach: Attach | None = None):
         cfg.validate()
         self.cfg = cfg
+        self.attach = attach
         self.baseline_last = baseline_last
         self.baseline_cache = baseline_cache
         self.run_dir = new_run_dir(cfg)
@@ -203,8 +207,8 @@ class PDRun:
         self.report.logs[role] = str(srv.proc.spec.log_path)
         return srv
 
-    def _proxy(self, alloc: PortAllocator, prefill: Server, decode: Server) -> tuple[ManagedProcess, str]:
-        proc, url = make_proxy(self.cfg.python, alloc, [prefill.url], [decode.url], self.logs, self.cfg.request_timeout_s,
+    def _proxy(self, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str]) -> tuple[ManagedProcess, str]:
+        proc, url = make_proxy(self.cfg.python, alloc, prefill_urls, decode_urls, self.logs, self.cfg.request_timeout_s,
                                fault=self.cfg.proxy_fault)
         self.report.commands["proxy"] = " ".join(proc.spec.argv)
         self.report.logs["proxy"] = str(proc.spec.log_path)
@@ -224,9 +228,17 @@ class PDRun:
             self.report.failure = self._process_failure(e)
         except acc.AccuracyFailed as e:
             self.report.failure = {"class": "lm-eval-failed", "reason": e.reason, "source": "lm-eval", "excerpt": e.log_tail}
-        except KeyboardInterrupt:
-            self.report.failure = {"class": "interrupted", "reason": "interrupted", "excerpt": ""}
+        except ConfigError as e:
+            self.report.failure = {"class": "config-error", "reason": str(e), "source": "preflight", "excerpt": ""}
+        except MetricsUnavailable as e:
+            self.report.failure = {"class": "metrics-unavailable", "reason": str(e), "source": e.source, "excerpt": e.detail}
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into Interrupted by the CLI; servers are down by now
+            sig = signal.Signals(getattr(e, "signum", signal.SIGINT)).name
+            self.report.failure = {"class": "interrupted", "reason": f"interrupted by {sig}", "source": None, "excerpt": ""}
             raise
+        except Exception as e:  # a harness bug must still leave a report that says what happened
+            self.report.failure = {"class": "harness-error", "reason": f"{type(e).__name__}: {e}", "source": "harness",
+                                   "excerpt": traceback.format_exc()[-4000:]}
         finally:
             self._timed("wall", wall)
             d = write_report(self.report, self.run_dir, self.cfg.runs_root if self.cfg.run_dir is None else None)
@@ -245,13 +257,19 @@ class PDRun:
         """A server that died or never became ready: its log's signature if known, else how it failed."""
         f = classify({e.name: e.log_tail, **self._logs()})
         if f.cls == "unknown":
-            cls = "startup-timeout" if "not ready within" in e.reason else ("server-exited" if e.returncode is not None else "unknown")
+            role = e.name.split("[")[0]
+            if e.after_ready:  # it had been serving: prefill-died, decode-died, proxy-died, baseline-died
+                cls = f"{role}-died"
+            elif "not ready within" in e.reason:
+                cls = "startup-timeout"
+            else:
+                cls = "server-exited" if e.returncode is not None else "unknown"
             f = Failure(cls, e.log_tail, e.name, e.reason)
         return {"class": f.cls, "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
                 "source": f.source, "excerpt": f.excerpt}
 
-    def _watched_requests(self, url: str, name: str, procs: list[ManagedProcess]) -> CompletionRun:
-        """Send the prompts while watching the servers: a dead process or a fatal log line ends the wait at once
+    def _watched_requests(self, url: str, name: str, watch: list) -> CompletionRun:
+        """Send the prompts while watching the servers: a dead server or a fatal log line ends the wait at once
         (vLLM retries a failed handshake on every request, minutes each, so waiting out the requests is no option)."""
         box: dict[str, CompletionRun] = {}
         t = threading.Thread(target=lambda: box.setdefault("run", run_completions(url, name, self.prompts, self.gen, "pd-")),
@@ -259,9 +277,10 @@ class PDRun:
         t.start()
         while True:
             t.join(0.5)
-            for p in procs:
-                p.check()  # last pass after the requests too: a server that died mid-run fails with its log tail
-            if not t.is_alive():
+            done = not t.is_alive()
+            for w in watch:
+                w.check(force=done)  # a full last pass too: a server that died mid-run is the story, not its failed requests
+            if done:
                 return box["run"]
 
     def _lm_eval(self, url: str, name: str, which: str, watch: list[ManagedProcess]) -> acc.EvalRun:
@@ -279,6 +298,8 @@ class PDRun:
             self.report.config["baseline_reused"] = True
             return self.baseline_cache[key]
         t0 = time.monotonic()
+        if self.attach is not None and self.attach.baseline_url:
+            return self._attached_baseline(self.attach.baseline_url, name, t0)
         base = self._server(alloc, "baseline", self.cfg.tp_d, model, name, bs_d, bind)
         with contextlib.ExitStack() as stack:
             ready = start_all([base.proc], stack, self.cfg.ready_timeout_s)
@@ -294,14 +315,46 @@ class PDRun:
             self.baseline_cache[key] = result
         return result
 
+    def _attached_baseline(self, url: str, name: str, t0: float) -> BaselineResult:
+        """A baseline server started elsewhere: the same requests (and lm-eval run), nothing launched."""
+        base = AttachedServers([], [url])
+        base.start(contextlib.ExitStack())
+        result = BaselineResult(run_completions(url, name, self.prompts, self.gen, "baseline-"))
+        self._timed("baseline_requests", t0)
+        if self.accuracy is not None:
+            result.eval = self._lm_eval(url, name, "baseline", [base])
+        self._timed("baseline_phase", t0)
+        return result
+
+    def _resolve(self) -> tuple[str, str]:
+        """(model, served name): from the attached decode server when there is one, else from the config."""
+        if self.attach is not None:
+            root, served = served_model(self.attach.decode_urls[0])
+            return (self.cfg.model or root), served
+        return resolve_model(self.cfg)
+
+    def _local_servers(self, alloc: PortAllocator, model: str, name: str, bs_p: int | None, bs_d: int | None,
+                       binds: list[str | None]) -> LocalServers:
+        pre = self._server(alloc, "prefill", self.cfg.tp_p, model, name, bs_p, binds[0])
+        dec = self._server(alloc, "decode", self.cfg.tp_d, model, name, bs_d, binds[1], self.cfg.kv_layout_d)
+        return LocalServers([(pre.url, pre.proc)], [(dec.url, dec.proc)], self.cfg.ready_timeout_s)
+
     def _run(self) -> None:
         cfg = self.cfg
         self._leftovers: list[int] = []
-        model, name = resolve_model(cfg)
+        model, name = self._resolve()
         self.report.config["resolved_model"] = model
         self.report.config["served_model_name"] = name
-        self.report.config["model_heads"] = model_heads(model)
+        heads = self.report.config["model_heads"] = model_heads(model)
         self.report.config["prompts"] = len(self.prompts)
+        if self.attach is None:  # refuse what cannot run before anything starts (the CLI checked the same, if it was used)
+            from harness.preflight import preflight
+
+            pf = preflight(heads["attention_heads"], heads["kv_heads"], cfg.tp_p, cfg.tp_d, *cfg.block_sizes(), cfg.device)
+            self.report.config["topology"] = pf.topology.to_dict() if pf.topology else None
+            if pf.problems:
+                raise ConfigError(pf.message())
+        self.report.config["attach"] = self.attach.to_dict() if self.attach else None
         self.accuracy = resolve_accuracy(cfg.accuracy, model, name) if cfg.accuracy is not None else None
         if self.accuracy is not None:
             self.report.config["accuracy"] = self.accuracy.to_dict()
@@ -316,39 +369,47 @@ class PDRun:
             baseline = None if self.baseline_last else self._baseline(alloc, model, name, bs_d, binds[1])
 
             t0 = time.monotonic()
-            pre = self._server(alloc, "prefill", cfg.tp_p, model, name, bs_p, binds[0])
-            dec = self._server(alloc, "decode", cfg.tp_d, model, name, bs_d, binds[1], cfg.kv_layout_d)
+            servers: ServerSet = (AttachedServers(self.attach.prefill_urls, self.attach.decode_urls) if self.attach
+                                  else self._local_servers(alloc, model, name, bs_p, bs_d, binds))
             with contextlib.ExitStack() as stack:
-                ready = start_all([pre.proc, dec.proc], stack, cfg.ready_timeout_s)
-                for role, secs in ready.items():
+                for role, secs in servers.start(stack).items():
                     self.report.timings_s[f"{role}_launch_to_ready"] = secs
-                proxy, proxy_url = self._proxy(alloc, pre, dec)
+                proxy, proxy_url = self._proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
                 self.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
-                before = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
+                watch = [servers, proxy]
+                before = decode_metrics(servers)
                 t1 = time.monotonic()
-                pd = self._watched_requests(proxy_url, name, [pre.proc, dec.proc, proxy])
+                pd = self._watched_requests(proxy_url, name, watch)
                 self._timed("pd_requests", t1)
-                after = parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text)
-                stats = requests.get(f"{proxy_url}/proxy/stats", timeout=30).json()
+                after = decode_metrics(servers)
+                stats = self._proxy_stats(proxy_url, servers)
                 pd_eval, through = None, None
                 if self.accuracy is not None:
-                    pd_eval = self._lm_eval(proxy_url, name, "pd", [pre.proc, dec.proc, proxy])
-                    stats_after = requests.get(f"{proxy_url}/proxy/stats", timeout=30).json()
-                    xfers = transfer.delta(after, parse_metrics(requests.get(f"{dec.url}/metrics", timeout=30).text), transfer.XFER_COUNT).delta
+                    pd_eval = self._lm_eval(proxy_url, name, "pd", watch)
+                    stats_after = self._proxy_stats(proxy_url, servers)
+                    xfers = transfer.delta(after, decode_metrics(servers), transfer.XFER_COUNT).delta
                     through = acc.check_through_pd(pd_eval.n, stats, stats_after, xfers)
+                logs = servers.logs()
                 t_stop = time.monotonic()
             self.report.timings_s["pd_teardown"] = time.monotonic() - t_stop
             self._timed("pd_phase", t0)
-            self._leftovers += [pid for p in (pre.proc, dec.proc, proxy) for pid in p.leftover_pids()]
+            self._leftovers += servers.leftover_pids() + proxy.leftover_pids()
             if baseline is None:
                 baseline = self._baseline(alloc, model, name, bs_d, binds[1])
 
-        logs = {"prefill": pre.proc.log_text(), "decode": dec.proc.log_text()}
-        self._checks(baseline.completions, pd, before, after, stats, logs["decode"], logs, self._leftovers)
+        logs = servers.logs() if not servers.attached else logs  # re-read: teardown lines come last
+        self._checks(baseline.completions, pd, before, after, stats, logs, self._leftovers, servers.attached)
         if self.accuracy is not None and pd_eval is not None and baseline.eval is not None and through is not None:
             checks, self.report.accuracy = acc.accuracy_checks(baseline.eval, pd_eval, self.accuracy)
             self.report.checks += [through, *checks]
         self._classify_checks(baseline.completions, pd)
+
+    def _proxy_stats(self, proxy_url: str, servers: ServerSet) -> dict:
+        try:
+            return read_json(f"{proxy_url}/proxy/stats", "proxy")
+        except MetricsUnavailable:
+            servers.check(force=True)
+            raise
 
     def _classify_checks(self, baseline: CompletionRun, pd: CompletionRun) -> None:
         """A run whose checks failed still gets a class: a known log signature first, else what the checks say."""
@@ -366,7 +427,8 @@ class PDRun:
             f = Failure(cls, reason[:2000], None, "checks failed")
         self.report.failure = {"class": f.cls, "reason": reason, "source": f.source, "excerpt": f.excerpt}
 
-    def _checks(self, baseline: CompletionRun, pd: CompletionRun, before, after, stats: dict, decode_log: str, logs: dict[str, str], leftovers: list[int]) -> None:
+    def _checks(self, baseline: CompletionRun, pd: CompletionRun, before, after, stats: dict, logs: dict[str, str],
+                leftovers: list[int], attached: bool = False) -> None:
         checks: list[Check] = []
         n = len(self.prompts)
         failed = baseline.failures + pd.failures
@@ -399,8 +461,12 @@ class PDRun:
         prompt_tokens = sum(c.prompt_tokens or 0 for c in pd.completions)
         checks.append(transfer.check_prefill_params(sent, stats))
         checks += transfer.check_nixl_metrics(before, after, sent, prompt_tokens)
-        checks += transfer.check_decode_log(decode_log)
-        checks.append(transfer.check_lease(logs))
+        if attached:  # servers started elsewhere: their logs are not ours to read; /metrics carries the proof
+            why = "attach mode: the server logs are not available to the harness"
+            self.report.skipped_checks = [{"name": n, "reason": why} for n in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")]
+        else:
+            checks += transfer.check_decode_log("\n".join(t for n, t in logs.items() if n.startswith("decode")))
+            checks.append(transfer.check_lease(logs))
         checks.append(Check("no_process_left", not leftovers, "every harness process exited" if not leftovers else f"still running: {leftovers}"))
         self.report.checks = checks
         self.report.config["cpu_tuning"] = self.cfg.cpu_tuning.to_dict() if self.cfg.device == "cpu" else None

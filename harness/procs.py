@@ -29,12 +29,14 @@ LOG_TAIL_LINES = 40
 class ProcessFailed(RuntimeError):
     """A managed process died, hit a fatal log pattern, or was not ready in time."""
 
-    def __init__(self, name: str, reason: str, returncode: int | None, log_path: Path, log_tail: str):
+    def __init__(self, name: str, reason: str, returncode: int | None, log_path: Path | None, log_tail: str,
+                 after_ready: bool = False):
         self.name = name
         self.reason = reason
         self.returncode = returncode
-        self.log_path = log_path
+        self.log_path = log_path  # None for a server this harness did not start (attach mode)
         self.log_tail = log_tail
+        self.after_ready = after_ready  # it had been serving: it died, rather than failed to start
         rc = "still running" if returncode is None else f"exit code {returncode}"
         super().__init__(f"{name}: {reason} ({rc}); log {log_path}, last lines:\n{log_tail}")
 
@@ -49,7 +51,7 @@ class ProcessSpec:
     health_url: str | None = None  # readiness: GET answers 200
     fatal_patterns: Sequence[str] = ()  # regexes; a match in the log fails readiness at once
     ready_timeout_s: float = 300.0
-    stop_grace_s: float = 15.0
+    stop_grace_s: float = 8.0  # SIGTERM -> SIGKILL; vLLM shuts down in a few seconds
 
 
 def tail_text(text: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -121,6 +123,7 @@ class ManagedProcess:
                 start_new_session=True,  # own session and process group
             )
         self.started_at = time.monotonic()
+        self.ready_after_s = None
         self._remember_descendants()
         return self
 
@@ -134,7 +137,8 @@ class ManagedProcess:
             return ""
 
     def fail(self, reason: str) -> ProcessFailed:
-        return ProcessFailed(self.name, reason, self.returncode, self.spec.log_path, self.log_tail())
+        return ProcessFailed(self.name, reason, self.returncode, self.spec.log_path, self.log_tail(),
+                             after_ready=self.ready_after_s is not None)
 
     def _scan_fatal(self) -> str | None:
         if not self._fatal:
@@ -157,8 +161,9 @@ class ManagedProcess:
                 return text[line_start : line_end if line_end >= 0 else None]
         return None
 
-    def check(self) -> None:
-        """Raise at once if the process died or its log shows a fatal pattern."""
+    def check(self, force: bool = False) -> None:
+        """Raise at once if the process died or its log shows a fatal pattern (always a full check; ``force``
+        is there for the watch interface, which remote servers implement with rate-limited probes)."""
         if self.proc is None:
             raise RuntimeError(f"{self.name} not started")
         self._remember_descendants()
@@ -166,7 +171,7 @@ class ManagedProcess:
         if hit is not None:
             raise self.fail(f"fatal log line: {hit.strip()}")
         if self.proc.poll() is not None:
-            raise self.fail("exited before it was ready")
+            raise self.fail("exited while serving" if self.ready_after_s is not None else "exited before it was ready")
 
     def is_ready(self) -> bool:
         """One readiness probe: alive, no fatal line, and /health answers 200."""
@@ -203,6 +208,13 @@ class ManagedProcess:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+    def terminate(self) -> None:
+        """SIGTERM the group without waiting (``stop_all`` signals every process first, then waits once)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self._remember_descendants()
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
 
     def stop(self) -> int | None:
         """SIGTERM the group, wait the grace period, SIGKILL, then sweep descendants. Idempotent."""
@@ -266,14 +278,26 @@ class ManagedProcess:
         self.stop()
 
 
+def stop_all(procs: Sequence[ManagedProcess]) -> None:
+    """Tear down several processes in parallel: one grace period in all, not one each."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.stop()
+
+
 def start_all(procs: Sequence[ManagedProcess], stack: contextlib.ExitStack, timeout_s: float) -> dict[str, float]:
     """Start processes together and wait until all are ready under one deadline.
 
-    Each is registered on ``stack`` before it starts, so a failure anywhere
-    tears down whatever already started. Returns launch->ready seconds by name.
+    Their teardown is registered on ``stack`` before the first starts, so a
+    failure anywhere tears down whatever already started. Returns launch->ready
+    seconds by name.
     """
+    started: list[ManagedProcess] = []
+    stack.callback(stop_all, started)
     for p in procs:
-        stack.enter_context(p)
+        p.start()
+        started.append(p)
     deadline = time.monotonic() + timeout_s
     pending = list(procs)
     ready: dict[str, float] = {}

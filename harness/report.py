@@ -22,9 +22,12 @@ class Report:
     logs: dict[str, str] = field(default_factory=dict)
     failure: dict[str, Any] | None = None  # set when the run could not complete
     accuracy: dict[str, Any] | None = None  # lm-eval scores and per-sample diff (with --accuracy)
+    skipped_checks: list[dict[str, str]] = field(default_factory=list)  # checks this run could not make, with why
 
     @property
     def verdict(self) -> str:
+        if self.failure is not None and self.failure.get("class") == "interrupted":
+            return "interrupted"
         return "pass" if self.failure is None and self.checks and all(c.passed for c in self.checks) else "fail"
 
     @property
@@ -44,6 +47,7 @@ class Report:
             config=self.config,
             versions=self.versions,
             checks=[c.to_dict() for c in self.checks],
+            skipped_checks=self.skipped_checks,
             timings_s={k: round(v, 3) for k, v in self.timings_s.items()},
             comparison=self.comparison,
             commands=self.commands,
@@ -68,6 +72,8 @@ def render_markdown(d: dict[str, Any]) -> str:
     for c in d.get("checks", []):
         detail = str(c["detail"]).replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {detail} |")
+    for c in d.get("skipped_checks", []):
+        lines.append(f"| {c['name']} | not checked | {c['reason']} |")
     if d.get("failure"):
         f = d["failure"]
         lines += ["", "## Failure", "", f"Class: `{f.get('class', 'unknown')}`", "", f"{f.get('reason')}", "", "```", str(f.get("excerpt", "")), "```"]

@@ -12,17 +12,22 @@ single KV head is replicated.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CACHE = REPO_ROOT / ".cache" / "models"
+# Root of the harness's build caches (models/, tasks/); PD_HARNESS_CACHE_DIR moves it (tests, shared machines).
+CACHE_ROOT = Path(os.environ.get("PD_HARNESS_CACHE_DIR") or REPO_ROOT / ".cache")
+DEFAULT_CACHE = CACHE_ROOT / "models"
 BUILDER_VERSION = 2  # bump when the recipe changes, so caches are rebuilt
 
 _WORDS = (
@@ -125,28 +130,69 @@ def write_model(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
     build_model(spec, vocab_size).save_pretrained(out, safe_serialization=True)
 
 
-def ensure_tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path = DEFAULT_CACHE) -> Path:
-    """Return the cached model folder for ``spec``, building it first if needed."""
-    spec.validate()
-    target = Path(cache_dir) / spec.dirname()
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+def cache_lock_dir() -> Path:
+    # Outside the cache folders, so a lock never shows up as (or inside) a cache entry.
+    return Path(os.environ.get("PD_HARNESS_CACHE_LOCK_DIR") or Path(tempfile.gettempdir()) / "vllm-pd-harness-cache-locks")
+
+
+@contextlib.contextmanager
+def cache_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock on building ``target``, across processes (``flock``: released when the holder dies)."""
+    lock_dir = cache_lock_dir()
+    lock_dir.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(Path(target).resolve()).encode()).hexdigest()[:16]
+    fd = os.open(lock_dir / f"{Path(target).name}-{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a second builder waits here, then finds the folder built
+        yield
+    finally:
+        os.close(fd)
+
+
+def build_cached(target: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
+    """Return ``target``, built once by ``build(folder)`` if ``complete(target)`` is false.
+
+    Concurrent callers (threads or processes) build it once: the first takes a file lock, the others wait
+    and then find it complete. The build goes into a temporary folder beside ``target`` that is renamed
+    into place only when finished, so nobody ever sees a half-written cache, and a crashed build leaves
+    nothing that looks cached.
+    """
+    target = Path(target)
+    if complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a crashed build never looks cached
-    # and two concurrent builds do not interleave files.
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
+    with cache_lock(target):
+        if complete(target):  # built by whoever held the lock before us
+            return target
+        if target.exists():  # not complete and nobody is building it: a leftover, never served
+            shutil.rmtree(target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".build-{target.name}-", dir=target.parent))
+        try:
+            build(tmp)
+            try:
+                os.rename(tmp, target)
+            except OSError:
+                if not complete(target):  # only a builder that ignores the lock could have put it there
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def is_built(folder: Path) -> bool:
+    return all((Path(folder) / f).exists() for f in ("model.safetensors", "tokenizer.json", "harness_tiny_model.json"))
+
+
+def ensure_tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path = DEFAULT_CACHE) -> Path:
+    """Return the cached model folder for ``spec``, building it first if needed (once, atomically; see build_cached)."""
+    spec.validate()
+
+    def build(tmp: Path) -> None:
         vocab_size = train_tokenizer(spec, tmp)
         write_model(spec, tmp, vocab_size)
         (tmp / "harness_tiny_model.json").write_text(json.dumps({**asdict(spec), "builder": BUILDER_VERSION}, indent=2))
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "model.safetensors").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    return build_cached(Path(cache_dir) / spec.dirname(), is_built, build)
 
 
 def export(spec: TinyModelSpec, out: Path, cache_dir: Path = DEFAULT_CACHE) -> Path:

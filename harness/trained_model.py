@@ -26,11 +26,8 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import random
 import re
-import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -48,7 +45,7 @@ from harness.gsm8k_offline import (
     splits,
     stream,
 )
-from harness.tiny_model import DEFAULT_CACHE, TinyModelSpec, build_model, train_tokenizer
+from harness.tiny_model import DEFAULT_CACHE, TinyModelSpec, build_cached, build_model, train_tokenizer
 
 TRAINER_VERSION = 2  # bump when the recipe changes, so caches are rebuilt
 META_FILE = "harness_trained_model.json"
@@ -341,22 +338,8 @@ def build(spec: TrainedModelSpec, out: Path, log_every: int = 50) -> dict:
 def ensure_trained_model(spec: TrainedModelSpec = TrainedModelSpec(), cache_dir: Path = DEFAULT_CACHE, log_every: int = 50) -> Path:
     """Return the cached trained model folder for ``spec``, training it first if needed."""
     spec.validate()
-    target = Path(cache_dir) / spec.dirname()
-    if is_built(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a crashed build never looks cached.
-    tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=target.parent))
-    try:
-        build(spec, tmp, log_every)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not is_built(target):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    # Trained once even when two runs ask at the same time; never seen half-written (see tiny_model.build_cached).
+    return build_cached(Path(cache_dir) / spec.dirname(), is_built, lambda tmp: build(spec, tmp, log_every))
 
 
 def read_meta(folder: Path) -> dict:

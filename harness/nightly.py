@@ -1,0 +1,358 @@
+"""python -m harness nightly [--dry-run]: the nightly GPU run.
+
+Steps, each through an existing entry point with its own timeout and one JUnit testcase:
+  prefetch            models and GSM8K into the HF cache (servers run with HF_HUB_OFFLINE=1)
+  matrix/<id>         every GPU entry of configs/gqa_replication.yaml: `python -m harness matrix --only <id>`
+  accuracy/<model>    real gsm8k through P/D against the baseline: `python -m harness e2e --accuracy`
+`--dry-run` prints every step (command, GPU plan, server command lines, checks, timeout) on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.accuracy import HUB_DATASET, HUB_TASK
+from harness.config import REPO_ROOT, ConfigError
+from harness.gpu_plan import CUDA_DEVICE_ORDER, MAX_UTIL, floor_util, GpuPlan, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
+from harness.ports import PortBlock, server_ports
+from harness.vllm_cmd import CpuTuning, ServerSpec, build_server_command
+
+DEFAULT_GPUS = 8
+DEFAULT_GPU_MEM_GIB = 80.0
+# Per-step timeouts (s). A matrix pair starts up to three servers (10 min ready timeout each) and
+# sends 18 prompts; an accuracy run adds full GSM8K (1319 questions) twice, baseline and P/D.
+TIMEOUTS_S = {"prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60}
+STOP_GRACE_S = 120.0  # a step's harness tears its servers down on SIGTERM; then SIGKILL and a sweep
+RELEASE_TIMEOUT_S = 180.0  # after a step, until its GPUs have their memory back
+# (hub id, P TP, D TP): TinyLlama P2->D8 is the #45330 case (colocated on 8 GPUs); Qwen3-0.6B has a
+# published GSM8K score (0.41), so its full run is also checked against that value.
+ACCURACY_RUNS: tuple[tuple[str, int, int], ...] = (
+    ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", 2, 8),
+    ("Qwen/Qwen3-0.6B", 2, 4),
+)
+ACCURACY_TASK = HUB_TASK
+# Weight formats vLLM does not load when safetensors are there (e.g. meta-llama's original/*.pth): not downloaded.
+PREFETCH_IGNORE = ["*.pth", "*.bin", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "original/*"]
+# The checks of every e2e run (harness/pipeline.py, harness/transfer.py) and of accuracy runs (harness/accuracy.py).
+E2E_CHECKS = ("all_requests_answered", "outputs_match_baseline", "prefill_returned_kv_transfer_params", "nixl_transfers_counted",
+              "no_failed_transfers", "prompt_tokens_from_transfer", "transfer_plan_logged", "kv_load_failure_policy_fail",
+              "no_kv_lease_expiry", "no_process_left")
+ACCURACY_CHECKS = ("accuracy_through_pd", "accuracy_samples_paired", "accuracy_pd_within_tolerance", "accuracy_responses_agree",
+                   "accuracy_matches_expected")
+PORTS_NOTE = "ports are placeholders (a fixed fake allocator); a real run takes them from harness/ports.py"
+SHARED_UTIL = floor_util(MAX_UTIL / 2)  # two servers on one GPU
+PLAN_NOTE = ("server lines apply the GPU plan (CUDA_VISIBLE_DEVICES, --gpu-memory-utilization); harness/pipeline.py does not "
+             "yet take CUDA_VISIBLE_DEVICES from it (P and D both start at GPU 0), so e2e steps pass every server a shared GPU's "
+             "utilization; matrix steps use vLLM's default until the pipeline applies the plan")
+
+
+class FakePorts:
+    """Deterministic stand-in for PortAllocator in dry runs: same interface, nothing reserved."""
+
+    def __init__(self, base: int = 40000):
+        self.next = base
+
+    def block(self, count: int) -> PortBlock:
+        b = PortBlock(self.next, count)
+        self.next += count
+        return b
+
+    def port(self) -> int:
+        return self.block(1).base
+
+
+@dataclass(frozen=True)
+class Step:
+    id: str
+    kind: str  # prefetch / matrix / accuracy
+    argv: tuple[str, ...]
+    timeout_s: float
+    checks: tuple[str, ...]
+    gpus_needed: int = 0
+    gpu_plan: GpuPlan | None = None
+    servers: tuple[tuple[str, str], ...] = ()  # (name, shell command) as planned
+    skip_reason: str | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    step: Step
+    status: str  # passed / failed / skipped / timeout
+    seconds: float = 0.0
+    message: str = ""
+    log: str | None = None
+
+
+def _server_commands(plan: GpuPlan, model: str, python: str) -> tuple[tuple[str, str], ...]:
+    """Each vLLM server of the plan as the one command builder renders it, plus the proxy (ports illustrative)."""
+    alloc = FakePorts()
+    out, urls = [], {}
+    for s in plan.servers:
+        # Like harness/pipeline.py make_server on GPU: vLLM's own defaults for length, batch, dtype and graphs.
+        spec = ServerSpec(role=s.role, model=model, served_model_name=model, tp=s.tp, device="gpu", gpus=s.gpus,  # type: ignore[arg-type]
+                          gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=None, max_num_seqs=None, dtype=None,
+                          enforce_eager=False, extra_env=(("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),))
+        ports = server_ports(alloc, s.tp)  # type: ignore[arg-type]
+        urls[s.role] = f"http://127.0.0.1:{ports.http}"
+        out.append((s.name, build_server_command(spec, ports, python, CpuTuning(enabled=False), base_env={}).shell()))
+    out.append(("proxy", f"{python} {REPO_ROOT / 'toy_proxy_server.py'} --host 127.0.0.1 --port {alloc.port()} "
+                          f"--prefill {urls['prefill']} --decode {urls['decode']}"))
+    return tuple(out)
+
+
+def memory_short(plan: GpuPlan, util: float) -> bool:
+    """Whether some server's rank would not fit in ``util`` of its smallest GPU."""
+    mem = {g.id: g.total_gib for g in plan.gpus}
+    return any(util * min(mem[g] for g in s.gpus) < s.need_gib_per_gpu for s in plan.servers)
+
+
+def _matrix_checks(expected: str, version_label: str) -> tuple[str, ...]:
+    what = {"ok": "handshake passes and P/D outputs match the baseline: " + ", ".join(E2E_CHECKS),
+            "assert-45330": "D raises the #45330 handshake assertion (failure class assert-45330)",
+            "rejected": "D rejects the replicated P>D handshake (failure class rejected-replicated-p-gt-d)",
+            "invalid": "vLLM refuses the TP sizes (not launched)"}[expected]
+    return (f"pair behaves as its entry expects of vLLM {version_label}: {expected}", what, "matrix exit code 0")
+
+
+def build_steps(gpus: int, gpu_mem_gib: float, python: str, run_dir: Path, vllm_version: str | None = None,
+                matrix_file: Path | None = None) -> list[Step]:
+    """Every step of the nightly run for ``gpus`` GPUs of ``gpu_mem_gib`` (pure apart from reading the configs)."""
+    from harness.matrix import plan as matrix_plan
+    from harness.matrix_config import MATRIX_YAML, load_matrix
+    from harness.models_config import load_models
+
+    matrix, models = load_matrix(matrix_file or MATRIX_YAML)
+    pairs = matrix_plan(matrix, models, vllm_version, "gpu", gpus)
+    hw = uniform_gpus(gpus, gpu_mem_gib)
+    version_args = ("--vllm-version", vllm_version) if vllm_version else ()
+    label = vllm_version or "(pinned)"
+    steps: list[Step] = []
+    hub_models: list[str] = []
+
+    for p in (p for p in pairs if p.device == "gpu"):
+        entry = matrix.get(p.id)
+        model = models[p.model].hub_id or p.model
+        argv = (python, "-m", "harness", "matrix", "--only", p.id, "--device", "gpu", "--gpus", str(gpus),
+                "--run-dir", str(run_dir / "matrix" / p.id), *version_args)
+        gplan, skip = None, p.skip_reason
+        if skip is None:
+            try:
+                gplan = plan_gpus(hw, p.tp_p, p.tp_d, model_memory(model), baseline_first=False)  # the matrix runs its baseline after P/D
+            except PlanError as e:
+                skip = str(e)
+        if skip is None and model not in hub_models:
+            hub_models.append(model)
+        steps.append(Step(f"matrix/{p.id}", "matrix", argv, TIMEOUTS_S["matrix"], _matrix_checks(p.expected, label),
+                          entry.gpus or 0, gplan, _server_commands(gplan, model, python) if gplan else (), skip,
+                          f"K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}" + (f"; {entry.note}" if entry.note else "")))
+
+    for hub_id, tp_p, tp_d in ACCURACY_RUNS:
+        entry = load_models().find(hub_id)
+        sid = f"accuracy/{entry.id if entry else hub_id.split('/')[-1].lower()}-p{tp_p}-d{tp_d}"
+        gplan, skip = None, None
+        try:
+            gplan = plan_gpus(hw, tp_p, tp_d, model_memory(hub_id))
+        except PlanError as e:
+            skip = str(e)
+        # The pipeline gives one utilization to every server and sets no CUDA_VISIBLE_DEVICES yet, so P's and D's
+        # rank 0 both land on GPU 0 and they share min(TP_P, TP_D) GPUs: half the budget each, or less if the plan says so.
+        util = min([s.gpu_memory_utilization for s in gplan.servers] + [SHARED_UTIL]) if gplan else None
+        if gplan and memory_short(gplan, util):
+            gplan, skip = None, f"with the pipeline's shared placement ({util} per server) a rank does not fit"
+        argv = (python, "-m", "harness", "e2e", "--device", "gpu", "--model", hub_id, "--tp-p", str(tp_p), "--tp-d", str(tp_d),
+                "--accuracy", "--accuracy-task", ACCURACY_TASK, "--run-dir", str(run_dir / sid),
+                *(("--gpu-memory-utilization", str(util)) if util else ()), *version_args)
+        checks = E2E_CHECKS + ACCURACY_CHECKS if entry and entry.gsm8k_expected is not None else E2E_CHECKS + ACCURACY_CHECKS[:-1]
+        if skip is None and hub_id not in hub_models:
+            hub_models.append(hub_id)
+        steps.append(Step(sid, "accuracy", argv, TIMEOUTS_S["accuracy"], checks + ("e2e exit code 0 (verdict pass)",), tp_p + tp_d,
+                          gplan, _server_commands(gplan, hub_id, python) if gplan else (), skip,
+                          f"full {ACCURACY_TASK} through P/D vs baseline" + (f"; expected score {entry.gsm8k_expected}" if entry and entry.gsm8k_expected else "")))
+
+    import json
+
+    q = json.dumps  # double quotes, so the shell rendering stays readable
+    code = "; ".join(["from huggingface_hub import snapshot_download as d",
+                      *(f"d({q(m)}, ignore_patterns={q(PREFETCH_IGNORE)})" for m in hub_models),
+                      f"d({q(HUB_DATASET)}, repo_type={q('dataset')})"])
+    prefetch = Step("prefetch", "prefetch", (python, "-c", code), TIMEOUTS_S["prefetch"],
+                    (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",))
+    return [prefetch, *steps]
+
+
+def render_dry_run(steps: Sequence[Step], gpus: int, gpu_mem_gib: float) -> str:
+    import shlex
+
+    run = [s for s in steps if s.skip_reason is None]
+    out = [f"nightly GPU run (dry run) for {gpus} GPUs x {gpu_mem_gib:g} GiB: {len(run)} steps to run, {len(steps) - len(run)} skipped",
+           f"note: {PORTS_NOTE}", f"note: {PLAN_NOTE}", ""]
+    for i, s in enumerate(steps, 1):
+        state = "to run" if s.skip_reason is None else f"SKIPPED: {s.skip_reason}"
+        out.append(f"[{i}/{len(steps)}] {s.id} ({s.kind}) timeout {s.timeout_s / 60:g} min [{state}]")
+        if s.note:
+            out.append(f"  about: {s.note}")
+        out.append(f"  command: {shlex.join(s.argv)}")
+        for c in s.checks:
+            out.append(f"  check: {c}")
+        if s.gpu_plan is not None:
+            out += [f"  {line}" for line in render_plan(s.gpu_plan).splitlines()]
+        for name, cmd in s.servers:
+            out.append(f"  server {name}: {cmd}")
+        out.append("")
+    return "\n".join(out)
+
+
+def junit_xml(results: Sequence[StepResult], name: str = "nightly-gpu") -> str:
+    """One testcase per step: failure for failed/timed-out steps, skipped with its reason."""
+    suite = ET.Element("testsuite", name=name, tests=str(len(results)),
+                       failures=str(sum(r.status in ("failed", "timeout") for r in results)),
+                       skipped=str(sum(r.status == "skipped" for r in results)), errors="0",
+                       time=f"{sum(r.seconds for r in results):.1f}")
+    for r in results:
+        case = ET.SubElement(suite, "testcase", classname=f"nightly.{r.step.kind}", name=r.step.id, time=f"{r.seconds:.1f}")
+        if r.status == "skipped":
+            ET.SubElement(case, "skipped", message=r.message)
+        elif r.status in ("failed", "timeout"):
+            ET.SubElement(case, "failure", message=r.message, type=r.status).text = r.message
+        if r.log:
+            ET.SubElement(case, "system-out").text = f"log: {r.log}"
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True)
+
+
+def run_step(step: Step, log_path: Path) -> StepResult:
+    """Run one step as its own process group; on timeout SIGTERM it (its harness tears down its servers), then SIGKILL."""
+    from harness.procs import ManagedProcess, ProcessSpec, tail
+
+    t0 = time.monotonic()
+    proc = ManagedProcess(ProcessSpec(name=step.id.replace("/", "-"), argv=step.argv, log_path=log_path, cwd=REPO_ROOT,
+                                      stop_grace_s=STOP_GRACE_S))
+    with proc:
+        while proc.returncode is None and time.monotonic() - t0 < step.timeout_s:
+            time.sleep(1.0)
+        rc = proc.returncode
+    secs = time.monotonic() - t0
+    if rc is None:
+        return StepResult(step, "timeout", secs, f"no result within {step.timeout_s:g} s; stopped", str(log_path))
+    if rc != 0:
+        return StepResult(step, "failed", secs, f"exit code {rc}; last lines:\n{tail(log_path, 15)}", str(log_path))
+    return StepResult(step, "passed", secs, "", str(log_path))
+
+
+def run_steps(steps: Sequence[Step], run_dir: Path, runner: Callable[[Step, Path], StepResult] = run_step,
+              gpu_guard: Callable[[Step], Callable[[], str | None] | str] | None = None, out=sys.stdout) -> list[StepResult]:
+    """Every step in order; JUnit XML rewritten after each, so an interrupted night keeps what ran.
+
+    ``gpu_guard(step)`` checks the GPUs before a step (an error string fails the step unrun) and returns a
+    callable that checks after it that they were released (an error string fails the step).
+    """
+    results: list[StepResult] = []
+    junit = run_dir / "junit.xml"
+    for s in steps:
+        if s.skip_reason is not None:
+            results.append(StepResult(s, "skipped", 0.0, s.skip_reason))
+        else:
+            print(f"nightly: {s.id} (timeout {s.timeout_s / 60:g} min)", file=out, flush=True)
+            after = None
+            if gpu_guard is not None and s.gpu_plan is not None:
+                check = gpu_guard(s)
+                if isinstance(check, str):
+                    results.append(StepResult(s, "failed", 0.0, f"GPUs not ready: {check}"))
+                    _write(junit, results, out, s)
+                    continue
+                after = check
+            r = runner(s, run_dir / "steps" / f"{s.id.replace('/', '-')}.log")
+            leak = after() if after else None
+            if leak and r.status == "passed":
+                r = StepResult(s, "failed", r.seconds, f"GPUs not released: {leak}", r.log)
+            results.append(r)
+        _write(junit, results, out, s)
+    return results
+
+
+def _write(junit: Path, results: list[StepResult], out, s: Step) -> None:
+    junit.parent.mkdir(parents=True, exist_ok=True)
+    tmp = junit.with_suffix(".xml.tmp")
+    tmp.write_text(junit_xml(results))
+    tmp.replace(junit)
+    r = results[-1]
+    print(f"nightly: {s.id}: {r.status}" + (f" ({r.message.splitlines()[0]})" if r.message else ""), file=out, flush=True)
+
+
+def nvml_guard(step: Step) -> Callable[[], str | None] | str:
+    """Before a step: the plan's GPUs have the free memory it needs. After: our memory came back."""
+    from harness.nvml import GpuCheckFailed, check_free, discover, wait_released
+
+    d = discover()
+    if not d.available:
+        return d.reason or "NVML unavailable"
+    try:
+        check_free(step.gpu_plan, d.gpus)  # type: ignore[arg-type]
+    except GpuCheckFailed as e:
+        return str(e)
+    before = {g.index: g.free_gib for g in d.gpus}
+    used = sorted({g for s in step.gpu_plan.servers for g in s.gpus})  # type: ignore[union-attr]
+
+    def after() -> str | None:
+        try:
+            wait_released([], used, RELEASE_TIMEOUT_S, free_before=before)
+        except GpuCheckFailed as e:
+            return str(e)
+        return None
+
+    return after
+
+
+def gpus_present() -> tuple[int, str]:
+    from harness.nvml import discover
+
+    d = discover()
+    if d.available:
+        return d.count, f"NVML sees {d.count}"
+    from harness.cli import count_gpus
+
+    n = count_gpus()
+    return n, f"{d.reason}; /proc/driver/nvidia/gpus lists {n}"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("nightly", help="the nightly GPU run: GPU matrix entries + GSM8K accuracy; --dry-run prints every step")
+    p.add_argument("--dry-run", action="store_true", help="print every step, server command, GPU plan, check and timeout; run nothing")
+    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS, help=f"GPUs to plan for and use (default {DEFAULT_GPUS})")
+    p.add_argument("--gpu-mem-gib", type=float, default=DEFAULT_GPU_MEM_GIB, help=f"memory per GPU (default {DEFAULT_GPU_MEM_GIB:g})")
+    p.add_argument("--vllm-version", help="passed to every step (default: the pinned version)")
+    p.add_argument("--run-dir", type=Path, help="default: runs/<timestamp>-nightly")
+    p.add_argument("--python", default=sys.executable, help="interpreter that runs the harness steps")
+
+
+def main(a: argparse.Namespace) -> int:
+    if a.gpus < 1 or a.gpu_mem_gib <= 0:
+        print("error: --gpus and --gpu-mem-gib must be > 0", file=sys.stderr)
+        return 2
+    run_dir = a.run_dir or REPO_ROOT / "runs" / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-nightly-{os.getpid()}"
+    try:
+        steps = build_steps(a.gpus, a.gpu_mem_gib, a.python, run_dir, a.vllm_version)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.dry_run:
+        print(render_dry_run(steps, a.gpus, a.gpu_mem_gib))
+        return 0
+    present, how = gpus_present()
+    if present < a.gpus:
+        print(f"error: the nightly run needs {a.gpus} GPUs, {present} present ({how}); --dry-run prints the plan anywhere",
+              file=sys.stderr)
+        return 2
+    print(f"nightly: run folder {run_dir}", flush=True)
+    results = run_steps(steps, run_dir, gpu_guard=nvml_guard)
+    bad = [r for r in results if r.status in ("failed", "timeout")]
+    print(f"nightly: {len(results) - len(bad)} of {len(results)} steps passed or skipped; junit {run_dir / 'junit.xml'}")
+    return 1 if bad else 0

@@ -1,0 +1,26 @@
+"""Every GPU entry of configs/gqa_replication.yaml as one collected test, skipped where GPUs are too few."""
+
+import subprocess
+import sys
+
+import pytest
+
+from harness.config import REPO_ROOT
+from harness.matrix_config import load_matrix
+
+# A pair starts up to three servers (10 min ready timeout each) and sends 18 prompts.
+PAIR_TIMEOUT_S = 40 * 60
+
+
+def gpu_entries():
+    matrix, _ = load_matrix()
+    return [e for e in matrix.entries if e.device == "gpu"]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("entry_id", [pytest.param(e.id, id=e.id, marks=pytest.mark.gpu(e.gpus)) for e in gpu_entries()])
+def test_gqa_matrix_entry_on_gpu(entry_id, tmp_path):
+    argv = [sys.executable, "-m", "harness", "matrix", "--only", entry_id, "--device", "gpu", "--run-dir", str(tmp_path / entry_id)]
+    r = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=PAIR_TIMEOUT_S)
+    assert r.returncode == 0, f"{entry_id}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"

