@@ -78,7 +78,8 @@ def e2e_main(a: argparse.Namespace) -> int:
     path = a.report or (a.run_dir or E2EConfig().runs_root / "latest") / "report.json"
     try:
         report = json.loads(Path(path).read_text())
-        b = breakdown(report.get("timings_s") or {})
+        staggered = bool(((report.get("config") or {}).get("gpu_plan") or {}).get("stagger_start"))
+        b = breakdown(report.get("timings_s") or {}, staggered=staggered)
     except (OSError, ValueError) as e:
         print(f"error: {path}: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ import signal
 import threading
 import time
 import traceback
+
+import requests
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,9 @@ from harness.openai_client import CompletionRun, GenerationSettings, run_complet
 from harness.ports import PortAllocator, server_ports
 from harness.procs import ManagedProcess, ProcessFailed, ProcessSpec, start_all
 from harness.prompts import prompt_set
+from harness.gpu_plan import ServerPlacement
+from harness.gpu_run import GpuRun
+from harness.nvml import GpuCheckFailed
 from harness.report import Report, write_report
 from harness.servers import (Attach, AttachedServers, LocalServers, MetricsUnavailable, ServerSet, decode_metrics, read_json,
                              served_model)
@@ -94,8 +99,13 @@ def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
 
 
 def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model: str, name: str, block_size: int | None,
-                cpu_bind: str | None, logs_dir: Path, kv_layout: str | None = None) -> Server:
-    """A not-yet-started vLLM server of ``role`` with ports from ``alloc`` and its log in ``logs_dir``."""
+                cpu_bind: str | None, logs_dir: Path, kv_layout: str | None = None, label: str | None = None,
+                kv_load_failure_policy: str = "fail", placement: ServerPlacement | None = None) -> Server:
+    """A not-yet-started vLLM server of ``role`` with ports from ``alloc`` and its log in ``logs_dir``.
+
+    ``label`` names the process and its log (default: the role); ``kv_load_failure_policy`` other than
+    "fail" is for tests that must see the harness refuse a silently recomputed transfer. ``placement``
+    (GPU): the server's GPUs and memory share from the run's GPU plan; a given --gpu-memory-utilization wins."""
     spec = ServerSpec(
         role=role,  # type: ignore[arg-type]
         model=model,
@@ -106,8 +116,10 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
         kv_layout=kv_layout,
         cpu_bind=cpu_bind,
         kv_lease_s=cfg.lease_s,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        gpu_memory_utilization=cfg.gpu_memory_utilization or (placement.gpu_memory_utilization if placement else None),
+        gpus=placement.gpus if placement else (),
         seed=cfg.seed,
+        kv_load_failure_policy=kv_load_failure_policy,
         **({} if cfg.device == "cpu" else {"max_model_len": None, "max_num_seqs": None, "dtype": None, "enforce_eager": False}),
     )
     ports = server_ports(alloc, tp)
@@ -115,10 +127,10 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
     url = f"http://127.0.0.1:{ports.http}"
     proc = ManagedProcess(
         ProcessSpec(
-            name=role,
+            name=label or role,
             argv=cmd.argv,
-            env={**cmd.env, RUN_TAG_ENV: str(logs_dir)},
-            log_path=logs_dir / f"{role}.log",
+            env={**cmd.env, **(placement.env() if placement else {}), RUN_TAG_ENV: str(logs_dir)},
+            log_path=logs_dir / f"{label or role}.log",
             health_url=f"{url}/health",
             fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
             ready_timeout_s=cfg.ready_timeout_s,
@@ -192,6 +204,7 @@ class PDRun:
         cfg.validate()
         self.cfg = cfg
         self.attach = attach
+        self.gpu: GpuRun | None = None
         self.baseline_last = baseline_last
         self.baseline_cache = baseline_cache
         self.run_dir = new_run_dir(cfg)
@@ -202,7 +215,8 @@ class PDRun:
 
     # -- building blocks -------------------------------------------------------
     def _server(self, alloc: PortAllocator, role: str, tp: int, model: str, name: str, block_size: int | None, cpu_bind: str | None, kv_layout: str | None = None) -> Server:
-        srv = make_server(self.cfg, alloc, role, tp, model, name, block_size, cpu_bind, self.logs, kv_layout)
+        placement = self.gpu.placement(role) if self.gpu is not None else None
+        srv = make_server(self.cfg, alloc, role, tp, model, name, block_size, cpu_bind, self.logs, kv_layout, placement=placement)
         self.report.commands[role] = srv.command
         self.report.logs[role] = str(srv.proc.spec.log_path)
         return srv
@@ -230,6 +244,8 @@ class PDRun:
             self.report.failure = {"class": "lm-eval-failed", "reason": e.reason, "source": "lm-eval", "excerpt": e.log_tail}
         except ConfigError as e:
             self.report.failure = {"class": "config-error", "reason": str(e), "source": "preflight", "excerpt": ""}
+        except GpuCheckFailed as e:
+            self.report.failure = {"class": "gpu-check-failed", "reason": str(e), "source": "nvml", "excerpt": ""}
         except MetricsUnavailable as e:
             self.report.failure = {"class": "metrics-unavailable", "reason": str(e), "source": e.source, "excerpt": e.detail}
         except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM turned into Interrupted by the CLI; servers are down by now
@@ -301,6 +317,8 @@ class PDRun:
         if self.attach is not None and self.attach.baseline_url:
             return self._attached_baseline(self.attach.baseline_url, name, t0)
         base = self._server(alloc, "baseline", self.cfg.tp_d, model, name, bs_d, bind)
+        if self.gpu is not None:
+            self.gpu.before("baseline")
         with contextlib.ExitStack() as stack:
             ready = start_all([base.proc], stack, self.cfg.ready_timeout_s)
             self.report.timings_s["baseline_launch_to_ready"] = ready["baseline"]
@@ -309,6 +327,8 @@ class PDRun:
             self._timed("baseline_requests", t1)
             if self.accuracy is not None:
                 result.eval = self._lm_eval(base.url, name, "baseline", [base.proc])
+        if self.gpu is not None:
+            self.gpu.after("baseline", base.proc.seen_pids())
         self._timed("baseline_phase", t0)
         self._leftovers += base.proc.leftover_pids()
         if self.baseline_cache is not None and not result.completions.failures:
@@ -337,7 +357,8 @@ class PDRun:
                        binds: list[str | None]) -> LocalServers:
         pre = self._server(alloc, "prefill", self.cfg.tp_p, model, name, bs_p, binds[0])
         dec = self._server(alloc, "decode", self.cfg.tp_d, model, name, bs_d, binds[1], self.cfg.kv_layout_d)
-        return LocalServers([(pre.url, pre.proc)], [(dec.url, dec.proc)], self.cfg.ready_timeout_s)
+        return LocalServers([(pre.url, pre.proc)], [(dec.url, dec.proc)], self.cfg.ready_timeout_s,
+                            stagger=self.gpu is not None and self.gpu.plan.stagger_start)
 
     def _run(self) -> None:
         cfg = self.cfg
@@ -354,6 +375,9 @@ class PDRun:
             self.report.config["topology"] = pf.topology.to_dict() if pf.topology else None
             if pf.problems:
                 raise ConfigError(pf.message())
+            if cfg.device == "gpu":
+                self.gpu = GpuRun(cfg.tp_p, cfg.tp_d, model)
+                self.report.config["gpu_plan"] = self.gpu.plan.to_dict()
         self.report.config["attach"] = self.attach.to_dict() if self.attach else None
         self.accuracy = resolve_accuracy(cfg.accuracy, model, name) if cfg.accuracy is not None else None
         if self.accuracy is not None:
@@ -371,6 +395,8 @@ class PDRun:
             t0 = time.monotonic()
             servers: ServerSet = (AttachedServers(self.attach.prefill_urls, self.attach.decode_urls) if self.attach
                                   else self._local_servers(alloc, model, name, bs_p, bs_d, binds))
+            if self.gpu is not None:
+                self.gpu.before("pd")
             with contextlib.ExitStack() as stack:
                 for role, secs in servers.start(stack).items():
                     self.report.timings_s[f"{role}_launch_to_ready"] = secs
@@ -383,6 +409,7 @@ class PDRun:
                 self._timed("pd_requests", t1)
                 after = decode_metrics(servers)
                 stats = self._proxy_stats(proxy_url, servers)
+                smoke = self._smoke(proxy_url, model, name)
                 pd_eval, through = None, None
                 if self.accuracy is not None:
                     pd_eval = self._lm_eval(proxy_url, name, "pd", watch)
@@ -391,6 +418,8 @@ class PDRun:
                     through = acc.check_through_pd(pd_eval.n, stats, stats_after, xfers)
                 logs = servers.logs()
                 t_stop = time.monotonic()
+            if self.gpu is not None and isinstance(servers, LocalServers):
+                self.gpu.after("pd", servers.seen_pids())
             self.report.timings_s["pd_teardown"] = time.monotonic() - t_stop
             self._timed("pd_phase", t0)
             self._leftovers += servers.leftover_pids() + proxy.leftover_pids()
@@ -399,10 +428,30 @@ class PDRun:
 
         logs = servers.logs() if not servers.attached else logs  # re-read: teardown lines come last
         self._checks(baseline.completions, pd, before, after, stats, logs, self._leftovers, servers.attached)
+        if smoke is not None:
+            self.report.checks.append(smoke)
         if self.accuracy is not None and pd_eval is not None and baseline.eval is not None and through is not None:
             checks, self.report.accuracy = acc.accuracy_checks(baseline.eval, pd_eval, self.accuracy)
             self.report.checks += [through, *checks]
         self._classify_checks(baseline.completions, pd)
+
+    def _smoke(self, proxy_url: str, model: str, name: str) -> Check | None:
+        """"The capital of France is" -> "Paris" through P/D, for trained chat models (after the counted requests)."""
+        from harness.models_config import load_models
+        from harness import smoke
+
+        entry = load_models().find(model)
+        if entry is None or entry.hub_id is None:
+            self.report.skipped_checks.append({"name": smoke.CHECK_NAME, "reason": f"{name} is not a trained chat model "
+                                               "of configs/models.yaml; its answer would say nothing"})
+            return None
+        try:
+            r = requests.post(f"{proxy_url}/v1/completions", json=smoke.smoke_request(name), timeout=self.cfg.request_timeout_s)
+        except requests.RequestException as e:
+            return smoke.judge_smoke(None, f"{type(e).__name__}: {e}")
+        if r.status_code != 200:
+            return smoke.judge_smoke(None, f"HTTP {r.status_code}: {r.text[:300]}")
+        return smoke.judge_smoke(smoke.completion_text(r.json()))
 
     def _proxy_stats(self, proxy_url: str, servers: ServerSet) -> dict:
         try:
@@ -463,7 +512,7 @@ class PDRun:
         checks += transfer.check_nixl_metrics(before, after, sent, prompt_tokens)
         if attached:  # servers started elsewhere: their logs are not ours to read; /metrics carries the proof
             why = "attach mode: the server logs are not available to the harness"
-            self.report.skipped_checks = [{"name": n, "reason": why} for n in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")]
+            self.report.skipped_checks += [{"name": n, "reason": why} for n in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")]
         else:
             checks += transfer.check_decode_log("\n".join(t for n, t in logs.items() if n.startswith("decode")))
             checks.append(transfer.check_lease(logs))

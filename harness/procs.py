@@ -247,6 +247,10 @@ class ManagedProcess:
                 pass
         psutil.wait_procs(leftovers, timeout=5)
 
+    def seen_pids(self) -> list[int]:
+        """Every PID of this process tree seen so far, alive or not (e.g. to check they left the GPUs)."""
+        return list(self._seen)
+
     def leftover_pids(self) -> list[int]:
         """PIDs of processes this object started that are still running (should be empty after stop)."""
         out = []

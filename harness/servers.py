@@ -47,11 +47,14 @@ class LocalServers:
 
     attached = False
 
-    def __init__(self, prefill: list[tuple[str, ManagedProcess]], decode: list[tuple[str, ManagedProcess]], ready_timeout_s: float):
+    def __init__(self, prefill: list[tuple[str, ManagedProcess]], decode: list[tuple[str, ManagedProcess]], ready_timeout_s: float,
+                 stagger: bool = False):
         self._procs = {ep.name: proc for ep, proc in self._pairs("prefill", prefill) + self._pairs("decode", decode)}
         self.prefill = [ep for ep, _ in self._pairs("prefill", prefill)]
         self.decode = [ep for ep, _ in self._pairs("decode", decode)]
         self.ready_timeout_s = ready_timeout_s
+        # Colocated GPU servers start one after another: vLLM sizes its KV cache from the memory free while it profiles.
+        self.stagger = stagger
 
     @staticmethod
     def _pairs(role: str, items: list[tuple[str, ManagedProcess]]) -> list[tuple[Endpoint, ManagedProcess]]:
@@ -62,7 +65,12 @@ class LocalServers:
         return list(self._procs.values())
 
     def start(self, stack: contextlib.ExitStack) -> dict[str, float]:
-        return start_all(self.processes, stack, self.ready_timeout_s)
+        if not self.stagger:
+            return start_all(self.processes, stack, self.ready_timeout_s)
+        ready: dict[str, float] = {}
+        for p in self.processes:
+            ready.update(start_all([p], stack, self.ready_timeout_s))
+        return ready
 
     def check(self, force: bool = False) -> None:
         for p in self.processes:
@@ -73,6 +81,9 @@ class LocalServers:
 
     def leftover_pids(self) -> list[int]:
         return [pid for p in self.processes for pid in p.leftover_pids()]
+
+    def seen_pids(self) -> list[int]:
+        return [pid for p in self.processes for pid in p.seen_pids()]
 
 
 class AttachedServers:

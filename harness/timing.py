@@ -5,7 +5,8 @@ records them) and never double counts. The phases nest: ``baseline_phase``
 holds the baseline's launch->ready, its requests, ``lm_eval_baseline`` and its
 (unrecorded) teardown; ``pd_phase`` holds P's and D's launch->ready (started
 together, so they overlap: the longer one counts), the proxy's, the P/D
-requests, ``lm_eval_pd`` and ``pd_teardown``. The harness's own time is the
+requests, ``lm_eval_pd`` and ``pd_teardown`` (on a colocated GPU run P and D start one
+after the other, and then their launches add up). The harness's own time is the
 wall time minus everything spent waiting on servers, requests, lm-eval and
 teardown; a phase's remainder (its length minus its measured parts) is the
 harness work inside that phase.
@@ -28,8 +29,12 @@ MEASURED = (
     ("lm_eval_pd", "evaluation", "pd_phase"),
     ("pd_teardown", "teardown", "pd_phase"),
 )
-PARALLEL_LAUNCH = ("prefill_launch_to_ready", "decode_launch_to_ready")  # start_all starts both at once
 PHASES = ("baseline_phase", "pd_phase")
+
+
+def pd_launch_keys(timings: dict[str, float]) -> list[str]:
+    """P's and D's launch->ready keys ("prefill", "decode", or "prefill[0]"... with several servers per role)."""
+    return [k for k in timings if k.endswith("_launch_to_ready") and k.startswith(("prefill", "decode"))]
 
 
 @dataclass(frozen=True)
@@ -96,21 +101,23 @@ class TimingBreakdown:
         }
 
 
-def breakdown(timings: dict[str, float]) -> TimingBreakdown:
-    """The breakdown of one report's ``timings_s``; raises ValueError without a wall time."""
+def breakdown(timings: dict[str, float], staggered: bool = False) -> TimingBreakdown:
+    """The breakdown of one report's ``timings_s``; raises ValueError without a wall time.
+
+    ``staggered``: P and D were started one after another (colocated GPU runs, ``config.gpu_plan.stagger_start``),
+    so their launches add up instead of overlapping."""
     if "wall" not in timings:
         raise ValueError("timings_s has no 'wall' entry (the run did not finish writing its report?)")
     b = TimingBreakdown(wall_s=float(timings["wall"]))
     in_phase: dict[str, float] = {p: 0.0 for p in PHASES}
-    launches = [(k, float(timings[k])) for k in PARALLEL_LAUNCH if k in timings]
-    longest = max((s for _, s in launches), default=0.0)
-    for i, (k, s) in enumerate(sorted(launches, key=lambda x: -x[1])):
-        # Only the longest of the overlapping launches adds to the total (ties: the first one).
-        counted = s if i == 0 else 0.0
+    launches = sorted(((k, float(timings[k])) for k in pd_launch_keys(timings)), key=lambda x: -x[1])
+    for i, (k, s) in enumerate(launches):
+        # Started together, only the longest launch adds to the total (ties: the first one).
+        counted = s if staggered or i == 0 else 0.0
         b.items.append(TimingItem(k.removesuffix("_launch_to_ready") + " launch->ready", "launch_to_ready", s, counted))
         in_phase["pd_phase"] += counted
-    if len(launches) == 2:
-        b.notes.append(f"prefill and decode start together: only the longer launch ({longest:.1f} s) is counted")
+    if len(launches) > 1 and not staggered:
+        b.notes.append(f"the P/D servers start together: only the longest launch ({launches[0][1]:.1f} s) is counted")
     for key, category, phase in MEASURED:
         if key in timings:
             s = float(timings[key])

@@ -46,19 +46,22 @@ def external(tmp_path_factory):
             "prefill": make_server(cfg, alloc, "prefill", 1, model, "tiny-llama", bs, p_bind, logs),
             "decode": make_server(cfg, alloc, "decode", 1, model, "tiny-llama", bs, d_bind, logs),
             "baseline": make_server(cfg, alloc, "baseline", 1, model, "tiny-llama", bs, d_bind, logs),
+            # a decode server that silently recomputes what it failed to load (vLLM's other failure policy)
+            "decode-recompute": make_server(cfg, alloc, "decode", 1, model, "tiny-llama", bs, d_bind, logs,
+                                            label="decode-recompute", kv_load_failure_policy="recompute"),
         }
         start_all([s.proc for s in servers.values()], stack, cfg.ready_timeout_s)
         yield servers
     assert processes_tagged(logs) == []
 
 
-def attach_argv(ext, run_dir: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "harness", "e2e", "--prefill-url", ext["prefill"].url, "--decode-url", ext["decode"].url,
+def attach_argv(ext, run_dir: Path, *extra: str, decode: str = "decode") -> list[str]:
+    return [sys.executable, "-m", "harness", "e2e", "--prefill-url", ext["prefill"].url, "--decode-url", ext[decode].url,
             "--baseline-url", ext["baseline"].url, "--run-dir", str(run_dir), *extra]
 
 
-def run_attached(ext, run_dir: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run(attach_argv(ext, run_dir, *extra), cwd=REPO, capture_output=True, text=True, timeout=900)
+def run_attached(ext, run_dir: Path, *extra: str, decode: str = "decode") -> tuple[subprocess.CompletedProcess, dict]:
+    proc = subprocess.run(attach_argv(ext, run_dir, *extra, decode=decode), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
     return proc, json.loads((run_dir / "report.json").read_text())
 
@@ -74,7 +77,7 @@ def test_attach_mode_passes_against_external_servers(external, tmp_path):
     assert checks["nixl_transfers_counted"]["data"]["transfers"] >= report["config"]["prompts"]
     # what cannot be checked without the servers' logs is said, not passed
     skipped = {c["name"] for c in report["skipped_checks"]}
-    assert skipped == {"transfer_plan_logged", "kv_load_failure_policy_fail", "no_kv_lease_expiry"} and not skipped & set(checks)
+    assert skipped == {"transfer_plan_logged", "kv_load_failure_policy_fail", "no_kv_lease_expiry", "smoke_capital_of_france"} and not skipped & set(checks)
     # the harness launched only its proxy, and named the servers it used
     assert set(report["logs"]) == {"proxy"}
     assert report["config"]["attach"]["decode_urls"] == [external["decode"].url]
@@ -91,6 +94,19 @@ def test_a_proxy_that_skips_the_transfer_fails_the_run(external, tmp_path):
     assert checks["outputs_match_baseline"]["passed"]  # the outputs alone would not have shown it
     assert not checks["prefill_returned_kv_transfer_params"]["passed"] and not checks["nixl_transfers_counted"]["passed"]
     assert "no NIXL transfer" in checks["nixl_transfers_counted"]["detail"] or "grew by 0" in checks["nixl_transfers_counted"]["detail"]
+
+
+def test_a_failed_transfer_that_decode_recomputes_fails_the_run(external, tmp_path):
+    """D with kv_load_failure_policy=recompute, and every transfer failing (the proxy names a wrong P engine):
+    D answers from its own prefill, outputs match, and only the proof of transfer can tell."""
+    proc, report = run_attached(external, tmp_path / "run", "--proxy-fault", "wrong-engine-id", decode="decode-recompute")
+    assert proc.returncode == 1 and report["verdict"] == "fail"
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["all_requests_answered"]["passed"] and checks["outputs_match_baseline"]["passed"]
+    assert checks["prefill_returned_kv_transfer_params"]["passed"]  # the P hop happened ...
+    assert not checks["nixl_transfers_counted"]["passed"]  # ... but no KV arrived
+    assert report["failure"]["class"] == "no-transfer", report["failure"]
+    assert "nixl_transfers_counted" in report["reason"]
 
 
 def kill_when_requests_flow(ext, role: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, dict, float]:

@@ -81,3 +81,26 @@ def test_bench_e2e_cli(tmp_path, capsys):
     assert "harness own" in capsys.readouterr().out
     assert cli_main(["bench", "e2e", "--report", str(tmp_path / "missing.json")]) == 2
     assert "missing.json" in capsys.readouterr().err
+
+
+def test_staggered_gpu_launches_add_up():
+    b = breakdown(TIMINGS, staggered=True)
+    assert b.by_category["launch_to_ready"] == pytest.approx(40 + 50 + 60 + 2)
+    assert b.harness_own_s == pytest.approx(13.0 - 50.0)  # such a report's pd_phase would be 50 s longer
+    assert not any("start together" in n for n in b.notes)
+
+
+def test_several_servers_per_role_overlap():
+    t = {k: v for k, v in TIMINGS.items() if not k.startswith(("prefill", "decode"))}
+    t.update({"prefill[0]_launch_to_ready": 30.0, "prefill[1]_launch_to_ready": 45.0, "decode[0]_launch_to_ready": 60.0,
+              "decode[1]_launch_to_ready": 20.0})
+    b = breakdown(t)
+    assert b.by_category["launch_to_ready"] == pytest.approx(40 + 60 + 2)
+    assert len([i for i in b.items if i.category == "launch_to_ready"]) == 6
+
+
+def test_bench_e2e_reads_the_stagger_flag(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"config": {"gpu_plan": {"stagger_start": True}}, "timings_s": TIMINGS}))
+    assert cli_main(["bench", "e2e", "--report", str(report), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["by_category_s"]["launch_to_ready"] == pytest.approx(152.0)
