@@ -270,8 +270,18 @@ class PDRun:
         return out
 
     def _process_failure(self, e: ProcessFailed) -> dict:
-        """A server that died or never became ready: its log's signature if known, else how it failed."""
+        """A server that died or never became ready: its log's signature if known, else how it failed.
+
+        A server that failed during start-up (it exited, or logged a fatal error and was stopped) is
+        ``server-exited`` whatever its log says; a known signature in that log (e.g. vLLM refusing its
+        configuration) is kept as ``signature``."""
         f = classify({e.name: e.log_tail, **self._logs()})
+        if not e.after_ready and "not ready within" not in e.reason:
+            out = {"class": "server-exited", "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
+                   "source": e.name, "excerpt": e.log_tail}
+            if f.cls != "unknown":
+                out.update(signature=f.cls, signature_meaning=f.meaning, excerpt=f"{f.excerpt}\n...\n{e.log_tail}")
+            return out
         if f.cls == "unknown":
             role = e.name.split("[")[0]
             if e.after_ready:  # it had been serving: prefill-died, decode-died, proxy-died, baseline-died

@@ -117,3 +117,35 @@ def test_the_fake_interpreter_passes_everything_else_to_python(monkeypatch):
     v = installed_versions(str(FAKES / "python-never-ready"))
     assert "error" not in v, v
     assert v["torch"]
+
+
+def test_two_runs_at_once_keep_apart(tmp_path, model_dir):
+    """Ports, run folders and logs of two simultaneous runs never mix, and each cleans up only its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda d: run_e2e("python-never-ready", d, model_dir, "--ready-timeout", "5"), dirs))
+    reports = [read_report(d) for d in dirs]
+    assert [cp.returncode for cp, _ in results] == [1, 1]
+    assert [r["failure"]["class"] for r in reports] == ["startup-timeout"] * 2
+    ports = [set(re.findall(r"--port (\d+)", r["commands"]["baseline"])) for r in reports]
+    assert ports[0] and ports[1] and not ports[0] & ports[1]
+    for d in dirs:
+        assert str(d / "logs") in read_report(d)["logs"]["baseline"]
+
+
+def test_a_harness_error_still_writes_the_report(tmp_path, monkeypatch):
+    """An unexpected exception inside the run (a harness bug) ends it with a report that carries the traceback."""
+    from harness import pipeline
+    from harness.config import E2EConfig
+
+    def boom(cfg):
+        raise RuntimeError("a bug in the harness")
+
+    monkeypatch.setattr(pipeline, "resolve_model", boom)
+    d = pipeline.PDRun(E2EConfig(run_dir=tmp_path / "run")).run()
+    on_disk = read_report(tmp_path / "run")
+    assert d["verdict"] == on_disk["verdict"] == "fail"
+    assert on_disk["failure"]["class"] == "harness-error" and "a bug in the harness" in on_disk["failure"]["reason"]
+    assert "Traceback" in on_disk["failure"]["excerpt"]

@@ -1,4 +1,6 @@
-"""Ctrl-C (SIGINT) or SIGTERM to a harness run that has real vLLM servers up: everything goes, the report stays.
+"""Faults around real vLLM servers: Ctrl-C (SIGINT) or SIGTERM to the harness, a server that exits or is not ready.
+
+A signal: everything goes, the report stays.
 
 The signal goes to the harness process only, as Ctrl-C in a terminal reaches it: the servers run in
 sessions of their own, so the harness alone must tear them down.
@@ -55,3 +57,36 @@ def test_a_signal_ends_the_run_and_every_server_within_10_s(tmp_path, sig, code)
     assert "verdict: interrupted" in out
     # the log of the server that was starting is kept
     assert Path(report["logs"]["baseline"]).stat().st_size > 0
+
+
+def run_cli(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, float, dict]:
+    cp = subprocess.run([sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=600)
+    ended = time.time()
+    return cp, ended, json.loads((run_dir / "report.json").read_text())
+
+
+def test_a_real_server_that_exits_during_start_up(tmp_path):
+    """A model folder vLLM cannot load: the server exits, and the run ends at once with the log tail."""
+    model = tmp_path / "not-a-model"
+    model.mkdir()
+    run_dir = tmp_path / "run"
+    cp, ended, report = run_cli(run_dir, "--model", str(model))
+    assert cp.returncode == 1, cp.stdout[-3000:]
+    f = report["failure"]
+    # (the harness may see vLLM's fatal line a moment before the process exits: then it stops it itself)
+    assert f["class"] == "server-exited" and f["source"] == "baseline" and f["returncode"] != 0, f
+    assert f["signature"] == "config-error"  # what the log says: vLLM refused the model folder
+    log = Path(report["logs"]["baseline"])
+    assert log.stat().st_size > 0 and f["excerpt"].strip().splitlines()[-1] in log.read_text()
+    # the server's last log line is its exit; the run noticed, tore down and wrote its report right after
+    assert ended - log.stat().st_mtime < 5, f"the run ended {ended - log.stat().st_mtime:.1f} s after the server's last words"
+    assert processes_tagged(run_dir / "logs") == []
+
+
+def test_a_real_server_not_ready_by_its_deadline(tmp_path):
+    run_dir = tmp_path / "run"
+    cp, _, report = run_cli(run_dir, "--ready-timeout", "5")
+    assert cp.returncode == 1, cp.stdout[-3000:]
+    assert report["failure"]["class"] == "startup-timeout" and "not ready within 5 s" in report["failure"]["reason"]
+    assert processes_tagged(run_dir / "logs") == []
