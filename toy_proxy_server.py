@@ -1,4 +1,4 @@
-"""P/D routing proxy for vLLM's NixlConnector (FastAPI + httpx).
+"""P/D routing proxy for vLLM's NixlConnector (FastAPI + aiohttp).
 
     python toy_proxy_server.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 """
@@ -9,9 +9,10 @@ import argparse
 import logging
 import sys
 
-from harness.proxy import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app
+from harness.proxy import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app, wrong_engine_id
 
-FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids}
+# Fault injection for tests that must see the harness fail a run; "no-remote-decode" skips the transfer.
+FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids, "wrong-engine-id": wrong_engine_id, "no-remote-decode": None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     prefill, decode = backend_urls(args)
     app = create_app(prefill, decode, timeout_s=args.timeout, kv_params_hook=FAULTS[args.fault],
-                     max_body_bytes=int(args.max_body_mib * 2**20))
+                     max_body_bytes=int(args.max_body_mib * 2**20), skip_transfer=args.fault == "no-remote-decode")
     # uvloop and httptools (pinned in requirements/harness.txt) when installed; uvicorn's pure-Python fallbacks otherwise.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, loop="auto", http="auto")
 

@@ -24,7 +24,7 @@ UPSTREAM_ENV = {
 }
 
 
-PROXY_FAULTS = ("none", "corrupt-block-ids")  # what toy_proxy_server.py --fault accepts
+PROXY_FAULTS = ("none", "corrupt-block-ids", "wrong-engine-id", "no-remote-decode")  # what toy_proxy_server.py --fault accepts
 
 
 class ConfigError(ValueError):

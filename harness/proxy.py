@@ -127,6 +127,11 @@ def corrupt_block_ids(params: dict) -> dict:
     return p
 
 
+def wrong_engine_id(params: dict) -> dict:
+    """Fault injection: name a P engine that does not exist, so D's handshake (and so every transfer) fails."""
+    return {**params, "remote_engine_id": "no-such-engine"}
+
+
 def _connection_error(hop: str, url: str, timeout_s: float, e: BaseException) -> HopError:
     if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return HopError(504, hop, f"{hop} hop to {url} timed out after {timeout_s:g} s: {type(e).__name__}")
@@ -139,7 +144,10 @@ def create_app(
     timeout_s: float = 300.0,
     kv_params_hook: Callable[[dict], dict] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    skip_transfer: bool = False,
 ) -> FastAPI:
+    """``skip_transfer`` is fault injection: act like a proxy that forgot ``do_remote_decode`` and decodes anyway
+    (D then computes the whole prompt itself; outputs look right, but no KV moved)."""
     if not prefill_urls or not decode_urls:
         raise ValueError("the proxy needs at least one prefill and one decode backend")
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
@@ -209,18 +217,24 @@ def create_app(
         if auth:
             headers["Authorization"] = auth
         try:
-            p_raw = await read("prefill", p_url, await send("prefill", p_url, path, prefill_body(body), headers))
+            p_body = prefill_body(body)
+            if skip_transfer:
+                del p_body["kv_transfer_params"]
+            p_raw = await read("prefill", p_url, await send("prefill", p_url, path, p_body, headers))
             try:
                 kv = json.loads(p_raw).get("kv_transfer_params")
             except (ValueError, AttributeError):
                 kv = None
             if not kv:
                 stats.prefill_missing_kv_transfer_params += 1
-                raise HopError(502, "prefill", f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, so no KV transfer can happen")
-            stats.prefill_with_kv_transfer_params += 1
-            stats.last_kv_transfer_params = kv
+                if not skip_transfer:
+                    raise HopError(502, "prefill", f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, so no KV transfer can happen")
+            else:
+                stats.prefill_with_kv_transfer_params += 1
+                stats.last_kv_transfer_params = kv
             d_body = dict(body)
-            d_body["kv_transfer_params"] = hook(kv)
+            if kv and not skip_transfer:
+                d_body["kv_transfer_params"] = hook(kv)
             d_resp = await send("decode", d_url, path, d_body, headers)
             if body.get("stream"):
                 log.debug("req %s P=%s D=%s stream started kv=yes %.1f ms", request_id, p_url, d_url, 1000 * (time.monotonic() - t0))

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 import toy_proxy_server
 from harness.ports import PortAllocator
-from harness.proxy import corrupt_block_ids, create_app, prefill_body
+from harness.proxy import corrupt_block_ids, create_app, prefill_body, wrong_engine_id
 
 KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]], "remote_engine_id": "e",
       "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
@@ -300,6 +300,21 @@ def test_corrupt_block_ids_hook_reaches_decode(b):
     with client(b, kv_params_hook=corrupt_block_ids) as c:
         c.post("/v1/completions", json={"prompt": "hi"})
     assert b.calls[1][1]["kv_transfer_params"]["remote_block_ids"] == [[2, 3]]
+
+
+def test_wrong_engine_id_fault_reaches_decode(b):
+    with client(b, kv_params_hook=wrong_engine_id) as c:
+        assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+    assert b.calls[1][1]["kv_transfer_params"]["remote_engine_id"] == "no-such-engine"
+
+
+def test_skip_transfer_fault_decodes_without_kv_and_counts_it(b):
+    """The llm-d #2535 proxy: no do_remote_decode to P, and D decodes anyway; the stats must show it."""
+    with client(b, skip_transfer=True) as c:
+        assert c.post("/v1/completions", json={"prompt": "hi"}).status_code == 200
+        s = c.get("/proxy/stats").json()
+    assert "kv_transfer_params" not in b.calls[0][1] and "kv_transfer_params" not in b.calls[1][1]
+    assert s["completed"] == 1  # (this fake P answers with params anyway; a real P, not asked, does not)
 
 
 def test_unexpected_error_is_json_without_traceback(b):
