@@ -257,6 +257,10 @@ class PDRun:
                                    "excerpt": traceback.format_exc()[-4000:]}
         finally:
             self._timed("wall", wall)
+            from harness.timing import breakdown
+
+            staggered = bool((self.report.config.get("gpu_plan") or {}).get("stagger_start"))
+            self.report.timing_breakdown = breakdown(self.report.timings_s, staggered).to_dict()
             d = write_report(self.report, self.run_dir, self.cfg.runs_root if self.cfg.run_dir is None else None)
         return d
 
@@ -337,6 +341,8 @@ class PDRun:
             self._timed("baseline_requests", t1)
             if self.accuracy is not None:
                 result.eval = self._lm_eval(base.url, name, "baseline", [base.proc])
+            t_stop = time.monotonic()
+        self.report.timings_s["baseline_teardown"] = time.monotonic() - t_stop
         if self.gpu is not None:
             self.gpu.after("baseline", base.proc.seen_pids())
         self._timed("baseline_phase", t0)

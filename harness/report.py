@@ -23,6 +23,7 @@ class Report:
     failure: dict[str, Any] | None = None  # set when the run could not complete
     accuracy: dict[str, Any] | None = None  # lm-eval scores and per-sample diff (with --accuracy)
     skipped_checks: list[dict[str, str]] = field(default_factory=list)  # checks this run could not make, with why
+    timing_breakdown: dict[str, Any] | None = None  # harness/timing.py: where the wall time went
 
     @property
     def verdict(self) -> str:
@@ -49,6 +50,7 @@ class Report:
             checks=[c.to_dict() for c in self.checks],
             skipped_checks=self.skipped_checks,
             timings_s={k: round(v, 3) for k, v in self.timings_s.items()},
+            timing_breakdown=self.timing_breakdown,
             comparison=self.comparison,
             commands=self.commands,
             logs=self.logs,
@@ -95,6 +97,11 @@ def render_markdown(d: dict[str, Any]) -> str:
     lines += ["", "## Configuration", "", "```json", json.dumps(cfg, indent=2), "```", "", "## Versions", ""]
     lines += [f"- {k}: {v}" for k, v in d.get("versions", {}).items()]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v}" for k, v in d.get("timings_s", {}).items()]
+    tb = d.get("timing_breakdown")
+    if tb:
+        lines += ["", f"Harness's own time: {tb['harness_own_s']:.1f} s of {tb['wall_s']:.1f} s wall "
+                      f"({100 * tb['harness_own_share']:.1f}%, target {100 * tb['target_share']:.0f}%); "
+                      + ", ".join(f"{k} {v:.1f} s" for k, v in tb["by_category_s"].items())]
     lines += ["", "## Logs", ""] + [f"- {k}: `{v}`" for k, v in d.get("logs", {}).items()]
     lines += ["", "## Commands", ""] + [f"- {k}: `{v}`" for k, v in d.get("commands", {}).items()]
     return "\n".join(lines) + "\n"

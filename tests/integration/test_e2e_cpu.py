@@ -61,6 +61,9 @@ def test_report_records_config_versions_timings_and_logs(e2e):
         assert report["timings_s"][key] > 0
     for name in ("baseline", "prefill", "decode", "proxy"):
         assert Path(report["logs"][name]).stat().st_size > 0
+    # where the wall time went; the harness's own share is what is left, so it can never be negative
+    tb = report["timing_breakdown"]
+    assert 0 <= tb["harness_own_s"] <= tb["wall_s"] and {"launch_to_ready", "requests", "evaluation", "teardown"} <= set(tb["by_category_s"])
     md = (run_dir / "report.md").read_text()
     assert "**PASS**" in md and "outputs_match_baseline" in md
     # The CPU tuning really reached the servers (and is visible in their logs).
