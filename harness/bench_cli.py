@@ -1,4 +1,4 @@
-"""python -m harness bench {proxy, e2e, lifecycle}: overhead measurements. Targets are printed, never enforced:
+"""python -m harness bench {proxy, e2e, lifecycle, startup}: overhead measurements. Targets are printed, never enforced:
 the exit code is 0 whenever the measurement completed."""
 
 from __future__ import annotations
@@ -47,6 +47,13 @@ def add_parser(sub) -> None:
     src.add_argument("--report", type=Path, help="a report.json")
     e.add_argument("--json", action="store_true")
 
+    st = bsub.add_parser("startup", help="real vLLM P and D servers started in parallel vs one after another")
+    st.add_argument("--repeats", type=_positive(int), default=1)
+    st.add_argument("--tp-p", type=_positive(int), default=1)
+    st.add_argument("--tp-d", type=_positive(int), default=1)
+    st.add_argument("--log-dir", type=Path)
+    st.add_argument("--json", action="store_true")
+
     lc = bsub.add_parser("lifecycle", help="readiness-detection delay and teardown time of managed processes")
     lc.add_argument("--repeats", type=_positive(int), default=3)
     lc.add_argument("--ready-after", type=_positive(float), default=3.0, help="seconds before the backend turns ready")
@@ -58,17 +65,24 @@ def _print(d: dict, as_json: bool, render) -> None:
     print(json.dumps(d, indent=2) if as_json else render(d))
 
 
-def proxy_main(a: argparse.Namespace) -> int:
-    from harness.bench_proxy import render, run_proxy_bench
+def _measured(what: str, measure, render, as_json: bool, errors: tuple = ()) -> int:
+    """Run one benchmark; a server or process that failed means no figures (exit 1), never half a result."""
     from harness.procs import ProcessFailed
 
     try:
-        d = run_proxy_bench(a.requests, a.concurrency, a.rounds, a.time_limit, a.warmup, a.log_dir)
-    except (ProcessFailed, RuntimeError) as e:
-        print(f"error: the proxy benchmark did not complete: {e}", file=sys.stderr)
+        d = measure()
+    except (ProcessFailed, *errors) as e:
+        print(f"error: the {what} benchmark did not complete: {e}", file=sys.stderr)
         return 1
-    _print(d, a.json, render)
+    _print(d, as_json, render)
     return 0
+
+
+def proxy_main(a: argparse.Namespace) -> int:
+    from harness.bench_proxy import render, run_proxy_bench
+
+    return _measured("proxy", lambda: run_proxy_bench(a.requests, a.concurrency, a.rounds, a.time_limit, a.warmup, a.log_dir),
+                     render, a.json, (RuntimeError,))
 
 
 def e2e_main(a: argparse.Namespace) -> int:
@@ -92,16 +106,15 @@ def e2e_main(a: argparse.Namespace) -> int:
 
 def lifecycle_main(a: argparse.Namespace) -> int:
     from harness.bench_lifecycle import render, run_lifecycle_bench
-    from harness.procs import ProcessFailed
 
-    try:
-        d = run_lifecycle_bench(a.repeats, a.ready_after, a.log_dir)
-    except ProcessFailed as e:
-        print(f"error: the lifecycle benchmark did not complete: {e}", file=sys.stderr)
-        return 1
-    _print(d, a.json, render)
-    return 0
+    return _measured("lifecycle", lambda: run_lifecycle_bench(a.repeats, a.ready_after, a.log_dir), render, a.json)
+
+
+def startup_main(a: argparse.Namespace) -> int:
+    from harness.bench_startup import render, run_startup_bench
+
+    return _measured("start-up", lambda: run_startup_bench(a.repeats, a.tp_p, a.tp_d, a.log_dir), render, a.json)
 
 
 def main(args: argparse.Namespace) -> int:
-    return {"proxy": proxy_main, "e2e": e2e_main, "lifecycle": lifecycle_main}[args.bench_cmd](args)
+    return {"proxy": proxy_main, "e2e": e2e_main, "lifecycle": lifecycle_main, "startup": startup_main}[args.bench_cmd](args)

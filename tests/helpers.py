@@ -22,6 +22,18 @@ def processes_tagged(logs_dir: Path) -> list[int]:
     return out
 
 
+def tiny_server_setup() -> tuple:
+    """(config, tiny model path, block size, P's and D's CPU binding) for tests that start their own servers."""
+    import os
+    import sys
+
+    from harness.config import E2EConfig
+    from harness.tiny_model import ensure_tiny_model
+    from harness.vllm_cmd import plan_cpu_binding
+
+    cfg = E2EConfig(python=sys.executable)
+    return cfg, str(ensure_tiny_model()), cfg.block_sizes()[0], plan_cpu_binding(os.cpu_count() or 1, [1, 1])
+
 
 def config_error(load, path: Path, text: str) -> str:
     """The ConfigError message that ``load`` gives for a config file holding ``text``."""

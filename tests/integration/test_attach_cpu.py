@@ -20,15 +20,12 @@ from pathlib import Path
 import pytest
 import requests
 
-from harness.config import E2EConfig
 from harness.pipeline import make_server
 from harness.ports import PortAllocator
 from harness.procs import start_all
 from harness.prometheus import metric_sum, parse_metrics
-from harness.tiny_model import ensure_tiny_model
 from harness.transfer import XFER_COUNT
-from harness.vllm_cmd import plan_cpu_binding
-from tests.helpers import processes_tagged
+from tests.helpers import processes_tagged, tiny_server_setup
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
@@ -37,10 +34,7 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def external(tmp_path_factory):
     logs = tmp_path_factory.mktemp("external") / "logs"
-    cfg = E2EConfig(python=sys.executable)
-    model = str(ensure_tiny_model())
-    bs = cfg.block_sizes()[0]
-    p_bind, d_bind = plan_cpu_binding(os.cpu_count() or 1, [1, 1])
+    cfg, model, bs, (p_bind, d_bind) = tiny_server_setup()
     with PortAllocator() as alloc, contextlib.ExitStack() as stack:
         servers = {
             "prefill": make_server(cfg, alloc, "prefill", 1, model, "tiny-llama", bs, p_bind, logs),

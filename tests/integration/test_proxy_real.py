@@ -2,20 +2,16 @@
 
 import contextlib
 import json
-import os
 import sys
 import time
 
 import pytest
 import requests
 
-from harness.config import E2EConfig
 from harness.pipeline import make_proxy, make_server
 from harness.ports import PortAllocator
 from harness.procs import start_all
-from harness.tiny_model import ensure_tiny_model
-from harness.vllm_cmd import plan_cpu_binding
-from tests.helpers import processes_tagged
+from tests.helpers import processes_tagged, tiny_server_setup
 
 pytestmark = pytest.mark.vllm
 MODEL = "tiny-llama"
@@ -24,10 +20,7 @@ MODEL = "tiny-llama"
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("proxy-real") / "logs"
-    cfg = E2EConfig(python=sys.executable)
-    model = str(ensure_tiny_model())
-    bs = cfg.block_sizes()[0]
-    binds = plan_cpu_binding(os.cpu_count() or 1, [1, 1])
+    cfg, model, bs, binds = tiny_server_setup()
     with PortAllocator() as alloc, contextlib.ExitStack() as stack:
         pre = make_server(cfg, alloc, "prefill", 1, model, MODEL, bs, binds[0], logs)
         dec = make_server(cfg, alloc, "decode", 1, model, MODEL, bs, binds[1], logs)
