@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.accuracy import HUB_DATASET, HUB_TASK
-from harness.config import REPO_ROOT, ConfigError
-from harness.gpu_plan import CUDA_DEVICE_ORDER, MAX_UTIL, floor_util, GpuPlan, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
-from harness.ports import PortBlock, server_ports
-from harness.vllm_cmd import CpuTuning, ServerSpec, build_server_command
+from harness.config import REPO_ROOT, ConfigError, E2EConfig
+from harness.gpu_plan import GpuPlan, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
+from harness.ports import PortBlock
+from harness.vllm_cmd import CpuTuning
 
 DEFAULT_GPUS = 8
 DEFAULT_GPU_MEM_GIB = 80.0
@@ -48,10 +48,8 @@ E2E_CHECKS = ("all_requests_answered", "outputs_match_baseline", "prefill_return
 ACCURACY_CHECKS = ("accuracy_through_pd", "accuracy_samples_paired", "accuracy_pd_within_tolerance", "accuracy_responses_agree",
                    "accuracy_matches_expected")
 PORTS_NOTE = "ports are placeholders (a fixed fake allocator); a real run takes them from harness/ports.py"
-SHARED_UTIL = floor_util(MAX_UTIL / 2)  # two servers on one GPU
-PLAN_NOTE = ("server lines apply the GPU plan (CUDA_VISIBLE_DEVICES, --gpu-memory-utilization); harness/pipeline.py does not "
-             "yet take CUDA_VISIBLE_DEVICES from it (P and D both start at GPU 0), so e2e steps pass every server a shared GPU's "
-             "utilization; matrix steps use vLLM's default until the pipeline applies the plan")
+PLAN_NOTE = ("server lines are what a run launches: each server's GPUs (CUDA_VISIBLE_DEVICES) and memory share "
+             "(--gpu-memory-utilization) come from the GPU plan; colocated servers start one after another")
 
 
 class FakePorts:
@@ -93,26 +91,20 @@ class StepResult:
 
 
 def _server_commands(plan: GpuPlan, model: str, python: str) -> tuple[tuple[str, str], ...]:
-    """Each vLLM server of the plan as the one command builder renders it, plus the proxy (ports illustrative)."""
+    """Each vLLM server of the plan as a run would launch it (harness/pipeline.py make_server), plus the proxy;
+    ports are illustrative."""
+    from harness.pipeline import make_server
+
     alloc = FakePorts()
+    cfg = E2EConfig(device="gpu", model=model, python=python, cpu_tuning=CpuTuning(enabled=False))
     out, urls = [], {}
     for s in plan.servers:
-        # Like harness/pipeline.py make_server on GPU: vLLM's own defaults for length, batch, dtype and graphs.
-        spec = ServerSpec(role=s.role, model=model, served_model_name=model, tp=s.tp, device="gpu", gpus=s.gpus,  # type: ignore[arg-type]
-                          gpu_memory_utilization=s.gpu_memory_utilization, max_model_len=None, max_num_seqs=None, dtype=None,
-                          enforce_eager=False, extra_env=(("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),))
-        ports = server_ports(alloc, s.tp)  # type: ignore[arg-type]
-        urls[s.role] = f"http://127.0.0.1:{ports.http}"
-        out.append((s.name, build_server_command(spec, ports, python, CpuTuning(enabled=False), base_env={}).shell()))
+        srv = make_server(cfg, alloc, s.role, s.tp, model, model, None, None, Path("logs"), placement=s)  # type: ignore[arg-type]
+        urls[s.role] = srv.url
+        out.append((s.name, srv.command))
     out.append(("proxy", f"{python} {REPO_ROOT / 'toy_proxy_server.py'} --host 127.0.0.1 --port {alloc.port()} "
                           f"--prefill {urls['prefill']} --decode {urls['decode']}"))
     return tuple(out)
-
-
-def memory_short(plan: GpuPlan, util: float) -> bool:
-    """Whether some server's rank would not fit in ``util`` of its smallest GPU."""
-    mem = {g.id: g.total_gib for g in plan.gpus}
-    return any(util * min(mem[g] for g in s.gpus) < s.need_gib_per_gpu for s in plan.servers)
 
 
 def _matrix_checks(expected: str, version_label: str) -> tuple[str, ...]:
@@ -163,14 +155,8 @@ def build_steps(gpus: int, gpu_mem_gib: float, python: str, run_dir: Path, vllm_
             gplan = plan_gpus(hw, tp_p, tp_d, model_memory(hub_id))
         except PlanError as e:
             skip = str(e)
-        # The pipeline gives one utilization to every server and sets no CUDA_VISIBLE_DEVICES yet, so P's and D's
-        # rank 0 both land on GPU 0 and they share min(TP_P, TP_D) GPUs: half the budget each, or less if the plan says so.
-        util = min([s.gpu_memory_utilization for s in gplan.servers] + [SHARED_UTIL]) if gplan else None
-        if gplan and memory_short(gplan, util):
-            gplan, skip = None, f"with the pipeline's shared placement ({util} per server) a rank does not fit"
         argv = (python, "-m", "harness", "e2e", "--device", "gpu", "--model", hub_id, "--tp-p", str(tp_p), "--tp-d", str(tp_d),
-                "--accuracy", "--accuracy-task", ACCURACY_TASK, "--run-dir", str(run_dir / sid),
-                *(("--gpu-memory-utilization", str(util)) if util else ()), *version_args)
+                "--accuracy", "--accuracy-task", ACCURACY_TASK, "--run-dir", str(run_dir / sid), *version_args)
         checks = E2E_CHECKS + ACCURACY_CHECKS if entry and entry.gsm8k_expected is not None else E2E_CHECKS + ACCURACY_CHECKS[:-1]
         if skip is None and hub_id not in hub_models:
             hub_models.append(hub_id)

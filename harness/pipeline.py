@@ -28,7 +28,7 @@ from harness.openai_client import CompletionRun, GenerationSettings, run_complet
 from harness.ports import PortAllocator, server_ports
 from harness.procs import ManagedProcess, ProcessFailed, ProcessSpec, start_all
 from harness.prompts import prompt_set
-from harness.gpu_plan import ServerPlacement
+from harness.gpu_plan import CUDA_DEVICE_ORDER, ServerPlacement
 from harness.gpu_run import GpuRun
 from harness.nvml import GpuCheckFailed
 from harness.report import Report, write_report
@@ -118,6 +118,8 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
         kv_lease_s=cfg.lease_s,
         gpu_memory_utilization=cfg.gpu_memory_utilization or (placement.gpu_memory_utilization if placement else None),
         gpus=placement.gpus if placement else (),
+        # CUDA_VISIBLE_DEVICES comes from ``gpus``; the plan's ids are NVML's, so CUDA must count in the same order
+        extra_env=(("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else (),
         seed=cfg.seed,
         kv_load_failure_policy=kv_load_failure_policy,
         **({} if cfg.device == "cpu" else {"max_model_len": None, "max_num_seqs": None, "dtype": None, "enforce_eager": False}),
@@ -129,7 +131,7 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
         ProcessSpec(
             name=label or role,
             argv=cmd.argv,
-            env={**cmd.env, **(placement.env() if placement else {}), RUN_TAG_ENV: str(logs_dir)},
+            env={**cmd.env, RUN_TAG_ENV: str(logs_dir)},
             log_path=logs_dir / f"{label or role}.log",
             health_url=f"{url}/health",
             fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
