@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -52,7 +53,7 @@ def run_startup_bench(repeats: int = 1, tp_p: int = 1, tp_d: int = 1, log_dir: P
     for i in range(repeats):  # alternate, so drift in machine load hits both orders alike
         rounds.append(_round(cfg, model, logs, f"par{i}", parallel=True))
         rounds.append(_round(cfg, model, logs, f"seq{i}", parallel=False))
-    med = {o: sorted(r["both_ready_s"] for r in rounds if r["order"] == o)[repeats // 2] for o in ("parallel", "sequential")}
+    med = {o: statistics.median(r["both_ready_s"] for r in rounds if r["order"] == o) for o in ("parallel", "sequential")}
     return {"tp_p": tp_p, "tp_d": tp_d, "cores": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds,
             "median_both_ready_s": med, "parallel_speedup": round(med["sequential"] / med["parallel"], 2), "logs": str(logs)}
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from harness.config import ConfigError
 from harness.gpu_plan import Gpu, GpuPlan, PlanError, ServerPlacement, model_memory, plan_gpus
-from harness.nvml import GpuCheckFailed, discover, wait_released
+from harness.nvml import GpuCheckFailed, check_free, discover, wait_released
 
 RELEASE_TIMEOUT_S = 120.0  # a driver takes a few seconds to hand memory back after the processes exit
 
@@ -42,8 +42,6 @@ class GpuRun:
 
     def before(self, phase: str) -> None:
         """Every GPU of ``phase`` has the memory its servers will claim (else GpuCheckFailed naming it)."""
-        from harness.nvml import check_free
-
         d = discover(self.nvml)
         if not d.available:
             raise GpuCheckFailed(f"cannot check free GPU memory: {d.reason}")

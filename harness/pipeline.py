@@ -8,16 +8,15 @@ import json
 import os
 import platform
 import subprocess
-import sys
 import signal
+import sys
 import threading
 import time
 import traceback
-
-import requests
 from dataclasses import dataclass
 from pathlib import Path
 
+import requests
 
 from harness import accuracy as acc
 from harness.checks import Check
@@ -434,7 +433,6 @@ class PDRun:
                     stats_after = self._proxy_stats(proxy_url, servers)
                     xfers = transfer.delta(after, decode_metrics(servers), transfer.XFER_COUNT).delta
                     through = acc.check_through_pd(pd_eval.n, stats, stats_after, xfers)
-                logs = servers.logs()
                 t_stop = time.monotonic()
             if self.gpu is not None and isinstance(servers, LocalServers):
                 self.gpu.after("pd", servers.seen_pids())
@@ -444,8 +442,8 @@ class PDRun:
             if baseline is None:
                 baseline = self._baseline(alloc, model, name, bs_d, binds[1])
 
-        logs = servers.logs() if not servers.attached else logs  # re-read: teardown lines come last
-        self._checks(baseline.completions, pd, before, after, stats, logs, self._leftovers, servers.attached)
+        # read after teardown, so the logs are complete (servers started elsewhere have none here)
+        self._checks(baseline.completions, pd, before, after, stats, servers.logs(), self._leftovers, servers.attached)
         if smoke is not None:
             self.report.checks.append(smoke)
         if self.accuracy is not None and pd_eval is not None and baseline.eval is not None and through is not None:

@@ -209,36 +209,35 @@ class ManagedProcess:
         except psutil.Error:
             pass
 
+    def _signal_group(self, sig: int) -> None:
+        """``sig`` to the process's whole group (its PID is the group id), remembering descendants first."""
+        assert self.proc is not None
+        self._remember_descendants()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
     def kill(self) -> None:
         """SIGKILL the whole group now (fault injection: a backend dying mid-request)."""
         if self.proc is not None:
-            self._remember_descendants()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self._signal_group(signal.SIGKILL)
             self.proc.wait()
 
     def terminate(self) -> None:
         """SIGTERM the group without waiting (``stop_all`` signals every process first, then waits once)."""
         if self.proc is not None and self.proc.poll() is None:
-            self._remember_descendants()
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
+            self._signal_group(signal.SIGTERM)
 
     def stop(self) -> int | None:
         """SIGTERM the group, wait the grace period, SIGKILL, then sweep descendants. Idempotent."""
         if self.proc is None:
             return None
-        self._remember_descendants()
-        pgid = self.proc.pid
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
+        self._signal_group(signal.SIGTERM)
         try:
             self.proc.wait(timeout=self.spec.stop_grace_s)
         except subprocess.TimeoutExpired:
             pass
         # The leader may have exited while children still run in its group.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGKILL)
+        self._signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         self._sweep()

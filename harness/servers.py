@@ -49,9 +49,10 @@ class LocalServers:
 
     def __init__(self, prefill: list[tuple[str, ManagedProcess]], decode: list[tuple[str, ManagedProcess]], ready_timeout_s: float,
                  stagger: bool = False):
-        self._procs = {ep.name: proc for ep, proc in self._pairs("prefill", prefill) + self._pairs("decode", decode)}
-        self.prefill = [ep for ep, _ in self._pairs("prefill", prefill)]
-        self.decode = [ep for ep, _ in self._pairs("decode", decode)]
+        pre, dec = self._pairs("prefill", prefill), self._pairs("decode", decode)
+        self._procs = {ep.name: proc for ep, proc in pre + dec}
+        self.prefill = [ep for ep, _ in pre]
+        self.decode = [ep for ep, _ in dec]
         self.ready_timeout_s = ready_timeout_s
         # Colocated GPU servers start one after another: vLLM sizes its KV cache from the memory free while it profiles.
         self.stagger = stagger
