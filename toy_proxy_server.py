@@ -9,7 +9,7 @@ import argparse
 import logging
 import sys
 
-from harness.proxy import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app, wrong_engine_id
+from harness.proxy.app import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app, wrong_engine_id
 
 # Fault injection for tests that must see the harness fail a run; "no-remote-decode" skips the transfer.
 FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids, "wrong-engine-id": wrong_engine_id, "no-remote-decode": None}

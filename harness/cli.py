@@ -1,4 +1,4 @@
-"""python -m harness {e2e, model tiny}."""
+"""python -m harness: the e2e run, topology and model commands here; the others in their packages (SUBCOMMAND_MODULES)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,18 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.accuracy import AccuracySettings
-from harness.config import PROXY_FAULTS, ConfigError, E2EConfig, env_defaults, has_nvidia_gpu
-from harness.vllm_cmd import CpuTuning
+from harness.accuracy.settings import AccuracySettings
+from harness.core.argtypes import positive_int
+from harness.run.config import PROXY_FAULTS, E2EConfig, env_defaults
+from harness.core.errors import ConfigError
+from harness.core.interrupts import catch_interrupts
+from harness.gpu.detect import has_nvidia_gpu
+from harness.envs.vllm_env import requested_versions
+from harness.serve.vllm_cmd import CpuTuning
 
 
 # Subcommands that live in their own modules; each has add_parser(subparsers) and main(args) -> exit code.
-SUBCOMMAND_MODULES = {"plan": "harness.plan_cli", "bench": "harness.bench_cli", "nightly": "harness.nightly"}
+SUBCOMMAND_MODULES = {"plan": "harness.gpu.cli", "bench": "harness.bench.cli", "nightly": "harness.nightly", "matrix": "harness.matrix.cli"}
 
 
 def _subcommand(name: str):
@@ -23,44 +28,34 @@ def _subcommand(name: str):
     return importlib.import_module(SUBCOMMAND_MODULES[name])
 
 
-def _positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{s!r} must be >= 1")
-    return v
-
-
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m harness", description="vLLM P/D (NixlConnector) heterogeneous-TP accuracy harness")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     e = sub.add_parser("e2e", help="one P/D run against a non-disaggregated baseline")
-    e.add_argument("--tp-p", type=_positive_int, help="prefill TP size (default: $PREFILLER_TP_SIZE or 1)")
-    e.add_argument("--tp-d", type=_positive_int, help="decode TP size (default: $DECODER_TP_SIZE or 1)")
+    e.add_argument("--tp-p", type=positive_int, help="prefill TP size (default: $PREFILLER_TP_SIZE or 1)")
+    e.add_argument("--tp-d", type=positive_int, help="decode TP size (default: $DECODER_TP_SIZE or 1)")
     e.add_argument("--model", help="model path or hub id (default on CPU: the tiny local model)")
     e.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
-    e.add_argument("--block-size-p", type=_positive_int, help="default: $PREFILL_BLOCK_SIZE")
-    e.add_argument("--block-size-d", type=_positive_int, help="default: $DECODE_BLOCK_SIZE")
+    e.add_argument("--block-size-p", type=positive_int, help="default: $PREFILL_BLOCK_SIZE")
+    e.add_argument("--block-size-d", type=positive_int, help="default: $DECODE_BLOCK_SIZE")
     e.add_argument("--kv-layout-d", choices=["HND", "NHD"], help="default: $DECODER_KV_LAYOUT")
     e.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
     e.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
     e.add_argument("--vllm-version", help="serve from this vLLM version, installed under .venvs/ the first time (default: $VLLM_VERSION or the pinned one)")
-    e.add_argument("--max-tokens", type=_positive_int, default=16)
+    e.add_argument("--max-tokens", type=positive_int, default=16)
     e.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
     e.add_argument("--request-timeout", type=float, default=180.0)
-    e.add_argument("--kv-lease", type=_positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
+    e.add_argument("--kv-lease", type=positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
     e.add_argument("--no-cpu-tuning", action="store_true", help="run NIXL with stock busy polling and core pinning")
     e.add_argument("--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning")
     e.add_argument("--accuracy", action="store_true",
                    help="also run lm-eval through the proxy and against the baseline (on CPU: the tiny model trained on the offline task)")
     e.add_argument("--accuracy-task", help="lm-eval task (default: gsm8k_offline for a local model, gsm8k for a hub model)")
-    e.add_argument("--accuracy-limit", type=_positive_int, help="samples of the test split (default: all)")
+    e.add_argument("--accuracy-limit", type=positive_int, help="samples of the test split (default: all)")
     e.add_argument("--num-fewshot", type=int, help="default: the task's")
-    e.add_argument("--lm-eval-concurrency", type=_positive_int, default=2)
+    e.add_argument("--lm-eval-concurrency", type=positive_int, default=2)
     e.add_argument("--proxy-fault", choices=PROXY_FAULTS, default="none",
                    help="fault injection: corrupt-block-ids hands D wrong remote block ids, no-remote-decode skips the "
                         "transfer (the run must fail either way)")
@@ -71,38 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     tp = sub.add_parser("topology", help="predict heads per rank, regime and handshake outcome for a TP pair")
     src = tp.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local model folder, hub id or id in configs/models.yaml")
-    src.add_argument("--kv-heads", type=_positive_int, help="K (num_key_value_heads); needs --heads")
-    tp.add_argument("--heads", type=_positive_int, help="attention heads (with --kv-heads)")
-    tp.add_argument("--head-dim", type=_positive_int, default=64)
+    src.add_argument("--kv-heads", type=positive_int, help="K (num_key_value_heads); needs --heads")
+    tp.add_argument("--heads", type=positive_int, help="attention heads (with --kv-heads)")
+    tp.add_argument("--head-dim", type=positive_int, default=64)
     tp.add_argument("--dtype", default="bfloat16")
-    tp.add_argument("--tp-p", type=_positive_int, required=True)
-    tp.add_argument("--tp-d", type=_positive_int, required=True)
-    tp.add_argument("--block-size-p", type=_positive_int, default=16)
-    tp.add_argument("--block-size-d", type=_positive_int)
+    tp.add_argument("--tp-p", type=positive_int, required=True)
+    tp.add_argument("--tp-d", type=positive_int, required=True)
+    tp.add_argument("--block-size-p", type=positive_int, default=16)
+    tp.add_argument("--block-size-d", type=positive_int)
     tp.add_argument("--vllm-version", help="e.g. 0.21.0 (default: a fixed version)")
     tp.add_argument("--json", action="store_true")
-
-    mx = sub.add_parser("matrix", help="the GQA-replication matrix: plan which pairs run here (--list)")
-    mx.add_argument("file", nargs="?", type=Path, help="default: configs/gqa_replication.yaml")
-    mx.add_argument("--list", action="store_true", help="print the plan with predictions and skip reasons; launch nothing")
-    mx.add_argument("--vllm-version", help="comma-separated versions to run, each from its own environment under .venvs/ "
-                                           "(default: $VLLM_VERSION or the version requirements/ pins)")
-    mx.add_argument("--run-dir", type=Path, help="matrix folder (default: runs/<timestamp>-matrix)")
-    mx.add_argument("--only", help="comma-separated entry ids")
-    mx.add_argument("--model", help="entries of this model (id in configs/models.yaml or hub id)")
-    mx.add_argument("--tp-p", type=_positive_int)
-    mx.add_argument("--tp-d", type=_positive_int)
-    mx.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
-    mx.add_argument("--gpus", type=int, help="GPUs present (default: counted from /proc/driver/nvidia/gpus)")
-    mx.add_argument("--json", action="store_true")
 
     m = sub.add_parser("model", help="build local models")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     t = msub.add_parser("tiny", help="a deterministic random-weights Llama with a locally trained tokenizer")
-    t.add_argument("--kv-heads", type=_positive_int, default=1)
-    t.add_argument("--heads", type=_positive_int, default=4)
-    t.add_argument("--layers", type=_positive_int, default=2)
-    t.add_argument("--head-dim", type=_positive_int, default=64)
+    t.add_argument("--kv-heads", type=positive_int, default=1)
+    t.add_argument("--heads", type=positive_int, default=4)
+    t.add_argument("--layers", type=positive_int, default=2)
+    t.add_argument("--head-dim", type=positive_int, default=64)
     t.add_argument("--out", type=Path, help="copy the model here (it is always cached under .cache/models)")
     for name in SUBCOMMAND_MODULES:
         _subcommand(name).add_parser(sub)
@@ -111,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -> E2EConfig:
     """The run's config from flags over env defaults. ``preflight``: also refuse a run that cannot work here
-    (harness/preflight.py: TP vs heads, block sizes, CPU cores), before any vLLM environment is installed."""
+    (harness/run/preflight.py: TP vs heads, block sizes, CPU cores), before any vLLM environment is installed."""
     import os
     import sys as _sys
     from dataclasses import replace
@@ -158,11 +139,11 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
     )
     cfg.validate()
     if preflight:
-        from harness.preflight import check_config
+        from harness.run.preflight import check_config
 
         check_config(cfg, vllm_version=version[0] if version else None)
     if version:
-        from harness.vllm_env import EnvSetupFailed, ensure_env
+        from harness.envs.vllm_env import EnvSetupFailed, ensure_env
 
         try:
             cfg = replace(cfg, python=str(ensure_env(device, version[0])))
@@ -171,32 +152,11 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
     return cfg
 
 
-class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM: unwinds like Ctrl-C, so every `with` block tears its servers down."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _interrupt(signum, frame):
-    # The first signal stops the run; later ones are ignored so that the teardown it started can finish
-    # (it is bounded: SIGTERM, a grace period, then SIGKILL).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise Interrupted(signum)
-
-
-def catch_interrupts() -> None:
-    signal.signal(signal.SIGINT, _interrupt)
-    signal.signal(signal.SIGTERM, _interrupt)
-
-
 def attach_from_args(a: argparse.Namespace):
     """The Attach spec when --prefill-url/--decode-url are given, else None."""
     if not (a.prefill_url or a.decode_url or a.baseline_url):
         return None
-    from harness.servers import Attach
+    from harness.serve.servers import Attach
 
     def urls(raw: str | None, flag: str) -> tuple[str, ...]:
         out = tuple(u.strip() for u in (raw or "").split(",") if u.strip())
@@ -214,8 +174,8 @@ def attach_from_args(a: argparse.Namespace):
 def topology_main(a: argparse.Namespace) -> int:
     import json
 
-    from harness.pipeline import model_heads
-    from harness.topology import ModelShape, predict
+    from harness.models.heads import model_heads
+    from harness.models.topology import ModelShape, predict
 
     if a.model is not None:
         heads = model_heads(a.model)
@@ -240,92 +200,14 @@ def topology_main(a: argparse.Namespace) -> int:
     return 0
 
 
-def count_gpus() -> int:
-    d = Path("/proc/driver/nvidia/gpus")
-    return len(list(d.iterdir())) if d.is_dir() else 0
-
-
-def requested_versions(arg: str | None, env=None) -> list[str]:
-    """--vllm-version, else $VLLM_VERSION: comma-separated, checked; empty when neither is given."""
-    import os
-
-    from harness.vllm_env import check_version
-
-    raw = arg if arg is not None else (os.environ if env is None else env).get("VLLM_VERSION", "")
-    return [check_version(v.strip()) for v in raw.split(",") if v.strip()]
-
-
-def versions_from(arg: str | None, device: str) -> list[str]:
-    """The requested versions, else the one requirements/ pins."""
-    from harness.vllm_env import DISTRIBUTION, pinned
-
-    return requested_versions(arg) or [pinned(device)[DISTRIBUTION[device]]]
-
-
-def matrix_main(a: argparse.Namespace) -> int:
-    import json
-
-    from harness.matrix import plan, render_plan
-    from harness.matrix_config import MATRIX_YAML, load_matrix
-
-    try:
-        matrix, models = load_matrix(a.file or MATRIX_YAML)
-        only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
-        device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
-        versions = versions_from(a.vllm_version, device)
-        gpus = a.gpus if a.gpus is not None else count_gpus()
-        plans = {v: plan(matrix, models, v, device, gpus, only, a.model, a.tp_p, a.tp_d) for v in versions}
-    except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if not any(plans.values()):
-        print("error: no matrix entry matches the filters", file=sys.stderr)
-        return 2
-    if a.list:
-        if a.json:
-            print(json.dumps([{**p.to_dict(), "vllm_version": v} for v, pairs in plans.items() for p in pairs], indent=2))
-        else:
-            print("\n".join(render_plan(pairs, v) for v, pairs in plans.items()))
-        return 0
-    return run_matrix_main(a, plans, models, device)
-
-
-def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: str) -> int:
-    from harness.matrix_run import new_matrix_dir, run_matrix, summary
-    from harness.vllm_env import EnvSetupFailed, ensure_env
-
-    catch_interrupts()
-    try:
-        # Every environment first: a failed install stops the matrix before any server starts.
-        pythons = {v: str(ensure_env(device, v)) for v, pairs in plans.items() if any(p.run for p in pairs)}
-    except EnvSetupFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    pythons.update({v: "-" for v in plans if v not in pythons})
-    base = E2EConfig(device=device)
-    run_dir = a.run_dir or new_matrix_dir(base.runs_root)
-    print(f"matrix folder: {run_dir}", flush=True)
-    try:
-        results = run_matrix(plans, pythons, models, base, run_dir)
-    except KeyboardInterrupt as e:  # the pair's own report says "interrupted"; the matrix report keeps the pairs done
-        print(f"interrupted; partial report: {run_dir / 'report.md'}", file=sys.stderr)
-        return 128 + getattr(e, "signum", signal.SIGINT)
-    print(summary(results, list(plans)))
-    print(f"report: {run_dir / 'report.md'}")
-    ran = [r for r in results if r.as_expected is not None]
-    return 0 if ran and all(r.as_expected for r in ran) else 1
-
-
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     if a.cmd in SUBCOMMAND_MODULES:
         return _subcommand(a.cmd).main(a)
     if a.cmd == "topology":
         return topology_main(a)
-    if a.cmd == "matrix":
-        return matrix_main(a)
     if a.cmd == "model":
-        from harness.tiny_model import TinyModelSpec, ensure_tiny_model, export
+        from harness.models.tiny import TinyModelSpec, ensure_tiny_model, export
 
         try:
             spec = TinyModelSpec(kv_heads=a.kv_heads, heads=a.heads, layers=a.layers, head_dim=a.head_dim)
@@ -343,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     catch_interrupts()
-    from harness.pipeline import PDRun, print_summary
+    from harness.run.pipeline import PDRun
+    from harness.run.report import print_summary
 
     run = PDRun(cfg, attach=attach)
     print(f"run folder: {run.run_dir}", flush=True)

@@ -19,11 +19,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.accuracy import HUB_DATASET, HUB_TASK
-from harness.config import REPO_ROOT, ConfigError, E2EConfig
-from harness.gpu_plan import GpuPlan, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
-from harness.ports import PortBlock
-from harness.vllm_cmd import CpuTuning
+from harness.accuracy.settings import HUB_DATASET, HUB_TASK
+from harness.core.paths import REPO_ROOT
+from harness.core.errors import ConfigError
+from harness.run.config import E2EConfig
+from harness.gpu.plan import GpuPlan, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
+from harness.serve.ports import PortBlock
+from harness.serve.vllm_cmd import CpuTuning
 
 DEFAULT_GPUS = 8
 DEFAULT_GPU_MEM_GIB = 80.0
@@ -41,13 +43,13 @@ ACCURACY_RUNS: tuple[tuple[str, int, int], ...] = (
 ACCURACY_TASK = HUB_TASK
 # Weight formats vLLM does not load when safetensors are there (e.g. meta-llama's original/*.pth): not downloaded.
 PREFETCH_IGNORE = ["*.pth", "*.bin", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "original/*"]
-# The checks of every e2e run (harness/pipeline.py, harness/transfer.py) and of accuracy runs (harness/accuracy.py).
+# The checks of every e2e run (harness/run/pipeline.py, harness/checks/transfer.py) and of accuracy runs (harness/accuracy/lm_eval.py).
 E2E_CHECKS = ("all_requests_answered", "outputs_match_baseline", "prefill_returned_kv_transfer_params", "nixl_transfers_counted",
               "no_failed_transfers", "prompt_tokens_from_transfer", "transfer_plan_logged", "kv_load_failure_policy_fail",
               "no_kv_lease_expiry", "no_process_left")
 ACCURACY_CHECKS = ("accuracy_through_pd", "accuracy_samples_paired", "accuracy_pd_within_tolerance", "accuracy_responses_agree",
                    "accuracy_matches_expected")
-PORTS_NOTE = "ports are placeholders (a fixed fake allocator); a real run takes them from harness/ports.py"
+PORTS_NOTE = "ports are placeholders (a fixed fake allocator); a real run takes them from harness/serve/ports.py"
 PLAN_NOTE = ("server lines are what a run launches: each server's GPUs (CUDA_VISIBLE_DEVICES) and memory share "
              "(--gpu-memory-utilization) come from the GPU plan; colocated servers start one after another")
 
@@ -91,9 +93,9 @@ class StepResult:
 
 
 def _server_commands(plan: GpuPlan, model: str, python: str) -> tuple[tuple[str, str], ...]:
-    """Each vLLM server of the plan as a run would launch it (harness/pipeline.py make_server), plus the proxy;
+    """Each vLLM server of the plan as a run would launch it (harness/run/pipeline.py make_server), plus the proxy;
     ports are illustrative."""
-    from harness.pipeline import make_server
+    from harness.run.launch import make_server
 
     alloc = FakePorts()
     cfg = E2EConfig(device="gpu", model=model, python=python, cpu_tuning=CpuTuning(enabled=False))
@@ -118,9 +120,9 @@ def _matrix_checks(expected: str, version_label: str) -> tuple[str, ...]:
 def build_steps(gpus: int, gpu_mem_gib: float, python: str, run_dir: Path, vllm_version: str | None = None,
                 matrix_file: Path | None = None) -> list[Step]:
     """Every step of the nightly run for ``gpus`` GPUs of ``gpu_mem_gib`` (pure apart from reading the configs)."""
-    from harness.matrix import plan as matrix_plan
-    from harness.matrix_config import MATRIX_YAML, load_matrix
-    from harness.models_config import load_models
+    from harness.matrix.plan import plan as matrix_plan
+    from harness.matrix.config import MATRIX_YAML, load_matrix
+    from harness.models.config import load_models
 
     matrix, models = load_matrix(matrix_file or MATRIX_YAML)
     pairs = matrix_plan(matrix, models, vllm_version, "gpu", gpus)
@@ -216,7 +218,7 @@ def junit_xml(results: Sequence[StepResult], name: str = "nightly-gpu") -> str:
 
 def run_step(step: Step, log_path: Path) -> StepResult:
     """Run one step as its own process group; on timeout SIGTERM it (its harness tears down its servers), then SIGKILL."""
-    from harness.procs import ManagedProcess, ProcessSpec, tail
+    from harness.serve.procs import ManagedProcess, ProcessSpec, tail
 
     t0 = time.monotonic()
     proc = ManagedProcess(ProcessSpec(name=step.id.replace("/", "-"), argv=step.argv, log_path=log_path, cwd=REPO_ROOT,
@@ -275,7 +277,7 @@ def _write(junit: Path, results: list[StepResult], out, s: Step) -> None:
 
 def nvml_guard(step: Step) -> Callable[[], str | None] | str:
     """Before a step: the plan's GPUs have the free memory it needs. After: our memory came back."""
-    from harness.nvml import GpuCheckFailed, check_free, discover, wait_released
+    from harness.gpu.nvml import GpuCheckFailed, check_free, discover, wait_released
 
     d = discover()
     if not d.available:
@@ -298,7 +300,7 @@ def nvml_guard(step: Step) -> Callable[[], str | None] | str:
 
 
 def gpus_present() -> tuple[int, str]:
-    from harness.nvml import discover
+    from harness.gpu.nvml import discover
 
     d = discover()
     if d.available:

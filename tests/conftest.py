@@ -15,7 +15,7 @@ def pytest_configure(config):
 
 def gpus_present() -> tuple[int, str]:
     """How many NVIDIA GPUs this machine has, and how that was found: NVML when a driver answers, else /proc."""
-    from harness.nvml import discover
+    from harness.gpu.nvml import discover
 
     d = discover()
     if d.available:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import psutil
 
-from harness.pipeline import RUN_TAG_ENV
+from harness.run.launch import RUN_TAG_ENV
 
 
 def processes_tagged(logs_dir: Path) -> list[int]:
@@ -27,9 +27,9 @@ def tiny_server_setup() -> tuple:
     import os
     import sys
 
-    from harness.config import E2EConfig
-    from harness.tiny_model import ensure_tiny_model
-    from harness.vllm_cmd import plan_cpu_binding
+    from harness.run.config import E2EConfig
+    from harness.models.tiny import ensure_tiny_model
+    from harness.serve.vllm_cmd import plan_cpu_binding
 
     cfg = E2EConfig(python=sys.executable)
     return cfg, str(ensure_tiny_model()), cfg.block_sizes()[0], plan_cpu_binding(os.cpu_count() or 1, [1, 1])
@@ -39,7 +39,7 @@ def config_error(load, path: Path, text: str) -> str:
     """The ConfigError message that ``load`` gives for a config file holding ``text``."""
     import pytest
 
-    from harness.config import ConfigError
+    from harness.core.errors import ConfigError
 
     path.write_text(text)
     with pytest.raises(ConfigError) as e:

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from harness.config import REPO_ROOT
-from harness.matrix_config import load_matrix
+from harness.core.paths import REPO_ROOT
+from harness.matrix.config import load_matrix
 
 # A pair starts up to three servers (10 min ready timeout each) and sends 18 prompts.
 PAIR_TIMEOUT_S = 40 * 60

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from harness.pipeline import make_server
-from harness.ports import PortAllocator
-from harness.procs import start_all
-from harness.prometheus import metric_sum, parse_metrics
-from harness.transfer import XFER_COUNT
+from harness.run.launch import make_server
+from harness.serve.ports import PortAllocator
+from harness.serve.procs import start_all
+from harness.serve.prometheus import metric_sum, parse_metrics
+from harness.checks.transfer import XFER_COUNT
 from tests.helpers import processes_tagged, tiny_server_setup
 
 REPO = Path(__file__).resolve().parents[2]

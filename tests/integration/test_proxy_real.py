@@ -8,9 +8,9 @@ import time
 import pytest
 import requests
 
-from harness.pipeline import make_proxy, make_server
-from harness.ports import PortAllocator
-from harness.procs import start_all
+from harness.run.launch import make_proxy, make_server
+from harness.serve.ports import PortAllocator
+from harness.serve.procs import start_all
 from tests.helpers import processes_tagged, tiny_server_setup
 
 pytestmark = pytest.mark.vllm

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import REPO_ROOT
-from harness.matrix_config import load_matrix
-from harness.models_config import load_models
+from harness.core.paths import REPO_ROOT
+from harness.matrix.config import load_matrix
+from harness.models.config import load_models
 from tests.helpers import config_error
 
 FAKES = REPO_ROOT / "tests" / "fakes"

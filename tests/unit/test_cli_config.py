@@ -1,7 +1,8 @@
 import pytest
 
 from harness.cli import build_parser, config_from_args, main
-from harness.config import ConfigError, E2EConfig, env_defaults
+from harness.core.errors import ConfigError
+from harness.run.config import E2EConfig, env_defaults
 
 
 def cfg(argv, env=None):
@@ -51,7 +52,7 @@ def test_env_defaults_ignores_empty():
 
 
 def test_vllm_version_selects_an_environment_and_conflicts_with_python(monkeypatch):
-    monkeypatch.setattr("harness.vllm_env.ensure_env", lambda device, version: f"/envs/{device}-{version}/bin/python")
+    monkeypatch.setattr("harness.envs.vllm_env.ensure_env", lambda device, version: f"/envs/{device}-{version}/bin/python")
     assert cfg(["--device", "cpu", "--vllm-version", "0.21.0"]).python == "/envs/cpu-0.21.0/bin/python"
     assert cfg(["--device", "cpu"], {"VLLM_VERSION": "0.21.0"}).python == "/envs/cpu-0.21.0/bin/python"
     with pytest.raises(ConfigError, match="not both"):
@@ -79,7 +80,7 @@ def test_accuracy_flags_build_settings_and_stay_off_by_default():
 def test_proxy_faults_are_the_proxys_own():
     import toy_proxy_server
 
-    from harness.config import PROXY_FAULTS
+    from harness.run.config import PROXY_FAULTS
 
     assert set(PROXY_FAULTS) == set(toy_proxy_server.FAULTS)
     assert cfg(["--device", "cpu", "--proxy-fault", "corrupt-block-ids"]).proxy_fault == "corrupt-block-ids"

@@ -7,9 +7,9 @@ import yaml
 
 from harness import nightly
 from harness.cli import main
-from harness.config import REPO_ROOT
-from harness.gpu_plan import render_plan
-from harness.matrix_config import load_matrix
+from harness.core.paths import REPO_ROOT
+from harness.gpu.plan import render_plan
+from harness.matrix.config import load_matrix
 from harness.nightly import (ACCURACY_CHECKS, ACCURACY_RUNS, E2E_CHECKS, Step, StepResult, build_steps, junit_xml, render_dry_run,
                              run_step, run_steps)
 
@@ -85,7 +85,7 @@ def test_prefetch_downloads_every_model_that_runs_and_gsm8k(steps):
 
 
 def test_check_names_are_the_harness_check_names():
-    src = "".join((REPO_ROOT / "harness" / f).read_text() for f in ("pipeline.py", "transfer.py", "accuracy.py"))
+    src = "".join((REPO_ROOT / "harness" / f).read_text() for f in ("run/evaluate.py", "checks/transfer.py", "accuracy/checks.py"))
     for name in E2E_CHECKS + ACCURACY_CHECKS:
         assert f'"{name}"' in src, name
 

@@ -1,0 +1,1 @@
+"""Accuracy through lm-eval: settings, running lm-eval and reading its output, the accuracy checks."""

@@ -1,0 +1,1 @@
+"""vLLM environments: one per version under .venvs/ (installed on demand), the pinned one in .venv, wheelhouses for offline installs."""

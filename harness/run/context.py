@@ -1,0 +1,76 @@
+"""What the phases of one run share: config, folder, report, prompts, generation settings, GPU plan, leftovers."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.accuracy.lm_eval import EvalRun, run_lm_eval
+from harness.accuracy.settings import AccuracySettings
+from harness.gpu.run import GpuRun
+from harness.run.config import E2EConfig
+from harness.run.launch import Server, make_proxy, make_server
+from harness.run.report import Report
+from harness.serve.ports import PortAllocator
+from harness.serve.procs import ManagedProcess
+from harness.workload.client import GenerationSettings
+from harness.workload.prompts import Prompt
+
+
+@dataclass
+class RunContext:
+    cfg: E2EConfig
+    run_dir: Path
+    report: Report
+    prompts: list[Prompt]
+    gen: GenerationSettings
+    model: str = ""  # path or hub id, once resolved
+    served_name: str = ""
+    accuracy: AccuracySettings | None = None  # resolved for the model; None: no lm-eval
+    gpu: GpuRun | None = None  # the GPU plan applied to this run (GPU runs only)
+    leftovers: list[int] = field(default_factory=list)  # PIDs still alive after a phase's teardown
+
+    @property
+    def logs(self) -> Path:
+        return self.run_dir / "logs"
+
+    def timed(self, key: str, t0: float) -> None:
+        self.report.timings_s[key] = time.monotonic() - t0
+
+    def server(self, alloc: PortAllocator, role: str, tp: int, block_size: int | None, cpu_bind: str | None,
+               kv_layout: str | None = None) -> Server:
+        """A server of this run (not started), recorded in the report's commands and logs."""
+        placement = self.gpu.placement(role) if self.gpu is not None else None
+        srv = make_server(self.cfg, alloc, role, tp, self.model, self.served_name, block_size, cpu_bind, self.logs, kv_layout,
+                          placement=placement)
+        self.report.commands[role] = srv.command
+        self.report.logs[role] = str(srv.proc.spec.log_path)
+        return srv
+
+    def proxy(self, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str]) -> tuple[ManagedProcess, str]:
+        proc, url = make_proxy(self.cfg.python, alloc, prefill_urls, decode_urls, self.logs, self.cfg.request_timeout_s,
+                               fault=self.cfg.proxy_fault)
+        self.report.commands["proxy"] = " ".join(proc.spec.argv)
+        self.report.logs["proxy"] = str(proc.spec.log_path)
+        return proc, url
+
+    def lm_eval(self, url: str, which: str, watch: list) -> EvalRun:
+        """lm-eval against ``url`` (``which``: pd or baseline) while watching the servers it talks to."""
+        assert self.accuracy is not None
+        t0 = time.monotonic()
+        log = self.logs / f"lm_eval_{which}.log"
+        self.report.logs[f"lm_eval_{which}"] = str(log)
+        out = run_lm_eval(self.cfg.python, url, self.served_name, self.accuracy, self.run_dir / "lm_eval" / which, log, watch)
+        self.timed(f"lm_eval_{which}", t0)
+        return out
+
+    def read_logs(self) -> dict[str, str]:
+        """Every log this run recorded, by name (a log not written yet is left out)."""
+        out = {}
+        for role, path in self.report.logs.items():
+            try:
+                out[role] = Path(path).read_text(errors="replace")
+            except OSError:
+                pass
+        return out

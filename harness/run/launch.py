@@ -1,0 +1,104 @@
+"""What a run launches: the model it serves, a vLLM server of a role, the proxy; each a managed process not yet started."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.checks.classify import FATAL_PATTERNS
+from harness.core.paths import REPO_ROOT
+from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
+from harness.run.config import E2EConfig
+from harness.serve.ports import PortAllocator, server_ports
+from harness.serve.procs import ManagedProcess, ProcessSpec
+from harness.serve.vllm_cmd import FATAL_LOG_PATTERNS, ServerSpec, build_server_command
+
+PROXY_SCRIPT = REPO_ROOT / "toy_proxy_server.py"
+# Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
+RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
+
+
+@dataclass
+class Server:
+    spec: ServerSpec
+    proc: ManagedProcess
+    url: str
+    command: str
+
+
+def new_run_dir(cfg: E2EConfig) -> Path:
+    if cfg.run_dir is not None:
+        return Path(cfg.run_dir)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return cfg.runs_root / f"{stamp}-p{cfg.tp_p}d{cfg.tp_d}-{os.getpid()}"
+
+
+def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
+    """(model path or hub id, served model name). Accuracy runs on CPU use the tiny model trained on the offline task."""
+    if cfg.model is None and cfg.accuracy is not None:
+        from harness.models.trained import TRAINED_NAME, ensure_trained_model
+
+        return str(ensure_trained_model()), TRAINED_NAME
+    if cfg.model is None:
+        from harness.models.tiny import ensure_tiny_model
+
+        path = ensure_tiny_model()
+        return str(path), "tiny-llama"
+    p = Path(cfg.model)
+    return (str(p.resolve()), p.name) if p.exists() else (cfg.model, cfg.model)
+
+
+def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model: str, name: str, block_size: int | None,
+                cpu_bind: str | None, logs_dir: Path, kv_layout: str | None = None, label: str | None = None,
+                kv_load_failure_policy: str = "fail", placement: ServerPlacement | None = None) -> Server:
+    """A not-yet-started vLLM server of ``role`` with ports from ``alloc`` and its log in ``logs_dir``.
+
+    ``label`` names the process and its log (default: the role); ``kv_load_failure_policy`` other than
+    "fail" is for tests that must see the harness refuse a silently recomputed transfer. ``placement``
+    (GPU): the server's GPUs and memory share from the run's GPU plan; a given --gpu-memory-utilization wins."""
+    spec = ServerSpec(
+        role=role,  # type: ignore[arg-type]
+        model=model,
+        served_model_name=name,
+        tp=tp,
+        device=cfg.device,  # type: ignore[arg-type]
+        block_size=block_size,
+        kv_layout=kv_layout,
+        cpu_bind=cpu_bind,
+        kv_lease_s=cfg.lease_s,
+        gpu_memory_utilization=cfg.gpu_memory_utilization or (placement.gpu_memory_utilization if placement else None),
+        gpus=placement.gpus if placement else (),
+        # CUDA_VISIBLE_DEVICES comes from ``gpus``; the plan's ids are NVML's, so CUDA must count in the same order
+        extra_env=(("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else (),
+        seed=cfg.seed,
+        kv_load_failure_policy=kv_load_failure_policy,
+        **({} if cfg.device == "cpu" else {"max_model_len": None, "max_num_seqs": None, "dtype": None, "enforce_eager": False}),
+    )
+    ports = server_ports(alloc, tp)
+    cmd = build_server_command(spec, ports, cfg.python, cfg.cpu_tuning)
+    url = f"http://127.0.0.1:{ports.http}"
+    proc = ManagedProcess(
+        ProcessSpec(
+            name=label or role,
+            argv=cmd.argv,
+            env={**cmd.env, RUN_TAG_ENV: str(logs_dir)},
+            log_path=logs_dir / f"{label or role}.log",
+            health_url=f"{url}/health",
+            fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
+            ready_timeout_s=cfg.ready_timeout_s,
+        )
+    )
+    return Server(spec, proc, url, cmd.shell())
+
+
+def make_proxy(python: str, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str], logs_dir: Path,
+               timeout_s: float, fault: str = "none", name: str = "proxy") -> tuple[ManagedProcess, str]:
+    port = alloc.port()
+    argv = [python, str(PROXY_SCRIPT), "--host", "127.0.0.1", "--port", str(port),
+            "--prefill", *prefill_urls, "--decode", *decode_urls, "--timeout", str(timeout_s), "--fault", fault]
+    url = f"http://127.0.0.1:{port}"
+    proc = ManagedProcess(ProcessSpec(name=name, argv=argv, env={RUN_TAG_ENV: str(logs_dir)}, log_path=logs_dir / f"{name}.log",
+                                      health_url=f"{url}/health", ready_timeout_s=60))
+    return proc, url

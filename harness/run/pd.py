@@ -1,0 +1,117 @@
+"""The P/D phase: P and D (launched here or attached) and the proxy, the prompts through the proxy while the
+servers are watched, D's /metrics and the proxy's counters around them, the smoke check and lm-eval."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+
+import requests
+
+from harness.accuracy.checks import check_through_pd
+from harness.accuracy.lm_eval import EvalRun
+from harness.checks import smoke
+from harness.checks import transfer
+from harness.checks.check import Check
+from harness.models.config import load_models
+from harness.run.context import RunContext
+from harness.serve.ports import PortAllocator
+from harness.serve.procs import start_all
+from harness.serve.prometheus import Sample
+from harness.serve.servers import LocalServers, MetricsUnavailable, ServerSet, decode_metrics, read_json
+from harness.workload.client import CompletionRun, run_completions
+
+
+@dataclass
+class PDResult:
+    completions: CompletionRun
+    metrics_before: list[Sample]  # D's /metrics around the prompts
+    metrics_after: list[Sample]
+    proxy_stats: dict  # the proxy's counters after the prompts
+    logs: dict[str, str]  # the servers' logs, read after teardown (empty for servers started elsewhere)
+    attached: bool
+    smoke: Check | None = None
+    eval: EvalRun | None = None
+    through: Check | None = None  # lm-eval's requests took the P/D path
+
+
+def local_servers(ctx: RunContext, alloc: PortAllocator, block_sizes: tuple[int | None, int | None],
+                  binds: list[str | None]) -> LocalServers:
+    pre = ctx.server(alloc, "prefill", ctx.cfg.tp_p, block_sizes[0], binds[0])
+    dec = ctx.server(alloc, "decode", ctx.cfg.tp_d, block_sizes[1], binds[1], ctx.cfg.kv_layout_d)
+    return LocalServers([(pre.url, pre.proc)], [(dec.url, dec.proc)], ctx.cfg.ready_timeout_s,
+                        stagger=ctx.gpu is not None and ctx.gpu.plan.stagger_start)
+
+
+def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResult:
+    t0 = time.monotonic()
+    if ctx.gpu is not None:
+        ctx.gpu.before("pd")
+    with contextlib.ExitStack() as stack:
+        for role, secs in servers.start(stack).items():
+            ctx.report.timings_s[f"{role}_launch_to_ready"] = secs
+        proxy, proxy_url = ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
+        ctx.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
+        watch = [servers, proxy]
+        before = decode_metrics(servers)
+        t1 = time.monotonic()
+        completions = watched_requests(ctx, proxy_url, watch)
+        ctx.timed("pd_requests", t1)
+        after = decode_metrics(servers)
+        stats = proxy_stats(proxy_url, servers)
+        out = PDResult(completions, before, after, stats, {}, servers.attached, smoke=smoke_check(ctx, proxy_url))
+        if ctx.accuracy is not None:
+            out.eval = ctx.lm_eval(proxy_url, "pd", watch)
+            stats_after = proxy_stats(proxy_url, servers)
+            xfers = transfer.delta(after, decode_metrics(servers), transfer.XFER_COUNT).delta
+            out.through = check_through_pd(out.eval.n, stats, stats_after, xfers)
+        t_stop = time.monotonic()
+    if ctx.gpu is not None and isinstance(servers, LocalServers):
+        ctx.gpu.after("pd", servers.seen_pids())
+    ctx.report.timings_s["pd_teardown"] = time.monotonic() - t_stop
+    ctx.timed("pd_phase", t0)
+    ctx.leftovers += servers.leftover_pids() + proxy.leftover_pids()
+    out.logs = servers.logs()  # after teardown, so the logs are complete
+    return out
+
+
+def watched_requests(ctx: RunContext, url: str, watch: list) -> CompletionRun:
+    """Send the prompts while watching the servers: a dead server or a fatal log line ends the wait at once
+    (vLLM retries a failed handshake on every request, minutes each, so waiting out the requests is no option)."""
+    box: dict[str, CompletionRun] = {}
+    t = threading.Thread(target=lambda: box.setdefault("run", run_completions(url, ctx.served_name, ctx.prompts, ctx.gen, "pd-")),
+                         name="pd-requests", daemon=True)
+    t.start()
+    while True:
+        t.join(0.5)
+        done = not t.is_alive()
+        for w in watch:
+            w.check(force=done)  # a full last pass too: a server that died mid-run is the story, not its failed requests
+        if done:
+            return box["run"]
+
+
+def proxy_stats(proxy_url: str, servers: ServerSet) -> dict:
+    try:
+        return read_json(f"{proxy_url}/proxy/stats", "proxy")
+    except MetricsUnavailable:
+        servers.check(force=True)  # a dead server is the story, not the unread counters
+        raise
+
+
+def smoke_check(ctx: RunContext, proxy_url: str) -> Check | None:
+    """"The capital of France is" -> "Paris" through P/D, for trained chat models (after the counted requests)."""
+    entry = load_models().find(ctx.model)
+    if entry is None or entry.hub_id is None:
+        ctx.report.skipped_checks.append({"name": smoke.CHECK_NAME, "reason": f"{ctx.served_name} is not a trained chat model "
+                                          "of configs/models.yaml; its answer would say nothing"})
+        return None
+    try:
+        r = requests.post(f"{proxy_url}/v1/completions", json=smoke.smoke_request(ctx.served_name), timeout=ctx.cfg.request_timeout_s)
+    except requests.RequestException as e:
+        return smoke.judge_smoke(None, f"{type(e).__name__}: {e}")
+    if r.status_code != 200:
+        return smoke.judge_smoke(None, f"HTTP {r.status_code}: {r.text[:300]}")
+    return smoke.judge_smoke(smoke.completion_text(r.json()))

@@ -1,0 +1,123 @@
+"""One P/D run end to end: resolve and check what runs, then the phases (baseline, P/D, evaluation) and the report.
+
+Each phase is a module of its own (``baseline.py``, ``pd.py``, ``evaluate.py``); failures are mapped to
+classes in ``failures.py``. ``PDRun`` only orders them and makes sure a report is written on every exit path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from harness.accuracy.resolve import resolve_accuracy
+from harness.core.errors import ConfigError
+from harness.gpu.run import GpuRun
+from harness.models.heads import model_heads
+from harness.run import failures
+from harness.run.baseline import BaselineResult, run_baseline
+from harness.run.config import E2EConfig
+from harness.run.context import RunContext
+from harness.run.evaluate import evaluate
+from harness.run.launch import new_run_dir, resolve_model
+from harness.run.pd import local_servers, run_pd
+from harness.run.preflight import preflight
+from harness.run.report import Report, write_report
+from harness.run.timing import breakdown
+from harness.run.versions import installed_versions
+from harness.serve.ports import PortAllocator
+from harness.serve.servers import Attach, AttachedServers, served_model
+from harness.serve.vllm_cmd import plan_cpu_binding
+from harness.workload.client import GenerationSettings
+from harness.workload.prompts import prompt_set
+
+
+class PDRun:
+    """One run. ``baseline_last`` runs the baseline after P/D (and not at all when P/D fails);
+    ``baseline_cache`` shares baseline answers between runs of one matrix; ``attach`` uses servers started elsewhere."""
+
+    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[tuple, BaselineResult] | None = None,
+                 attach: Attach | None = None):
+        cfg.validate()
+        self.cfg = cfg
+        self.attach = attach
+        self.baseline_last = baseline_last
+        self.baseline_cache = baseline_cache
+        self.run_dir = new_run_dir(cfg)
+        self.ctx = RunContext(cfg, self.run_dir, Report(config=cfg.to_dict()), prompt_set(cfg.seed),
+                              GenerationSettings(max_tokens=cfg.max_tokens, logprobs=cfg.logprobs, seed=cfg.seed,
+                                                 timeout_s=cfg.request_timeout_s))
+
+    @property
+    def report(self) -> Report:
+        return self.ctx.report
+
+    def run(self) -> dict:
+        """Run, and write report.json/report.md whatever happens (an interrupt is re-raised after the report)."""
+        wall = time.monotonic()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.report.versions = installed_versions(self.cfg.python)
+        try:
+            self._run()
+        except KeyboardInterrupt as e:  # servers are down by now
+            self.report.failure = failures.interrupted(e)
+            raise
+        except Exception as e:
+            self.report.failure = failures.from_exception(e, self.ctx.read_logs)
+        finally:
+            self.ctx.timed("wall", wall)
+            staggered = bool((self.report.config.get("gpu_plan") or {}).get("stagger_start"))
+            self.report.timing_breakdown = breakdown(self.report.timings_s, staggered).to_dict()
+            d = write_report(self.report, self.run_dir, self.cfg.runs_root if self.cfg.run_dir is None else None)
+        return d
+
+    def _run(self) -> None:
+        ctx, cfg = self.ctx, self.cfg
+        self._resolve()
+        bs_p, bs_d = cfg.block_sizes()
+        binds: list[str | None] = [None, None]
+        if cfg.device == "cpu":
+            binds = list(plan_cpu_binding(os.cpu_count() or 1, [cfg.tp_p, cfg.tp_d]))
+        ctx.report.config["cpu_bind"] = {"prefill": binds[0], "decode": binds[1], "baseline": binds[1]}
+        attached_baseline = self.attach.baseline_url if self.attach else None
+
+        with PortAllocator() as alloc:
+            # The baseline runs alone (never beside P/D), at D's TP and D's cores, so both sides compute alike.
+            baseline = None if self.baseline_last else run_baseline(ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
+            servers = (AttachedServers(self.attach.prefill_urls, self.attach.decode_urls) if self.attach
+                       else local_servers(ctx, alloc, (bs_p, bs_d), binds))
+            pd = run_pd(ctx, alloc, servers)
+            if baseline is None:
+                baseline = run_baseline(ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
+
+        evaluate(ctx, baseline, pd)
+        self.report.failure = failures.from_checks(self.report.checks, ctx.read_logs(), [pd.completions, baseline.completions])
+
+    def _resolve(self) -> None:
+        """The model, its heads and topology, the GPU plan and the accuracy settings; refuse what cannot run."""
+        ctx, cfg = self.ctx, self.cfg
+        if self.attach is not None:  # the model the attached decode server serves
+            root, ctx.served_name = served_model(self.attach.decode_urls[0])
+            ctx.model = cfg.model or root
+        else:
+            ctx.model, ctx.served_name = resolve_model(cfg)
+        config = ctx.report.config
+        config["resolved_model"] = ctx.model
+        config["served_model_name"] = ctx.served_name
+        heads = config["model_heads"] = model_heads(ctx.model)
+        config["prompts"] = len(ctx.prompts)
+        if self.attach is None:  # refuse what cannot run before anything starts (the CLI checked the same, if it was used)
+            pf = preflight(heads["attention_heads"], heads["kv_heads"], cfg.tp_p, cfg.tp_d, *cfg.block_sizes(), cfg.device)
+            config["topology"] = pf.topology.to_dict() if pf.topology else None
+            if pf.problems:
+                raise ConfigError(pf.message())
+            if cfg.device == "gpu":
+                ctx.gpu = GpuRun(cfg.tp_p, cfg.tp_d, ctx.model)
+                config["gpu_plan"] = ctx.gpu.plan.to_dict()
+        config["attach"] = self.attach.to_dict() if self.attach else None
+        ctx.accuracy = resolve_accuracy(cfg.accuracy, ctx.model, ctx.served_name) if cfg.accuracy is not None else None
+        if ctx.accuracy is not None:
+            config["accuracy"] = ctx.accuracy.to_dict()
+
+
+def run_e2e(cfg: E2EConfig) -> dict:
+    return PDRun(cfg).run()

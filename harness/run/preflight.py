@@ -1,0 +1,159 @@
+"""Pre-launch validation (pure): the problems that make a P/D run impossible, before anything starts.
+
+Each problem is one line. A pair vLLM rejects *by design* (regime D: a replicated prefill TP
+larger than the decode TP) is not a problem here: the matrix runs it on purpose to observe the
+refusal; ``Preflight.topology`` carries that prediction (``expected == "rejected"``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from harness.core.errors import ConfigError
+from harness.run.config import E2EConfig
+from harness.models.topology import ModelShape, Topology, predict
+
+# vLLM's CPU attention backend needs KV block sizes that are multiples of this.
+CPU_BLOCK_MULTIPLE = 32
+# vLLM's own default block size where none is given (GPU); only used for the topology prediction.
+VLLM_DEFAULT_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class Preflight:
+    problems: tuple[str, ...]
+    topology: Topology | None  # None when the model's heads are unknown
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def message(self) -> str:
+        """All problems on one line."""
+        return "; ".join(self.problems)
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _head_problems(attention_heads: int, kv_heads: int, side: str, tp: int) -> list[str]:
+    out = []
+    if attention_heads % tp:
+        out.append(f"{side} TP {tp} does not divide the model's {attention_heads} attention heads "
+                   "(vLLM needs num_attention_heads % tp == 0)")
+    if tp > kv_heads and tp % kv_heads:
+        out.append(f"{side} TP {tp} is larger than the model's {kv_heads} KV heads and not a multiple of them "
+                   "(vLLM needs tp % K == 0 when tp > K)")
+    return out
+
+
+def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d: int,
+              block_size_p: int | None = None, block_size_d: int | None = None, device: str = "cpu",
+              cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
+    """Problems and the predicted topology for a run. Heads ``None``: the model is unknown, head checks are skipped.
+
+    Block sizes ``None`` mean the harness default (32 on CPU, vLLM's own on GPU); D's defaults to P's.
+    ``cpu_cores`` (CPU only) defaults to the cores this process may use.
+    """
+    problems: list[str] = []
+    sides = (("prefill", tp_p), ("decode", tp_d))
+    for side, tp in sides:
+        if not isinstance(tp, int) or tp < 1:
+            problems.append(f"{side} TP must be a positive integer, got {tp!r}")
+    if problems:
+        return Preflight(tuple(problems), None)
+
+    known = attention_heads is not None and kv_heads is not None
+    if known:
+        if attention_heads < 1 or kv_heads < 1 or attention_heads % kv_heads:
+            problems.append(f"the model's heads are inconsistent: {attention_heads} attention heads, {kv_heads} KV heads")
+            known = False
+        else:
+            for side, tp in sides:
+                problems += _head_problems(attention_heads, kv_heads, side, tp)
+    if max(tp_p, tp_d) % min(tp_p, tp_d):
+        problems.append(f"TP sizes {tp_p} (prefill) and {tp_d} (decode): the larger must be a multiple of the smaller")
+
+    default_bs = CPU_BLOCK_MULTIPLE if device == "cpu" else None
+    bs_p = block_size_p or default_bs
+    bs_d = block_size_d or bs_p
+    for side, bs in (("prefill", block_size_p), ("decode", block_size_d)):
+        if bs is not None and bs < 1:
+            problems.append(f"{side} block size must be a positive integer, got {bs!r}")
+    if bs_p and bs_d and bs_p >= 1 and bs_d >= 1 and bs_d % bs_p:
+        problems.append(f"prefill block size {bs_p} does not divide decode block size {bs_d}")
+
+    if device == "cpu":
+        cores = available_cores() if cpu_cores is None else cpu_cores
+        for side, bs in (("prefill", bs_p), ("decode", bs_d)):
+            if bs and bs >= 1 and bs % CPU_BLOCK_MULTIPLE:
+                problems.append(f"cannot run on this CPU machine: {side} block size {bs} is not a multiple of "
+                                f"{CPU_BLOCK_MULTIPLE} (vLLM's CPU attention needs that)")
+        for side, tp in sides:
+            if tp > cores:
+                problems.append(f"cannot run on this CPU machine: {side} TP {tp} needs {tp} CPU cores, "
+                                f"this machine has {cores}")
+
+    topo = None
+    if known:
+        p = bs_p if bs_p and bs_p >= 1 else VLLM_DEFAULT_BLOCK
+        d = bs_d if bs_d and bs_d >= 1 else p
+        topo = predict(ModelShape(attention_heads, kv_heads), tp_p, tp_d, p, d, vllm_version)
+    return Preflight(tuple(problems), topo)
+
+
+def preflight_problems(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d: int,
+                       block_size_p: int | None = None, block_size_d: int | None = None, device: str = "cpu",
+                       cpu_cores: int | None = None) -> list[str]:
+    """The one-line problems that make the run impossible (empty: it may start)."""
+    return list(preflight(attention_heads, kv_heads, tp_p, tp_d, block_size_p, block_size_d, device, cpu_cores).problems)
+
+
+def check_preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d: int,
+                    block_size_p: int | None = None, block_size_d: int | None = None, device: str = "cpu",
+                    cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
+    """``preflight``, raising ``ConfigError`` (all problems on one line) when there is any."""
+    pf = preflight(attention_heads, kv_heads, tp_p, tp_d, block_size_p, block_size_d, device, cpu_cores, vllm_version)
+    if pf.problems:
+        raise ConfigError(pf.message())
+    return pf
+
+
+def config_heads(cfg: E2EConfig) -> tuple[int | None, int | None]:
+    """(attention heads, KV heads) of the model ``cfg`` will serve, without building or downloading anything.
+
+    No ``--model`` on CPU: the tiny local model's shape (the trained one for accuracy runs), from its spec.
+    A local folder: its config.json. Else configs/models.yaml; (None, None) when unknown there.
+    """
+    if cfg.model is None:
+        if cfg.accuracy is not None:
+            from harness.models.trained import TrainedModelSpec
+
+            arch = TrainedModelSpec().arch
+        else:
+            from harness.models.tiny import TinyModelSpec
+
+            arch = TinyModelSpec()
+        return arch.heads, arch.kv_heads
+    from harness.models.heads import model_heads
+
+    h = model_heads(cfg.model)
+    return h["attention_heads"], h["kv_heads"]
+
+
+def preflight_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
+    heads, kv = config_heads(cfg)
+    return preflight(heads, kv, cfg.tp_p, cfg.tp_d, cfg.block_size_p, cfg.block_size_d, cfg.device, cpu_cores, vllm_version)
+
+
+def check_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
+    """``preflight_config``, raising ``ConfigError`` (one line) on any problem."""
+    pf = preflight_config(cfg, cpu_cores, vllm_version)
+    if pf.problems:
+        raise ConfigError(pf.message())
+    return pf

@@ -1,0 +1,144 @@
+"""Run reports: report.json (for machines) and report.md (for people)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.checks.check import Check
+from harness.core.files import write_atomic
+
+
+@dataclass
+class Report:
+    config: dict[str, Any]
+    versions: dict[str, str | None] = field(default_factory=dict)
+    checks: list[Check] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)
+    comparison: dict[str, Any] | None = None
+    commands: dict[str, str] = field(default_factory=dict)
+    logs: dict[str, str] = field(default_factory=dict)
+    failure: dict[str, Any] | None = None  # set when the run could not complete
+    accuracy: dict[str, Any] | None = None  # lm-eval scores and per-sample diff (with --accuracy)
+    skipped_checks: list[dict[str, str]] = field(default_factory=list)  # checks this run could not make, with why
+    timing_breakdown: dict[str, Any] | None = None  # harness/run/timing.py: where the wall time went
+
+    @property
+    def verdict(self) -> str:
+        if self.failure is not None and self.failure.get("class") == "interrupted":
+            return "interrupted"
+        return "pass" if self.failure is None and self.checks and all(c.passed for c in self.checks) else "fail"
+
+    @property
+    def reason(self) -> str | None:
+        if self.failure is not None:
+            return str(self.failure.get("reason"))
+        if not self.checks:
+            return "no check ran"
+        failed = [c for c in self.checks if not c.passed]
+        return "; ".join(f"{c.name}: {c.detail}" for c in failed) or None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"verdict": self.verdict}
+        if self.verdict != "pass":
+            d["reason"] = self.reason
+        d.update(
+            config=self.config,
+            versions=self.versions,
+            checks=[c.to_dict() for c in self.checks],
+            skipped_checks=self.skipped_checks,
+            timings_s={k: round(v, 3) for k, v in self.timings_s.items()},
+            timing_breakdown=self.timing_breakdown,
+            comparison=self.comparison,
+            commands=self.commands,
+            logs=self.logs,
+        )
+        if self.accuracy is not None:
+            d["accuracy"] = self.accuracy
+        if self.failure is not None:
+            d["failure"] = self.failure
+        return d
+
+
+def render_markdown(d: dict[str, Any]) -> str:
+    cfg = d.get("config", {})
+    lines = [
+        f"# P/D run: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} — **{d['verdict'].upper()}**",
+        "",
+    ]
+    if d.get("reason"):
+        lines += [f"Reason: {d['reason']}", ""]
+    lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
+    for c in d.get("checks", []):
+        detail = str(c["detail"]).replace("|", "\\|").replace("\n", " ")
+        lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {detail} |")
+    for c in d.get("skipped_checks", []):
+        lines.append(f"| {c['name']} | not checked | {c['reason']} |")
+    if d.get("failure"):
+        f = d["failure"]
+        lines += ["", "## Failure", "", f"Class: `{f.get('class', 'unknown')}`", "", f"{f.get('reason')}", "", "```", str(f.get("excerpt", "")), "```"]
+    a = d.get("accuracy")
+    if a:
+        lines += ["", f"## Accuracy ({a['task']}, lm-eval {a.get('lm_eval')})", "",
+                  "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |", "|---|---|---|---|---|---|---|",
+                  f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | {a['tolerance']:.3f} | "
+                  f"{a['differing_responses']} | {a['score_flips']} |"]
+    comp = d.get("comparison")
+    if comp:
+        lines += ["", "## Comparison with the baseline", "", f"{comp.get('summary', '')}", "",
+                  "| prompt | prompt tokens | status | compared tokens | divergence |", "|---|---|---|---|---|"]
+        tokens = comp.get("prompt_tokens", {})
+        for p in comp.get("prompts", []):
+            div = p.get("divergence")
+            dtxt = "" if not div else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} ({div['reason']})"
+            lines.append(f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | {p['compared_tokens']} | {dtxt} |")
+    lines += ["", "## Configuration", "", "```json", json.dumps(cfg, indent=2), "```", "", "## Versions", ""]
+    lines += [f"- {k}: {v}" for k, v in d.get("versions", {}).items()]
+    lines += ["", "## Timings (s)", ""] + [f"- {k}: {v}" for k, v in d.get("timings_s", {}).items()]
+    tb = d.get("timing_breakdown")
+    if tb:
+        lines += ["", f"Harness's own time: {tb['harness_own_s']:.1f} s of {tb['wall_s']:.1f} s wall "
+                      f"({100 * tb['harness_own_share']:.1f}%, target {100 * tb['target_share']:.0f}%); "
+                      + ", ".join(f"{k} {v:.1f} s" for k, v in tb["by_category_s"].items())]
+    lines += ["", "## Logs", ""] + [f"- {k}: `{v}`" for k, v in d.get("logs", {}).items()]
+    lines += ["", "## Commands", ""] + [f"- {k}: `{v}`" for k, v in d.get("commands", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: Report, run_dir: Path, runs_root: Path | None = None) -> dict[str, Any]:
+    d = report.to_dict()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(run_dir / "report.json", json.dumps(d, indent=2, default=str) + "\n")
+    write_atomic(run_dir / "report.md", render_markdown(d))
+    if runs_root is not None:
+        point_latest(runs_root, run_dir)
+    return d
+
+
+def point_latest(runs_root: Path, run_dir: Path) -> None:
+    """runs/latest -> the newest run, replaced atomically."""
+    link = runs_root / "latest"
+    tmp = runs_root / f".latest-{os.getpid()}"
+    try:
+        target = os.path.relpath(run_dir.resolve(), runs_root.resolve())
+    except ValueError:
+        target = str(run_dir.resolve())
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def print_summary(d: dict, run_dir: Path, out=sys.stdout) -> None:
+    """The checks, the failure and the verdict of a report, for the terminal."""
+    for c in d.get("checks", []):
+        print(f"  [{'PASS' if c['passed'] else 'FAIL'}] {c['name']}: {c['detail']}", file=out)
+    if d.get("failure"):
+        print(f"  run failed [{d['failure'].get('class', 'unknown')}]: {d['failure']['reason']}", file=out)
+        print("  " + str(d["failure"].get("excerpt", "")).replace("\n", "\n  "), file=out)
+    print(f"verdict: {d['verdict']}" + (f" ({d.get('reason')})" if d["verdict"] != "pass" else ""), file=out)
+    print(f"report: {run_dir / 'report.md'}", file=out)

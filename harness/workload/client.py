@@ -1,0 +1,66 @@
+"""Greedy completions with logprobs, the way the comparison needs them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import requests
+
+from harness.workload.completion import Completion, parse_completion
+from harness.workload.prompts import Prompt
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_tokens: int = 16
+    logprobs: int = 5  # top-k kept for the tolerance rule
+    seed: int = 0
+    timeout_s: float = 180.0
+
+    def body(self, model: str, prompt: str) -> dict:
+        return {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0,
+            "logprobs": self.logprobs,
+            "return_tokens_as_token_ids": True,
+            "seed": self.seed,
+        }
+
+
+class RequestFailed(RuntimeError):
+    def __init__(self, prompt_id: str, status: int | None, detail: str):
+        self.prompt_id, self.status, self.detail = prompt_id, status, detail
+        super().__init__(f"{prompt_id}: HTTP {status}: {detail}")
+
+
+@dataclass
+class CompletionRun:
+    completions: list[Completion] = field(default_factory=list)
+    latencies_s: dict[str, float] = field(default_factory=dict)
+    failures: list[RequestFailed] = field(default_factory=list)
+
+
+def run_completions(base_url: str, model: str, prompts: list[Prompt], gen: GenerationSettings, run_tag: str = "") -> CompletionRun:
+    """Send prompts one at a time (a fixed batch composition keeps greedy runs comparable)."""
+    out = CompletionRun()
+    with requests.Session() as s:
+        for p in prompts:
+            t0 = time.monotonic()
+            headers = {"X-Request-Id": f"{run_tag}{p.id}"} if run_tag else {}
+            try:
+                r = s.post(f"{base_url}/v1/completions", json=gen.body(model, p.text), headers=headers, timeout=gen.timeout_s)
+            except requests.RequestException as e:
+                out.failures.append(RequestFailed(p.id, None, f"{type(e).__name__}: {e}"))
+                continue
+            out.latencies_s[p.id] = time.monotonic() - t0
+            if r.status_code != 200:
+                out.failures.append(RequestFailed(p.id, r.status_code, r.text[:2000]))
+                continue
+            try:
+                out.completions.append(parse_completion(p.id, r.json()))
+            except ValueError as e:
+                out.failures.append(RequestFailed(p.id, r.status_code, str(e)))
+    return out

@@ -1,0 +1,112 @@
+"""Judging a matrix run: outcomes, verdicts, the #45330 line per version, the report (no servers)."""
+
+import json
+
+from harness.run.config import E2EConfig
+from harness.matrix.plan import PlannedPair
+from harness.matrix.run import observed_outcome, run_matrix, summary, version_line
+
+
+def pair(id_="tiny-k1-p1-d2", regime="B", predicted="ok", expected="ok", run=True, tp=(1, 2), tolerated=None):
+    return PlannedPair(id_, "tiny-llama", "cpu", tp[0], tp[1], 1, regime, predicted, expected, "fixed", run,
+                       None if run else "a gpu entry; this run is on cpu", tolerated)
+
+
+def report(verdict="pass", cls=None):
+    d = {"verdict": verdict}
+    if cls:
+        d["failure"] = {"class": cls}
+        d["reason"] = f"{cls} in the decode log"
+    return d
+
+
+def test_outcomes_in_the_matrix_words():
+    assert observed_outcome(report()) == "ok"
+    assert observed_outcome(report("fail", "assert-45330")) == "assert-45330"
+    assert observed_outcome(report("fail", "rejected-replicated-p-gt-d")) == "rejected"
+    assert observed_outcome(report("fail", "kv-lease-expired")) == "kv-lease-expired"
+    assert observed_outcome({"verdict": "fail"}) == "checks-failed"
+
+
+class FakeRuns:
+    """Stands in for PDRun: answers each pair from a table, records the configs it was given."""
+
+    def __init__(self, answers):
+        self.answers, self.seen = answers, []
+
+    def __call__(self, cfg, cache):
+        self.seen.append(cfg)
+        return self.answers[(cfg.python, cfg.tp_p, cfg.tp_d)]
+
+
+def run(plans, answers, tmp_path, monkeypatch):
+    monkeypatch.setattr("harness.matrix.run.model_for", lambda p, models: f"/models/k{p.kv_heads}")
+    fake = FakeRuns(answers)
+    pythons = {v: f"/envs/{v}/python" for v in plans}
+    results = run_matrix(plans, pythons, {}, E2EConfig(), tmp_path, out=open("/dev/null", "w"), run_pair=fake)
+    return results, fake
+
+
+def test_0_21_reproduces_and_0_32_does_not(tmp_path, monkeypatch):
+    plans = {"0.21.0": [pair(predicted="assert-45330", expected="assert-45330"), pair("gpu-one", run=False)],
+             "0.32.0": [pair(), pair("tiny-k1-p2-d1", "D", "rejected", "rejected", tp=(2, 1))]}
+    answers = {("/envs/0.21.0/python", 1, 2): report("fail", "assert-45330"),
+               ("/envs/0.32.0/python", 1, 2): report(),
+               ("/envs/0.32.0/python", 2, 1): report("fail", "rejected-replicated-p-gt-d")}
+    results, fake = run(plans, answers, tmp_path, monkeypatch)
+    assert [r.verdict for r in results] == ["as expected", "skipped", "as expected", "as expected"]
+    assert version_line("0.21.0", results) == "#45330 REPRODUCED on vLLM 0.21.0 (tiny-k1-p1-d2)"
+    assert version_line("0.32.0", results).startswith("#45330 NOT REPRODUCED on vLLM 0.32.0 (outputs match baseline")
+    # each version runs from its own interpreter, each pair in its own folder
+    assert {c.python for c in fake.seen} == {"/envs/0.21.0/python", "/envs/0.32.0/python"}
+    assert fake.seen[0].run_dir == tmp_path / "vllm-0.21.0" / "tiny-k1-p1-d2"
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["complete"] and data["all_as_expected"] and len(data["pairs"]) == 4
+    assert data["versions"]["0.21.0"].startswith("#45330 REPRODUCED")
+    md = (tmp_path / "report.md").read_text()
+    assert "| 0.21.0 | tiny-k1-p1-d2 | 1 | 1→2 | B | assert-45330 | assert-45330 | assert-45330 | as expected |" in md
+
+
+def test_another_failure_is_named_and_is_unexpected(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair()]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "kv-lease-expired")}, tmp_path, monkeypatch)
+    assert results[0].verdict == "UNEXPECTED" and "kv-lease-expired" in results[0].detail
+    assert version_line("0.32.0", results) == "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired (tiny-k1-p1-d2)"
+    assert "0/1 pairs as expected" in summary(results, ["0.32.0"])
+    assert not json.loads((tmp_path / "report.json").read_text())["all_as_expected"]
+
+
+def test_no_regime_b_pair_is_not_a_pass(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair("tiny-k1-p1-d1", "A", tp=(1, 1))]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 1): report()}, tmp_path, monkeypatch)
+    assert version_line("0.32.0", results).startswith("#45330 NOT TESTED on vLLM 0.32.0")
+
+
+def test_an_unexpected_pass_is_unexpected(tmp_path, monkeypatch):
+    plans = {"0.21.0": [pair(predicted="assert-45330", expected="assert-45330")]}
+    results, _ = run(plans, {("/envs/0.21.0/python", 1, 2): report()}, tmp_path, monkeypatch)
+    assert results[0].verdict == "UNEXPECTED"
+
+
+def test_a_known_intermittent_failure_is_accepted_but_never_called_a_pass(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "kv-lease-expired")}, tmp_path, monkeypatch)
+    assert results[0].as_expected and results[0].verdict == "known intermittent"
+    assert version_line("0.32.0", results) == ("#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired "
+                                               "(tiny-k1-p1-d2) [known intermittent: see the entry's evidence]")
+    assert "1/1 pairs as expected (1 with a known intermittent failure)" in summary(results, ["0.32.0"])
+    md = (tmp_path / "report.md").read_text()
+    assert "| ok (intermittent: kv-lease-expired) | kv-lease-expired | known intermittent |" in md
+
+
+def test_with_a_known_intermittent_failure_a_clean_run_is_the_fix_proven(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report()}, tmp_path, monkeypatch)
+    assert results[0].verdict == "as expected"
+    assert version_line("0.32.0", results).startswith("#45330 NOT REPRODUCED on vLLM 0.32.0")
+
+
+def test_a_different_failure_beside_a_known_intermittent_one_is_unexpected(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}, tmp_path, monkeypatch)
+    assert results[0].verdict == "UNEXPECTED"

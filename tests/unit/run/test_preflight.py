@@ -1,0 +1,129 @@
+import itertools
+
+import pytest
+
+from harness.core.errors import ConfigError
+from harness.run.config import E2EConfig
+from harness.run.preflight import (
+    check_config,
+    check_preflight,
+    config_heads,
+    preflight,
+    preflight_config,
+    preflight_problems,
+)
+from harness.models.topology import ModelShape, predict
+
+GPU = dict(device="gpu")
+CPU8 = dict(device="cpu", cpu_cores=8)
+
+
+def one(problems: list[str], *words: str) -> str:
+    """The single problem that contains every word."""
+    hits = [p for p in problems if all(w in p for w in words)]
+    assert len(hits) == 1, problems
+    assert "\n" not in hits[0]
+    return hits[0]
+
+
+def test_a_valid_pair_has_no_problem_and_a_prediction():
+    pf = preflight(4, 1, 1, 2, device="cpu", cpu_cores=2, vllm_version="0.21.0")
+    assert pf.ok and pf.problems == ()
+    assert (pf.topology.regime, pf.topology.expected) == ("B", "assert-45330")
+    assert preflight(4, 1, 1, 2, device="cpu", cpu_cores=2, vllm_version="0.32.0").topology.expected == "ok"
+
+
+def test_tp_must_divide_the_attention_heads():
+    msg = one(preflight_problems(4, 4, 1, 3, **GPU), "decode TP 3", "4 attention heads")
+    assert "does not divide" in msg
+    one(preflight_problems(32, 8, 6, 12, **GPU), "prefill TP 6")
+
+
+def test_tp_above_k_must_be_a_multiple_of_k():
+    # 12 heads, K=4: TP 6 divides the heads but 6 % 4 != 0.
+    msg = one(preflight_problems(12, 4, 6, 6, **GPU), "prefill TP 6", "4 KV heads")
+    assert "multiple" in msg
+    assert preflight_problems(12, 4, 4, 12, **GPU) == []  # 12 > K=4 and 12 % 4 == 0
+
+
+def test_larger_tp_must_be_a_multiple_of_the_smaller():
+    # 12 heads, K=12: TP 4 and 6 each divide the heads, 6 % 4 != 0.
+    one(preflight_problems(12, 12, 4, 6, **GPU), "larger must be a multiple of the smaller")
+
+
+def test_prefill_block_size_must_divide_decode():
+    one(preflight_problems(4, 1, 1, 1, 32, 48, **GPU), "prefill block size 32", "decode block size 48")
+    assert preflight_problems(4, 1, 1, 1, 16, 32, **GPU) == []  # GPU: 16 is fine
+    assert preflight_problems(4, 1, 1, 1, 32, 64, **CPU8) == []
+
+
+def test_cpu_block_sizes_must_be_multiples_of_32():
+    msg = one(preflight_problems(4, 1, 1, 1, 16, 16, **CPU8), "prefill block size 16", "32")
+    assert msg.startswith("cannot run on this CPU machine:")
+    one(preflight_problems(4, 1, 1, 1, 16, 16, **CPU8), "decode block size 16")
+    assert preflight_problems(4, 1, 1, 1, None, None, **CPU8) == []  # the harness default (32)
+
+
+def test_cpu_tp_above_the_cores_cannot_run_here():
+    msg = one(preflight_problems(4, 1, 1, 4, device="cpu", cpu_cores=2), "decode TP 4")
+    assert msg == "cannot run on this CPU machine: decode TP 4 needs 4 CPU cores, this machine has 2"
+    assert preflight_problems(4, 1, 1, 4, device="gpu", cpu_cores=2) == []  # cores do not bound GPU ranks
+    assert preflight_problems(4, 1, 2, 2, device="cpu", cpu_cores=2) == []
+
+
+def test_rejected_by_design_is_not_a_problem():
+    # Regime D (K < P, P > D): vLLM refuses it at the handshake on purpose; the matrix runs it to see that.
+    pf = preflight(4, 1, 2, 1, device="cpu", cpu_cores=2)
+    assert pf.ok
+    assert (pf.topology.regime, pf.topology.expected) == ("D", "rejected")
+
+
+def test_unknown_heads_skip_head_checks_but_not_the_rest():
+    assert preflight_problems(None, None, 3, 3, **GPU) == []
+    assert preflight(None, None, 1, 1, **GPU).topology is None
+    one(preflight_problems(None, None, 2, 3, **GPU), "larger must be a multiple")
+    one(preflight_problems(None, None, 1, 4, device="cpu", cpu_cores=2), "cannot run on this CPU machine")
+
+
+def test_bad_tp_values_are_problems_not_crashes():
+    one(preflight_problems(4, 1, 0, 1, **GPU), "prefill TP must be a positive integer")
+
+
+@pytest.mark.parametrize("heads,k", [(4, 1), (8, 2), (12, 4), (32, 8), (16, 16)])
+def test_head_and_ratio_problems_agree_with_the_topology_math(heads, k):
+    # Independent of the preflight wording: a pair is refused iff harness/models/topology.py calls it invalid.
+    for p, d in itertools.product(range(1, 17), repeat=2):
+        problems = preflight_problems(heads, k, p, d, **GPU)
+        valid = predict(ModelShape(heads, k), p, d).valid
+        assert (problems == []) == valid, (heads, k, p, d, problems)
+
+
+def test_check_preflight_raises_one_line_config_error():
+    with pytest.raises(ConfigError) as e:
+        check_preflight(4, 1, 1, 3, device="cpu", cpu_cores=2)
+    msg = str(e.value)
+    assert "\n" not in msg and "decode TP 3" in msg and "cannot run on this CPU machine" in msg
+    assert check_preflight(4, 1, 1, 2, device="cpu", cpu_cores=2).ok
+
+
+def test_config_heads_without_building_anything(tmp_path, monkeypatch):
+    import harness.models.tiny as tm
+
+    def no_build(*a, **k):
+        raise AssertionError("preflight must not build a model")
+
+    monkeypatch.setattr(tm, "ensure_tiny_model", no_build)
+    assert config_heads(E2EConfig(device="cpu")) == (4, 1)  # the tiny model's shape, from its spec
+    from harness.accuracy.settings import AccuracySettings
+
+    assert config_heads(E2EConfig(device="cpu", accuracy=AccuracySettings())) == (4, 1)  # the trained one's
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 12, "num_key_value_heads": 4}')
+    assert config_heads(E2EConfig(device="gpu", model=str(tmp_path))) == (12, 4)
+    assert config_heads(E2EConfig(device="gpu", model="TinyLlama/TinyLlama-1.1B-Chat-v1.0")) == (32, 4)
+    assert config_heads(E2EConfig(device="gpu", model="nobody/unknown-model")) == (None, None)
+
+
+def test_check_config_for_a_run():
+    with pytest.raises(ConfigError, match="decode TP 3 does not divide"):
+        check_config(E2EConfig(device="cpu", tp_d=3), cpu_cores=4)
+    assert preflight_config(E2EConfig(device="cpu", tp_p=2, tp_d=1), cpu_cores=2).topology.expected == "rejected"

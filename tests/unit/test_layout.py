@@ -1,0 +1,90 @@
+"""The package layout is the architecture: each package imports only its own layer and the layers below it,
+and no module imports itself back through others (no cycles, lazy imports inside functions included)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+HARNESS = Path(__file__).resolve().parents[2] / "harness"
+# Lowest first. A module of a package may import from its own package and from packages listed before it.
+# Modules directly under harness/ (cli, nightly, __main__) sit above every package.
+LAYERS = ["core", "tasks", "workload", "models", "envs", "serve", "proxy", "checks", "accuracy", "gpu", "run", "matrix", "bench"]
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in HARNESS.rglob("*.py"):
+        parts = list(p.relative_to(HARNESS.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = p
+    return out
+
+
+def imports(path: Path, known: dict[str, Path]) -> set[str]:
+    deps: set[str] = set()
+    for n in ast.walk(ast.parse(path.read_text())):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "harness":
+            subs = {f"{n.module}.{a.name}" for a in n.names} & set(known)
+            deps |= subs or {n.module}
+        elif isinstance(n, ast.Import):
+            deps |= {a.name for a in n.names if a.name.split(".")[0] == "harness"}
+    return deps
+
+
+def package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 else None
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: imports(p, known) for m, p in known.items()}
+
+
+def test_every_package_has_a_layer():
+    pkgs = {package(m) for m in modules()} - {None}
+    assert pkgs == set(LAYERS), f"packages without a layer: {pkgs - set(LAYERS)}; layers without a package: {set(LAYERS) - pkgs}"
+
+
+def test_no_package_imports_a_package_above_it():
+    up = []
+    for m, deps in graph().items():
+        pm = package(m)
+        if pm is None:
+            continue
+        for d in deps:
+            pd = package(d)
+            if pd is None or LAYERS.index(pd) > LAYERS.index(pm):
+                up.append(f"{m} -> {d}")
+    assert not up, "imports pointing up: " + ", ".join(sorted(up))
+
+
+def test_no_import_cycles():
+    g = graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+            elif d in g and d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(cycles)
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    """The rules above can fail: an upward import in a module is found."""
+    known = modules()
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from harness.run.pipeline import PDRun\n")
+    deps = imports(bad, known)
+    assert "harness.run.pipeline" in deps and LAYERS.index(package("harness.run.pipeline")) > LAYERS.index("core")
