@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-body-mib", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                     help="larger request bodies get 413 (default %(default)g MiB)")
     ap.add_argument("--fault", choices=sorted(FAULTS), default="none", help="fault injection for tests")
+    ap.add_argument("--fault-every", type=int, default=1, metavar="N", help="apply the fault to every N-th request only (default 1: all)")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     try:
@@ -37,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(str(e))
     if args.max_body_mib <= 0:
         ap.error("--max-body-mib must be > 0")
+    if args.fault_every < 1:
+        ap.error("--fault-every must be >= 1")
     return args
 
 
@@ -67,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     prefill, decode = backend_urls(args)
     app = create_app(prefill, decode, timeout_s=args.timeout, kv_params_hook=FAULTS[args.fault],
-                     max_body_bytes=int(args.max_body_mib * 2**20), skip_transfer=args.fault == "no-remote-decode")
+                     max_body_bytes=int(args.max_body_mib * 2**20), skip_transfer=args.fault == "no-remote-decode", fault_every=args.fault_every)
     # uvloop and httptools (pinned in requirements/harness.txt) when installed; uvicorn's pure-Python fallbacks otherwise.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, loop="auto", http="auto")
 

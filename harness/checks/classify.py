@@ -49,8 +49,8 @@ SIGNATURES: tuple[Signature, ...] = (
 FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismatch", "non-contiguous-heads", "nixl-unavailable")
 # Classes the pipeline gives when no log signature matched.
 RUN_CLASSES = ("server-exited", "startup-timeout", "prefill-died", "decode-died", "proxy-died", "baseline-died",
-               "output-mismatch", "accuracy-mismatch", "no-transfer", "checks-failed", "lm-eval-failed", "metrics-unavailable",
-               "gpu-check-failed", "interrupted", "harness-error")
+               "output-mismatch", "logprob-mismatch", "accuracy-mismatch", "no-transfer", "kv-leak", "abort-not-fired",
+               "checks-failed", "lm-eval-failed", "metrics-unavailable", "gpu-check-failed", "interrupted", "harness-error")
 CLASSES = tuple(s.cls for s in SIGNATURES) + RUN_CLASSES + ("unknown",)
 # The same signatures as log patterns for a server's fatal-line watch (case-insensitive, as above).
 FATAL_PATTERNS = tuple("(?i)" + s.pattern.pattern for s in SIGNATURES if s.cls in FATAL_CLASSES)

@@ -36,9 +36,25 @@ class PromptComparison:
     status: str  # exact | tolerated | mismatch
     compared_tokens: int
     divergence: Divergence | None = None
+    # Largest |logprob difference| of the chosen token over the positions where both sides chose the same token:
+    # a slightly wrong KV that flips no greedy token still moves these (None: no such position had both logprobs).
+    max_logprob_delta: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def logprob_delta(b: Completion, p: Completion, upto: int) -> float | None:
+    """max |logprob(chosen token)| difference over positions < ``upto`` where both chose the same token."""
+    deltas = []
+    for i in range(min(upto, len(b.token_ids), len(p.token_ids))):
+        tok = b.token_ids[i]
+        if tok != p.token_ids[i]:
+            break
+        lb, lp = b.top_logprobs[i].get(tok), p.top_logprobs[i].get(tok)
+        if lb is not None and lp is not None:
+            deltas.append(abs(lb - lp))
+    return max(deltas) if deltas else None
 
 
 def compare_one(b: Completion, p: Completion, top_k: int) -> PromptComparison:
@@ -51,14 +67,16 @@ def compare_one(b: Completion, p: Completion, top_k: int) -> PromptComparison:
         ok = bt in ptop and pt in btop
         reason = "each token in the other's top-k" if ok else (
             f"baseline token {'in' if bt in ptop else 'not in'} P/D top-{top_k}, P/D token {'in' if pt in btop else 'not in'} baseline top-{top_k}")
-        return PromptComparison(b.prompt_id, "tolerated" if ok else "mismatch", i + 1, Divergence(i, bt, pt, btop, ptop, ok, reason))
+        return PromptComparison(b.prompt_id, "tolerated" if ok else "mismatch", i + 1, Divergence(i, bt, pt, btop, ptop, ok, reason),
+                                logprob_delta(b, p, i))
+    delta = logprob_delta(b, p, n)
     if len(b.token_ids) != len(p.token_ids):
         reason = (f"length differs: baseline {len(b.token_ids)} tokens ({b.finish_reason}), "
                   f"P/D {len(p.token_ids)} tokens ({p.finish_reason})")
         bt = b.token_ids[n] if n < len(b.token_ids) else None
         pt = p.token_ids[n] if n < len(p.token_ids) else None
-        return PromptComparison(b.prompt_id, "mismatch", n, Divergence(n, bt, pt, (), (), False, reason))
-    return PromptComparison(b.prompt_id, "exact", n)
+        return PromptComparison(b.prompt_id, "mismatch", n, Divergence(n, bt, pt, (), (), False, reason), delta)
+    return PromptComparison(b.prompt_id, "exact", n, None, delta)
 
 
 @dataclass(frozen=True)
@@ -83,6 +101,14 @@ class ComparisonResult:
         return bool(self.prompts) and self.n_mismatch == 0
 
     @property
+    def max_logprob_delta(self) -> float | None:
+        deltas = [p.max_logprob_delta for p in self.prompts if p.max_logprob_delta is not None]
+        return max(deltas) if deltas else None
+
+    def over_logprob_threshold(self, threshold: float) -> list[PromptComparison]:
+        return [p for p in self.prompts if p.max_logprob_delta is not None and p.max_logprob_delta > threshold]
+
+    @property
     def first_divergence(self) -> PromptComparison | None:
         for status in ("mismatch", "tolerated"):
             for p in self.prompts:
@@ -100,7 +126,7 @@ class ComparisonResult:
 
     def to_dict(self) -> dict:
         return {"top_k": self.top_k, "passed": self.passed, "exact": self.n_exact, "tolerated": self.n_tolerated,
-                "mismatch": self.n_mismatch, "prompts": [p.to_dict() for p in self.prompts]}
+                "mismatch": self.n_mismatch, "max_logprob_delta": self.max_logprob_delta, "prompts": [p.to_dict() for p in self.prompts]}
 
 
 def compare_completions(baseline: Sequence[Completion], pd: Sequence[Completion], top_k: int = 5) -> ComparisonResult:

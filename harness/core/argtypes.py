@@ -19,3 +19,13 @@ def positive(kind):
 
 
 positive_int = positive(int)
+
+
+def non_negative_int(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{s!r} must be >= 0")
+    return v

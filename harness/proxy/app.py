@@ -12,6 +12,7 @@ client request (``python -m harness bench proxy``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import itertools
 import json
@@ -41,6 +42,12 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 KEEPALIVE_S = 4.0
 
 
+# Where a request was when its client went away; "between_hops" strands P's blocks until P's lease expires.
+CANCEL_STAGES = ("before_prefill", "prefill", "between_hops", "decode")
+KEEP_IDS = 1000  # request ids kept per list in /proxy/stats
+KEEP_HOP_TIMES = 256
+
+
 @dataclass
 class ProxyStats:
     requests: int = 0
@@ -49,6 +56,16 @@ class ProxyStats:
     prefill_missing_kv_transfer_params: int = 0
     errors: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     last_kv_transfer_params: dict | None = None
+    # Client cancellations, passed on to the backend of the hop in flight (its connection is closed, so vLLM aborts).
+    cancelled: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CANCEL_STAGES, 0))
+    cancelled_ids: dict[str, list[str]] = field(default_factory=lambda: {s: [] for s in CANCEL_STAGES})
+    faulted_ids: list[str] = field(default_factory=list)  # requests the fault hook changed
+    prefill_hop_ms: list[float] = field(default_factory=list)  # the latest prefill hop durations
+
+    def cancel(self, stage: str, request_id: str) -> None:
+        self.cancelled[stage] += 1
+        if len(self.cancelled_ids[stage]) < KEEP_IDS:
+            self.cancelled_ids[stage].append(request_id)
 
 
 class HopError(Exception):
@@ -132,6 +149,12 @@ def wrong_engine_id(params: dict) -> dict:
     return {**params, "remote_engine_id": "no-such-engine"}
 
 
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects (call only after the body has been read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def _connection_error(hop: str, url: str, timeout_s: float, e: BaseException) -> HopError:
     if isinstance(e, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
         return HopError(504, hop, f"{hop} hop to {url} timed out after {timeout_s:g} s: {type(e).__name__}")
@@ -145,14 +168,19 @@ def create_app(
     kv_params_hook: Callable[[dict], dict] | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     skip_transfer: bool = False,
+    fault_every: int = 1,
 ) -> FastAPI:
     """``skip_transfer`` is fault injection: act like a proxy that forgot ``do_remote_decode`` and decodes anyway
-    (D then computes the whole prompt itself; outputs look right, but no KV moved)."""
+    (D then computes the whole prompt itself; outputs look right, but no KV moved). ``fault_every``: the fault
+    (``kv_params_hook`` or ``skip_transfer``) applies to every n-th request only; /proxy/stats names them."""
+    if fault_every < 1:
+        raise ValueError("fault_every must be >= 1")
     if not prefill_urls or not decode_urls:
         raise ValueError("the proxy needs at least one prefill and one decode backend")
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
     decode_urls = [u.rstrip("/") for u in decode_urls]
     hook = kv_params_hook or (lambda p: p)
+    faulty = kv_params_hook is not None or skip_transfer
     p_cycle, d_cycle = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
 
     @asynccontextmanager
@@ -202,39 +230,43 @@ def create_app(
         finally:
             resp.release()
 
-    async def route(request: Request, path: str, request_id: str) -> Response:
+    async def route(request: Request, path: str, body: dict, request_id: str, stage: list[str]) -> Response:
+        """P hop then D hop; ``stage[0]`` says where the request is, for a client that goes away meanwhile."""
         stats: ProxyStats = app.state.stats
-        raw = await read_body(request, max_body_bytes)
-        try:
-            body = validate_body(raw, path)
-        except ValueError as e:
-            raise BadRequest(400, str(e)) from None
         stats.requests += 1
+        fault = faulty and stats.requests % fault_every == 0
+        if fault and len(stats.faulted_ids) < KEEP_IDS:
+            stats.faulted_ids.append(request_id)
         t0 = time.monotonic()
         p_url, d_url = next(p_cycle), next(d_cycle)
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         auth = request.headers.get("authorization")
         if auth:
             headers["Authorization"] = auth
+        skip = skip_transfer and fault
         try:
             p_body = prefill_body(body)
-            if skip_transfer:
+            if skip:
                 del p_body["kv_transfer_params"]
+            stage[0] = "prefill"
             p_raw = await read("prefill", p_url, await send("prefill", p_url, path, p_body, headers))
+            stage[0] = "between_hops"
+            stats.prefill_hop_ms = [*stats.prefill_hop_ms[-(KEEP_HOP_TIMES - 1):], 1000 * (time.monotonic() - t0)]
             try:
                 kv = json.loads(p_raw).get("kv_transfer_params")
             except (ValueError, AttributeError):
                 kv = None
             if not kv:
                 stats.prefill_missing_kv_transfer_params += 1
-                if not skip_transfer:
+                if not skip:
                     raise HopError(502, "prefill", f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, so no KV transfer can happen")
             else:
                 stats.prefill_with_kv_transfer_params += 1
                 stats.last_kv_transfer_params = kv
             d_body = dict(body)
-            if kv and not skip_transfer:
-                d_body["kv_transfer_params"] = hook(kv)
+            if kv and not skip:
+                d_body["kv_transfer_params"] = hook(kv) if fault else kv
+            stage[0] = "decode"
             d_resp = await send("decode", d_url, path, d_body, headers)
             if body.get("stream"):
                 log.debug("req %s P=%s D=%s stream started kv=yes %.1f ms", request_id, p_url, d_url, 1000 * (time.monotonic() - t0))
@@ -252,13 +284,38 @@ def create_app(
     async def handle(request: Request, path: str) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
-            return await route(request, path, request_id)
+            raw = await read_body(request, max_body_bytes)
+            try:
+                body = validate_body(raw, path)
+            except ValueError as e:
+                raise BadRequest(400, str(e)) from None
+            return await until_disconnect(request, route(request, path, body, request_id, stage := ["before_prefill"]),
+                                          stage, request_id)
         except BadRequest as e:
             return JSONResponse({"error": {"message": e.message, "type": "invalid_request_error"}}, status_code=e.status, headers={"X-Request-Id": request_id})
         except Exception as e:  # noqa: BLE001 - a bug here must still answer JSON, never a bare 500 with a traceback
             log.exception("req %s: proxy error", request_id)
             return JSONResponse({"error": {"message": f"proxy error: {type(e).__name__}: {e}", "type": "proxy_error"}},
                                 status_code=500, headers={"X-Request-Id": request_id})
+
+    async def until_disconnect(request: Request, work, stage: list[str], request_id: str) -> Response:
+        """Run ``work`` (the hops) until it answers or the client goes away; then cancel it, which closes the
+        backend connection of the hop in flight, so that backend aborts the request as it would for a client."""
+        job = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(client_gone(request))  # the body is read: receive() now waits for a disconnect
+        try:
+            await asyncio.wait((job, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not gone.done():
+                gone.cancel()
+        if job.done():
+            return job.result()
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError, HopError):
+            await job
+        app.state.stats.cancel(stage[0], request_id)
+        log.info("req %s: client went away during %s; backend request cancelled", request_id, stage[0])
+        return Response(status_code=499, headers={"X-Request-Id": request_id})
 
     async def relay(resp: aiohttp.ClientResponse, url: str, request_id: str):
         stats: ProxyStats = app.state.stats
@@ -273,6 +330,10 @@ def create_app(
             msg = {"error": {"message": f"decode hop to {url} failed mid-stream: {type(e).__name__}: {e}", "type": "proxy_error", "hop": "decode"}}
             log.warning("req %s stream broke: %s: %s", request_id, type(e).__name__, e)
             yield f"data: {json.dumps(msg)}\n\n".encode()
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
+            stats.cancel("decode", request_id)
+            log.info("req %s: client went away during the decode stream; backend request cancelled", request_id)
+            raise
         finally:
             # A stream cut short (backend error, client gone) must not leave a half-read connection in the pool.
             if done:

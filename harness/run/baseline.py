@@ -8,16 +8,19 @@ from dataclasses import dataclass
 
 from harness.accuracy.lm_eval import EvalRun
 from harness.run.context import RunContext
+from harness.run.load import baseline_load
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.servers import AttachedServers
 from harness.workload.client import CompletionRun, run_completions
+from harness.workload.load_client import LoadRun
 
 
 @dataclass
 class BaselineResult:
     completions: CompletionRun
     eval: EvalRun | None = None
+    load: LoadRun | None = None  # the load phase's prompts, at the same concurrency, without the cancelled ones
 
 
 def run_baseline(ctx: RunContext, alloc: PortAllocator, block_size: int | None, cpu_bind: str | None,
@@ -25,7 +28,8 @@ def run_baseline(ctx: RunContext, alloc: PortAllocator, block_size: int | None, 
     """The baseline's answers: from ``cache`` (shared by the pairs of one matrix) when it has them, from a server
     started elsewhere (``attached_url``), or from one launched here on D's cores."""
     cfg = ctx.cfg
-    key = (ctx.model, cfg.tp_d, block_size, cfg.python, cfg.max_tokens, cfg.seed, cfg.device, ctx.accuracy)
+    key = (ctx.model, cfg.tp_d, block_size, cfg.python, cfg.max_tokens, cfg.seed, cfg.device, ctx.accuracy, cfg.load,
+           cfg.pool_blocks(block_size), cfg.model_len)
     if cache is not None and key in cache:
         ctx.report.config["baseline_reused"] = True
         return cache[key]
@@ -48,6 +52,7 @@ def _launched(ctx: RunContext, alloc: PortAllocator, block_size: int | None, cpu
         t1 = time.monotonic()
         result = BaselineResult(run_completions(base.url, ctx.served_name, ctx.prompts, ctx.gen, "baseline-"))
         ctx.timed("baseline_requests", t1)
+        result.load = baseline_load(ctx, base.url)
         if ctx.accuracy is not None:
             result.eval = ctx.lm_eval(base.url, "baseline", [base.proc])
         t_stop = time.monotonic()
@@ -65,6 +70,7 @@ def _attached(ctx: RunContext, url: str, t0: float) -> BaselineResult:
     base.start(contextlib.ExitStack())
     result = BaselineResult(run_completions(url, ctx.served_name, ctx.prompts, ctx.gen, "baseline-"))
     ctx.timed("baseline_requests", t0)
+    result.load = baseline_load(ctx, url)
     if ctx.accuracy is not None:
         result.eval = ctx.lm_eval(url, "baseline", [base])
     ctx.timed("baseline_phase", t0)

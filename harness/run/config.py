@@ -12,6 +12,11 @@ from harness.accuracy.settings import AccuracySettings
 from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
 from harness.serve.vllm_cmd import CpuTuning
+from harness.workload.load import LoadSettings
+
+VLLM_DEFAULT_BLOCK_SIZE = 16  # what vLLM uses where no block size is given (GPU)
+# |Δ logprob| of a chosen token between P/D and the baseline that noise cannot explain (docs/load.md: how measured).
+LOGPROB_THRESHOLD = {"cpu": 1e-3, "gpu": 1.5}
 
 # Upstream's accuracy-test scripts read these; we accept them as defaults.
 UPSTREAM_ENV = {
@@ -23,6 +28,10 @@ UPSTREAM_ENV = {
     "gpu_memory_utilization": "GPU_MEMORY_UTILIZATION",
 }
 
+
+# No --model on a GPU: the reported case's model (vLLM issue #45330: K=4, so P2->D8 is regime B). Servers run with
+# HF_HUB_OFFLINE=1, so it must be in the Hugging Face cache already.
+GPU_DEFAULT_MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
 PROXY_FAULTS = ("none", "corrupt-block-ids", "wrong-engine-id", "no-remote-decode")  # what toy_proxy_server.py --fault accepts
 
@@ -49,6 +58,14 @@ class E2EConfig:
     seed: int = 0
     accuracy: AccuracySettings | None = None  # None: no lm-eval run
     proxy_fault: str = "none"  # fault injection for tests: "corrupt-block-ids" hands D wrong remote block ids
+    proxy_fault_every: int = 1  # the fault applies to every n-th request through the proxy
+    load: LoadSettings = field(default_factory=LoadSettings)  # the load phase (requests=0: none)
+    max_model_len: int | None = None  # None: 512 on CPU, 2048 on GPU
+    kv_pool_blocks: int | None = None  # KV blocks per server; None: small when the load phase runs, 0: vLLM's default
+    logprob_threshold: float | None = None  # largest |Δ logprob| of a chosen token vs the baseline; None: the device's
+    dtype: str | None = None  # None: float32 on CPU, the model's own on GPU
+    enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs and compilation on GPU
+    decode_kv_fault: float | None = None  # fault injection: D scales the received KV of one layer by this (the run must fail)
 
     def validate(self) -> None:
         for name in ("tp_p", "tp_d"):
@@ -71,6 +88,32 @@ class E2EConfig:
             raise ConfigError(f"proxy fault must be one of {', '.join(PROXY_FAULTS)}, got {self.proxy_fault!r}")
         if self.max_tokens < 1 or self.logprobs < 1:
             raise ConfigError("max_tokens and logprobs must be >= 1")
+        if self.proxy_fault_every < 1:
+            raise ConfigError(f"proxy fault every must be >= 1, got {self.proxy_fault_every}")
+        if self.kv_pool_blocks is not None and self.kv_pool_blocks < 0:
+            raise ConfigError(f"KV pool blocks must be >= 0, got {self.kv_pool_blocks}")
+        try:
+            self.load.validate()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.load.enabled and self.load.abort_max_tokens >= self.model_len:
+            raise ConfigError(f"load abort_max_tokens {self.load.abort_max_tokens} leaves no room for a prompt in {self.model_len} tokens")
+
+    @property
+    def logprob_limit(self) -> float:
+        return self.logprob_threshold if self.logprob_threshold is not None else LOGPROB_THRESHOLD[self.device]
+
+    @property
+    def model_len(self) -> int:
+        return self.max_model_len or (512 if self.device == "cpu" else 2048)
+
+    def pool_blocks(self, block_size: int | None) -> int | None:
+        """KV blocks a server gets: twice a longest request's, so the load phase must reuse blocks (None: vLLM's)."""
+        if self.kv_pool_blocks == 0 or (self.kv_pool_blocks is None and not self.load.enabled):
+            return None
+        if self.kv_pool_blocks:
+            return self.kv_pool_blocks
+        return 2 * -(-self.model_len // (block_size or VLLM_DEFAULT_BLOCK_SIZE))
 
     @property
     def lease_s(self) -> int | None:

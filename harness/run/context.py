@@ -15,6 +15,7 @@ from harness.run.report import Report
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import ManagedProcess
 from harness.workload.client import GenerationSettings
+from harness.workload.load import LoadRequest
 from harness.workload.prompts import Prompt
 
 
@@ -30,6 +31,8 @@ class RunContext:
     accuracy: AccuracySettings | None = None  # resolved for the model; None: no lm-eval
     gpu: GpuRun | None = None  # the GPU plan applied to this run (GPU runs only)
     leftovers: list[int] = field(default_factory=list)  # PIDs still alive after a phase's teardown
+    load_requests: list[LoadRequest] = field(default_factory=list)  # the load phase's plan (empty: no load phase)
+    load_prompts: dict[str, list[int]] = field(default_factory=dict)  # its prompts as token ids, by request id
 
     @property
     def logs(self) -> Path:
@@ -42,15 +45,16 @@ class RunContext:
                kv_layout: str | None = None) -> Server:
         """A server of this run (not started), recorded in the report's commands and logs."""
         placement = self.gpu.placement(role) if self.gpu is not None else None
+        aborts = self.cfg.load.enabled and self.cfg.load.abort_every > 0 and role != "baseline"
         srv = make_server(self.cfg, alloc, role, tp, self.model, self.served_name, block_size, cpu_bind, self.logs, kv_layout,
-                          placement=placement)
+                          placement=placement, num_blocks=self.cfg.pool_blocks(block_size), log_requests=aborts)
         self.report.commands[role] = srv.command
         self.report.logs[role] = str(srv.proc.spec.log_path)
         return srv
 
     def proxy(self, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str]) -> tuple[ManagedProcess, str]:
         proc, url = make_proxy(self.cfg.python, alloc, prefill_urls, decode_urls, self.logs, self.cfg.request_timeout_s,
-                               fault=self.cfg.proxy_fault)
+                               fault=self.cfg.proxy_fault, fault_every=self.cfg.proxy_fault_every)
         self.report.commands["proxy"] = " ".join(proc.spec.argv)
         self.report.logs["proxy"] = str(proc.spec.log_path)
         return proc, url

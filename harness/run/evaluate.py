@@ -6,12 +6,16 @@ from harness.accuracy.checks import accuracy_checks
 from harness.checks import transfer
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
+from harness.checks.leak import check_no_leak
+from harness.checks.load import (Pool, blocks_needed, check_aborts, check_answers, check_logprobs, check_match, check_reuse,
+                                 compare_load, latency_summary, pool_blocks_from_log, pool_from_metrics)
 from harness.run.baseline import BaselineResult
 from harness.run.context import RunContext
 from harness.run.pd import PDResult
 from harness.workload.client import CompletionRun
 
 MIN_PROMPTS = 16
+KV_FAULT_FIRED = "[pd-harness fault] scaled the received KV"  # harness/serve/faults/sitecustomize.py
 
 
 def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
@@ -31,6 +35,23 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     else:
         checks += transfer.check_decode_log("\n".join(t for name, t in pd.logs.items() if name.startswith("decode")))
         checks.append(transfer.check_lease(pd.logs))
+    if pd.idle is not None:
+        checks.append(check_no_leak(pd.idle.states, pd.idle.idle_kv, pd.idle.waited_s, pd.idle.deadline_s))
+    compared = [result]
+    if pd.load is not None and baseline.load is not None:
+        load_checks, load_cmp = evaluate_load(ctx, baseline, pd)
+        checks += load_checks
+        compared.append(load_cmp)
+    checks.append(check_logprobs(compared, ctx.cfg.logprob_limit))
+    if ctx.cfg.proxy_fault != "none" and pd.final_stats is not None:  # which requests the proxy changed: the mismatches
+        faulted = list(pd.final_stats.get("faulted_ids", []))
+        ctx.report.faults = {"proxy": {"fault": ctx.cfg.proxy_fault, "every": ctx.cfg.proxy_fault_every, "requests": faulted}}
+        checks.append(Check("proxy_fault_fired", bool(faulted), f"the proxy applied {ctx.cfg.proxy_fault} to {len(faulted)} "
+                            f"request(s) (every {ctx.cfg.proxy_fault_every}); this run must fail on what that changed"))
+    if ctx.cfg.decode_kv_fault is not None:  # a fault run must show that its fault really fired
+        fired = sum(text.count(KV_FAULT_FIRED) for name, text in pd.logs.items() if name.startswith("decode"))
+        checks.append(Check("decode_kv_fault_fired", fired > 0, f"D logged {fired} perturbed receive(s) "
+                            f"(factor {ctx.cfg.decode_kv_fault}); this run must fail on what the perturbation changed"))
     left = ctx.leftovers
     checks.append(Check("no_process_left", not left, "every harness process exited" if not left else f"still running: {left}"))
     if pd.smoke is not None:
@@ -66,3 +87,49 @@ def comparison_block(result: ComparisonResult, baseline: CompletionRun, pd: Comp
     for c in pd.completions:
         comp["texts"].setdefault(c.prompt_id, {})["pd"] = c.text
     return comp
+
+
+def evaluate_load(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> tuple[list[Check], ComparisonResult]:
+    """The load phase's checks and the report's ``load`` block."""
+    load, base = pd.load, baseline.load
+    assert load is not None and base is not None
+    cmp = compare_load(load.run, base, ctx.gen.logprobs)
+    bs_p, bs_d = ctx.cfg.block_sizes()
+    pools = []
+    for name, samples in load.metrics_after.items():
+        role = "prefill" if name.startswith("prefill") else "decode"
+        bs = (bs_p if role == "prefill" else bs_d) or 16
+        from_metrics = pool_from_metrics(samples)
+        blocks, bs = from_metrics if from_metrics else (pool_blocks_from_log(pd.logs.get(name, ""), bs), bs)
+        pools.append(Pool(name, blocks, bs, blocks_needed(ctx.load_requests, load.run, bs, generated=role == "decode")))
+    checks = [check_answers(load.run, base), check_match(cmp), check_aborts(load.run, load.stats_before, load.stats_after, pd.logs,
+                                                                          not pd.attached)]
+    reuse = check_reuse(pools)
+    if pd.attached and not reuse.passed:  # the pool is whoever started the servers' choice, not this run's
+        ctx.report.skipped_checks.append({"name": reuse.name, "reason": "attach mode: the servers' KV pool is too large for "
+                                          f"this load to reuse blocks ({reuse.detail}); start them with "
+                                          "--num-gpu-blocks-override to test reuse"})
+    else:
+        checks.append(reuse)
+    s = ctx.cfg.load
+    run = load.run
+    aborted = {hop: sum(o.status == "aborted" and o.request.abort == hop for o in run.outcomes) for hop in ("prefill", "decode")}
+    ctx.report.load = {
+        "settings": s.to_dict(),
+        "requests": len(run.outcomes), "concurrency": run.concurrency,
+        "baseline_answered": f"the same prompts at the same concurrency ({base.concurrency}), without the cancelled ones",
+        "why_noise_cannot_fail": ("different batching changes float rounding, which can only flip a near tie: the comparison "
+                                  "tolerates a divergence where each side's token is in the other's top-k and stops there, "
+                                  "and the logprob threshold is set above the measured baseline-vs-baseline noise"),
+        "aborted_by_client": aborted, "prefill_abort_after_s": load.prefill_abort_s,
+        "cancelled_by_proxy": {k: int(load.stats_after.get("cancelled", {}).get(k, 0)) - int(load.stats_before.get("cancelled", {}).get(k, 0))
+                               for k in load.stats_after.get("cancelled", {})},
+        "matched": cmp.n_exact + cmp.n_tolerated, "mismatched": [p.prompt_id for p in cmp.prompts if p.status == "mismatch"],
+        "max_logprob_delta": cmp.max_logprob_delta,
+        "latency": {"pd": latency_summary(run), "baseline": latency_summary(base)},
+        "pools": [{"server": p.server, "blocks": p.blocks, "block_size": p.block_size, "blocks_needed": p.needed, "reused": p.reused}
+                  for p in pools],
+        "comparison": cmp.to_dict(),
+        "outcomes": [o.to_dict() for o in run.outcomes],
+    }
+    return checks, cmp

@@ -77,8 +77,11 @@ def from_checks(checks: list[Check], logs: dict[str, str], request_runs: list[Co
     f = classify({**logs, **errors})
     if f.cls == "unknown":
         names = {c.name for c in failed}
-        cls = ("output-mismatch" if "outputs_match_baseline" in names
+        cls = ("output-mismatch" if names & {"outputs_match_baseline", "load_outputs_match_baseline"}
                else "no-transfer" if names & (transfer.TRANSFER_CHECKS | {"accuracy_through_pd"})
+               else "logprob-mismatch" if "logprobs_match_baseline" in names
+               else "kv-leak" if "no_kv_leak" in names
+               else "abort-not-fired" if "load_aborts_fired" in names
                else "accuracy-mismatch" if any(n.startswith("accuracy_") for n in names) else "checks-failed")
         f = Failure(cls, reason[:2000], None, "checks failed")
     return {"class": f.cls, "reason": reason, "source": f.source, "excerpt": f.excerpt}

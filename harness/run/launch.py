@@ -52,7 +52,8 @@ def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
 
 def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model: str, name: str, block_size: int | None,
                 cpu_bind: str | None, logs_dir: Path, kv_layout: str | None = None, label: str | None = None,
-                kv_load_failure_policy: str = "fail", placement: ServerPlacement | None = None) -> Server:
+                kv_load_failure_policy: str = "fail", placement: ServerPlacement | None = None,
+                num_blocks: int | None = None, log_requests: bool = False) -> Server:
     """A not-yet-started vLLM server of ``role`` with ports from ``alloc`` and its log in ``logs_dir``.
 
     ``label`` names the process and its log (default: the role); ``kv_load_failure_policy`` other than
@@ -74,7 +75,13 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
         extra_env=(("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else (),
         seed=cfg.seed,
         kv_load_failure_policy=kv_load_failure_policy,
-        **({} if cfg.device == "cpu" else {"max_model_len": None, "max_num_seqs": None, "dtype": None, "enforce_eager": False}),
+        num_blocks=num_blocks,
+        log_requests=log_requests,
+        fault_kv_scale=cfg.decode_kv_fault if role == "decode" else None,
+        max_model_len=cfg.model_len,
+        dtype=cfg.dtype or ("float32" if cfg.device == "cpu" else None),
+        enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else cfg.device == "cpu",
+        **({} if cfg.device == "cpu" else {"max_num_seqs": None}),
     )
     ports = server_ports(alloc, tp)
     cmd = build_server_command(spec, ports, cfg.python, cfg.cpu_tuning)
@@ -94,10 +101,12 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
 
 
 def make_proxy(python: str, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str], logs_dir: Path,
-               timeout_s: float, fault: str = "none", name: str = "proxy") -> tuple[ManagedProcess, str]:
+               timeout_s: float, fault: str = "none", name: str = "proxy", fault_every: int = 1) -> tuple[ManagedProcess, str]:
     port = alloc.port()
     argv = [python, str(PROXY_SCRIPT), "--host", "127.0.0.1", "--port", str(port),
             "--prefill", *prefill_urls, "--decode", *decode_urls, "--timeout", str(timeout_s), "--fault", fault]
+    if fault_every != 1:
+        argv += ["--fault-every", str(fault_every)]
     url = f"http://127.0.0.1:{port}"
     proc = ManagedProcess(ProcessSpec(name=name, argv=argv, env={RUN_TAG_ENV: str(logs_dir)}, log_path=logs_dir / f"{name}.log",
                                       health_url=f"{url}/health", ready_timeout_s=60))

@@ -4,7 +4,6 @@ servers are watched, D's /metrics and the proxy's counters around them, the smok
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from dataclasses import dataclass
 
@@ -15,8 +14,11 @@ from harness.accuracy.lm_eval import EvalRun
 from harness.checks import smoke
 from harness.checks import transfer
 from harness.checks.check import Check
+from harness.checks.leak import ServerState, state_of, wait_idle
 from harness.models.config import load_models
 from harness.run.context import RunContext
+from harness.run.load import PDLoad, pd_load, server_metrics
+from harness.run.watch import run_watched
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.prometheus import Sample
@@ -35,6 +37,17 @@ class PDResult:
     smoke: Check | None = None
     eval: EvalRun | None = None
     through: Check | None = None  # lm-eval's requests took the P/D path
+    load: PDLoad | None = None
+    idle: LeakWatch | None = None  # P and D back to idle after the run
+    final_stats: dict | None = None  # the proxy's counters at the end (faulted request ids among them)
+
+
+@dataclass
+class LeakWatch:
+    idle_kv: dict[str, float | None]  # KV usage of each server before the first request
+    states: dict[str, ServerState]  # after the run, once idle or at the deadline
+    waited_s: float
+    deadline_s: float
 
 
 def local_servers(ctx: RunContext, alloc: PortAllocator, block_sizes: tuple[int | None, int | None],
@@ -55,6 +68,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
         proxy, proxy_url = ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
         ctx.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
         watch = [servers, proxy]
+        idle_kv = {name: state_of(samples).kv_usage for name, samples in server_metrics(servers).items()}
         before = decode_metrics(servers)
         t1 = time.monotonic()
         completions = watched_requests(ctx, proxy_url, watch)
@@ -62,11 +76,20 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
         after = decode_metrics(servers)
         stats = proxy_stats(proxy_url, servers)
         out = PDResult(completions, before, after, stats, {}, servers.attached, smoke=smoke_check(ctx, proxy_url))
+        out.load = pd_load(ctx, proxy_url, servers, watch)
         if ctx.accuracy is not None:
+            acc_before = decode_metrics(servers)
+            stats_before = proxy_stats(proxy_url, servers)
             out.eval = ctx.lm_eval(proxy_url, "pd", watch)
             stats_after = proxy_stats(proxy_url, servers)
-            xfers = transfer.delta(after, decode_metrics(servers), transfer.XFER_COUNT).delta
-            out.through = check_through_pd(out.eval.n, stats, stats_after, xfers)
+            xfers = transfer.delta(acc_before, decode_metrics(servers), transfer.XFER_COUNT).delta
+            out.through = check_through_pd(out.eval.n, stats_before, stats_after, xfers)
+        out.final_stats = proxy_stats(proxy_url, servers)
+        t_idle = time.monotonic()
+        deadline = ctx.cfg.load.leak_deadline_s
+        states, waited = wait_idle(lambda: server_metrics(servers), idle_kv, deadline)
+        out.idle = LeakWatch(idle_kv, states, waited, deadline)
+        ctx.timed("pd_idle_wait", t_idle)
         t_stop = time.monotonic()
     if ctx.gpu is not None and isinstance(servers, LocalServers):
         ctx.gpu.after("pd", servers.seen_pids())
@@ -78,19 +101,8 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
 
 
 def watched_requests(ctx: RunContext, url: str, watch: list) -> CompletionRun:
-    """Send the prompts while watching the servers: a dead server or a fatal log line ends the wait at once
-    (vLLM retries a failed handshake on every request, minutes each, so waiting out the requests is no option)."""
-    box: dict[str, CompletionRun] = {}
-    t = threading.Thread(target=lambda: box.setdefault("run", run_completions(url, ctx.served_name, ctx.prompts, ctx.gen, "pd-")),
-                         name="pd-requests", daemon=True)
-    t.start()
-    while True:
-        t.join(0.5)
-        done = not t.is_alive()
-        for w in watch:
-            w.check(force=done)  # a full last pass too: a server that died mid-run is the story, not its failed requests
-        if done:
-            return box["run"]
+    """The sequential prompts through the proxy while the servers are watched."""
+    return run_watched(lambda: run_completions(url, ctx.served_name, ctx.prompts, ctx.gen, "pd-"), watch, "pd-requests")
 
 
 def proxy_stats(proxy_url: str, servers: ServerSet) -> dict:

@@ -22,10 +22,13 @@ TARGET_HARNESS_SHARE = 0.03
 MEASURED = (
     ("baseline_launch_to_ready", "launch_to_ready", "baseline_phase"),
     ("baseline_requests", "requests", "baseline_phase"),
+    ("baseline_load", "requests", "baseline_phase"),
     ("lm_eval_baseline", "evaluation", "baseline_phase"),
     ("baseline_teardown", "teardown", "baseline_phase"),  # not recorded today; counted if a report has it
     ("proxy_launch_to_ready", "launch_to_ready", "pd_phase"),
     ("pd_requests", "requests", "pd_phase"),
+    ("pd_load", "requests", "pd_phase"),
+    ("pd_idle_wait", "requests", "pd_phase"),  # the leak check waits for P and D to go idle
     ("lm_eval_pd", "evaluation", "pd_phase"),
     ("pd_teardown", "teardown", "pd_phase"),
 )

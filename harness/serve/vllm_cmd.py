@@ -22,6 +22,7 @@ ROLES: tuple[str, ...] = ("prefill", "decode", "baseline")
 # metadata of a distribution named "vllm"); the module entry point works for both.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 TUNING_DIR = Path(__file__).resolve().parent / "cpu_tuning"
+FAULTS_DIR = Path(__file__).resolve().parent / "faults"  # fault injection inside a server, for tests
 
 # Lines in a vLLM log after which the server will never become healthy.
 FATAL_LOG_PATTERNS: tuple[str, ...] = (
@@ -78,6 +79,9 @@ class ServerSpec:
     dtype: str | None = "float32"
     enforce_eager: bool = True
     prefix_caching: bool = False  # off, so every request's KV really comes over NIXL
+    num_blocks: int | None = None  # KV pool size (--num-gpu-blocks-override, CPU too): small, so blocks get reused
+    log_requests: bool = False  # vLLM logs each request added and aborted: the evidence that a client abort reached it
+    fault_kv_scale: float | None = None  # fault injection (decode): scale the received KV of one layer (faults/)
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
@@ -91,6 +95,8 @@ class ServerSpec:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.gpu_memory_utilization is not None and not (0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.gpus and len(self.gpus) < self.tp and self.device == "gpu":
@@ -163,6 +169,10 @@ def build_server_command(
     argv.append("--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching")
     if spec.gpu_memory_utilization is not None:
         argv += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
+    if spec.num_blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(spec.num_blocks)]
+    if spec.log_requests:
+        argv.append("--enable-log-requests")
     kv_cfg = spec.kv_transfer_config()
     if kv_cfg is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
@@ -180,13 +190,16 @@ def build_server_command(
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel_base)
     if spec.kv_layout:
         env["VLLM_KV_CACHE_LAYOUT"] = spec.kv_layout
+    path: list[str] = []
+    if spec.fault_kv_scale is not None:
+        path.append(str(FAULTS_DIR))  # first: its sitecustomize runs, then chains to the CPU tuning's
+        env["PD_HARNESS_FAULT_KV_SCALE"] = str(spec.fault_kv_scale)
     if spec.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
         if spec.cpu_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
         if tuning.enabled and spec.disaggregated:
-            existing = (base_env if base_env is not None else os.environ).get("PYTHONPATH", "")
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TUNING_DIR), existing) if p)
+            path.append(str(TUNING_DIR))
             env["PD_HARNESS_NIXL_PTHR_DELAY_US"] = str(tuning.progress_thread_delay_us)
             if tuning.skip_nixl_core_pinning:
                 env["PD_HARNESS_SKIP_NIXL_PINNING"] = "1"
@@ -199,6 +212,9 @@ def build_server_command(
     else:
         if spec.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
+    if path:
+        existing = (base_env if base_env is not None else os.environ).get("PYTHONPATH", "")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (*path, existing) if p)
     env.update(dict(spec.extra_env))
     return Command(tuple(argv), env)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 # prompt + completion stays well inside a 512-token context.
 WORD_COUNTS = (1, 2, 3, 5, 8, 13, 21, 30, 31, 32, 33, 47, 64, 96, 128, 160, 200, 240)
 
-_VOCAB = (
+VOCAB = (
     "the river runs past an old stone house where a red cat sleeps near seven green trees while "
     "north wind brings rain over the city and people count numbers like twelve forty nine or one "
     "hundred then ask what the answer is before the sun sets behind silver hills far to the west"
@@ -29,7 +29,7 @@ def prompt_set(seed: int = 0, word_counts: tuple[int, ...] = WORD_COUNTS) -> lis
     out = []
     for i, n in enumerate(word_counts):
         # Distinct first words, so no two prompts share a leading block.
-        first = _VOCAB[i % len(_VOCAB)]
-        words = [first] + [rng.choice(_VOCAB) for _ in range(n - 1)]
+        first = VOCAB[i % len(VOCAB)]
+        words = [first] + [rng.choice(VOCAB) for _ in range(n - 1)]
         out.append(Prompt(id=f"p{i:02d}-w{n}", text=" ".join(words), words=n))
     return out

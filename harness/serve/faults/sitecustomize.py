@@ -1,0 +1,135 @@
+"""Fault injection inside a vLLM decode server, for tests that must see the harness catch slightly wrong KV.
+
+Injected by the harness via PYTHONPATH (before the CPU tuning's folder) and active only when
+PD_HARNESS_FAULT_KV_SCALE is set: each time a NIXL receive completes, the received blocks of the
+first attention layer are multiplied by that factor (keys and values) before the request's first
+decode step reads them. A small factor moves logprobs without flipping greedy tokens, which is the
+damage a wrong head offset can do quietly. Each perturbation is logged, so a test can see it fired:
+"[pd-harness fault] scaled the received KV of layer L by F: N blocks of request R".
+Then the next sitecustomize on the path (the CPU tuning) runs as if this one were not here.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+
+_SCALE = os.environ.get("PD_HARNESS_FAULT_KV_SCALE")
+_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _log(msg):
+    print(f"[pd-harness fault] {msg}", file=sys.stderr, flush=True)
+
+
+def _block_dim(shape, num_blocks):
+    # KV cache layouts put the block index before the in-block token index: (2, N, ...) or (N, 2, ...).
+    return next((i for i, n in enumerate(shape) if n == num_blocks), None)
+
+
+def _perturb(worker, metas, received, scale):
+    caches = getattr(worker, "_pd_fault_caches", None)
+    for req_id in sorted(received):
+        meta = metas.get(req_id)
+        if meta is None or not caches:
+            continue
+        blocks = list(meta.local_block_ids[0])
+        layer = sorted(caches)[0]
+        tensor = caches[layer]
+        dim = _block_dim(tuple(tensor.shape), getattr(worker, "num_blocks", None))
+        if dim is None or not blocks:
+            _log(f"could not place the blocks of request {req_id} in {layer} {tuple(tensor.shape)}; nothing changed")
+            continue
+        for b in blocks:
+            tensor.select(dim, b).mul_(scale)
+        _log(f"scaled the received KV of layer {layer} by {scale}: {len(blocks)} blocks of request {req_id}")
+
+
+def _patch_worker(cls, scale):
+    """Wrap the worker's KV registration (to keep the caches) and its report of finished receives: vLLM 0.32
+    reports them in get_transfer_results(), older releases (0.26) in get_finished() -> (sending, receiving)."""
+    register = cls.register_kv_caches
+
+    def register_kv_caches(self, kv_caches):
+        self._pd_fault_caches = kv_caches
+        return register(self, kv_caches)
+
+    if hasattr(cls, "get_transfer_results"):
+        results = cls.get_transfer_results
+
+        def get_transfer_results(self):
+            metas = dict(getattr(self, "_recving_metadata", {}))  # popped by the call below
+            out = results(self)
+            _perturb(self, metas, set(out.finished_recving) - set(getattr(out, "failed_recving", ()) or ()), scale)
+            return out
+
+        cls.get_transfer_results = get_transfer_results
+    elif hasattr(cls, "get_finished"):
+        finished = cls.get_finished
+
+        def get_finished(self):
+            metas = dict(getattr(self, "_recving_metadata", {}))
+            sending, recving = finished(self)
+            _perturb(self, metas, set(recving), scale)
+            return sending, recving
+
+        cls.get_finished = get_finished
+    else:
+        _log(f"{cls.__name__} reports no finished receives this fault knows; nothing changed")
+        return
+    cls.register_kv_caches = register_kv_caches
+    _log(f"armed: received KV of the first layer will be scaled by {scale}")
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        cls = getattr(module, "NixlBaseConnectorWorker", None)
+        if cls is None:
+            _log(f"{_WORKER} has no NixlBaseConnectorWorker: this vLLM is not supported; nothing changed")
+            return
+        try:
+            _patch_worker(cls, float(_SCALE))
+        except Exception as e:  # a fault that cannot arm must not take the server down: the run's check sees it never fired
+            _log(f"could not arm on this vLLM ({type(e).__name__}: {e}); nothing changed")
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Wraps whatever loader the rest of the import path gives the worker module (the CPU tuning patches it too)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _WORKER:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def _chain():
+    """Run the next sitecustomize.py on sys.path (the CPU tuning), which this module's name shadows."""
+    for entry in sys.path:
+        candidate = os.path.join(entry or ".", "sitecustomize.py")
+        if os.path.abspath(entry or ".") != _HERE and os.path.isfile(candidate):
+            spec = importlib.util.spec_from_file_location("_pd_harness_next_sitecustomize", candidate)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return
+
+
+_chain()
+if _SCALE is not None:  # after the chained tuning installed its hook, so this one wraps it
+    sys.meta_path.insert(0, _Finder())
