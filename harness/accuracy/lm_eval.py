@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.accuracy.settings import HUB_DATASET, OFFLINE_TASK, AccuracySettings
+from harness.core import progress
 from harness.serve.procs import ManagedProcess, ProcessSpec
 
 
@@ -114,6 +115,11 @@ def hub_dataset_reachable(env: dict[str, str], cache_root: Path | None = None, p
     return probe()
 
 
+def _latest(tail: str) -> str:
+    line = progress.last_line(tail, 140)
+    return "starting" if not line or line.startswith("# ") else line  # "# name: argv" is the harness's own header
+
+
 def run_lm_eval(python: str, base_url: str, model_name: str, s: AccuracySettings, out_dir: Path, log_path: Path,
                 watch: list, env: dict[str, str] | None = None) -> EvalRun:
     """Run lm-eval to completion while watching the servers it talks to (anything with check()): a dead server ends the wait at once."""
@@ -122,7 +128,12 @@ def run_lm_eval(python: str, base_url: str, model_name: str, s: AccuracySettings
     spec = ProcessSpec(name=log_path.stem, argv=lm_eval_argv(python, base_url, model_name, s, out_dir), log_path=log_path,
                        env={**offline, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     deadline = time.monotonic() + s.timeout_s
-    with ManagedProcess(spec) as lm:
+    name = log_path.stem.replace("_", " ").replace("lm eval", "lm-eval")
+    rep = progress.current()
+    with rep.step(name, "evaluation", announce=f"{name}: task {s.task} against {base_url} (log {log_path})"), \
+            ManagedProcess(spec) as lm:
+        # lm-eval reports its progress only in its log (a bar redrawn with carriage returns): show its last line
+        rep.status(lambda: f"{name}: {_latest(lm.log_tail(3))}")
         while lm.returncode is None:
             for p in watch:
                 p.check()

@@ -17,7 +17,9 @@ from pathlib import Path
 from harness.run.config import E2EConfig
 from harness.matrix.plan import PlannedPair
 from harness.models.config import ModelEntry
+from harness.core import progress
 from harness.core.files import write_atomic
+from harness.matrix import html as matrix_html
 
 # A run's failure class -> the matrix outcome it stands for (the rest keep their class name).
 OUTCOME_OF_CLASS = {"assert-45330": "assert-45330", "rejected-replicated-p-gt-d": "rejected"}
@@ -109,6 +111,7 @@ def write_matrix_report(results: list[PairResult], versions: list[str], run_dir:
             "pairs": [r.to_dict() for r in results]}
     write_atomic(run_dir / "report.json", json.dumps(data, indent=2) + "\n")
     write_atomic(run_dir / "report.md", render_markdown(results, versions, run_dir, complete))
+    write_atomic(run_dir / "report.html", matrix_html.render_page(data, run_dir))
 
 
 def model_for(pair: PlannedPair, models: dict[str, ModelEntry]) -> str:
@@ -136,8 +139,12 @@ def run_matrix(plans: dict[str, list[PlannedPair]], pythons: dict[str, str], mod
     run_pair = run_pair or default_run
     versions = list(plans)
     results: list[PairResult] = []
+    rep = progress.current()
+    total = sum(p.run and p.predicted != "invalid" for pairs in plans.values() for p in pairs)
+    took: list[float] = []  # seconds of each pair run so far: the estimate of what is left
     for version, pairs in plans.items():
         cache: dict = {}  # baselines are shared between the pairs of one version (same model, TP and interpreter)
+        rep.clear()
         print(f"vLLM {version} ({pythons[version]}):", file=out, flush=True)
         for p in pairs:
             if not p.run:
@@ -145,13 +152,22 @@ def run_matrix(plans: dict[str, list[PlannedPair]], pythons: dict[str, str], mod
             elif p.predicted == "invalid":
                 results.append(PairResult(p, version, None, None, detail="vLLM refuses these TP sizes for this model; not launched"))
             else:
+                left = progress.eta_s(took, total - len(took))
+                rep.phase(f"matrix pair {len(took) + 1}/{total}: {p.id} on vLLM {version}, P TP{p.tp_p} -> D TP{p.tp_d}; "
+                          + (f"about {progress.duration(left)} left (median of {len(took)} pair(s) done)" if left is not None
+                             else "no estimate before the first pair ends"))
+                t_pair = rep.clock()  # the pair's time includes building its model (the estimate must, too)
                 cfg = replace(base, tp_p=p.tp_p, tp_d=p.tp_d, model=model_for(p, models), device=p.device,
                               python=pythons[version], run_dir=run_dir / f"vllm-{version}" / p.id)
+                rep.clear()
                 print(f"  {p.id}: running P TP{p.tp_p} -> D TP{p.tp_d} (run folder {cfg.run_dir})", file=out, flush=True)
                 report = run_pair(cfg, cache)
+                took.append(rep.clock() - t_pair)
+                rep.phase(f"matrix pair {len(took)}/{total}: {p.id} done in {progress.duration(took[-1])}")
                 observed = observed_outcome(report)
                 detail = "" if observed == "ok" else str(report.get("reason") or "")[:300]
                 results.append(PairResult(p, version, observed, judge(p, observed), str(cfg.run_dir), detail))
+            rep.clear()
             print(pair_line(results[-1]), file=out, flush=True)
             write_matrix_report(results, versions, run_dir, complete=False)
     write_matrix_report(results, versions, run_dir)

@@ -10,6 +10,7 @@ import os
 import time
 
 from harness.accuracy.resolve import resolve_accuracy
+from harness.core import progress
 from harness.core.errors import ConfigError
 from harness.gpu.run import GpuRun
 from harness.models.heads import model_heads
@@ -29,6 +30,7 @@ from harness.serve.servers import Attach, AttachedServers, served_model
 from harness.serve.vllm_cmd import plan_cpu_binding
 from harness.workload.client import GenerationSettings
 from harness.workload.prompts import prompt_set
+from harness.workload.token_text import divergence_spans, load_decoder
 
 
 class PDRun:
@@ -54,6 +56,8 @@ class PDRun:
     def run(self) -> dict:
         """Run, and write report.json/report.md whatever happens (an interrupt is re-raised after the report)."""
         wall = time.monotonic()
+        rep = progress.current()
+        mark = rep.mark()  # the spans of this run's steps become the report's timeline
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.report.versions = installed_versions(self.cfg.python)
         try:
@@ -67,6 +71,8 @@ class PDRun:
             self.ctx.timed("wall", wall)
             staggered = bool((self.report.config.get("gpu_plan") or {}).get("stagger_start"))
             self.report.timing_breakdown = breakdown(self.report.timings_s, staggered).to_dict()
+            self.report.events = rep.events_since(mark, wall)
+            rep.clear()
             d = write_report(self.report, self.run_dir, self.cfg.runs_root if self.cfg.run_dir is None else None)
         return d
 
@@ -82,19 +88,23 @@ class PDRun:
 
         with PortAllocator() as alloc:
             # The baseline runs alone (never beside P/D), at D's TP and D's cores, so both sides compute alike.
-            baseline = None if self.baseline_last else run_baseline(ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
+            baseline = None if self.baseline_last else phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline,
+                                                             self.baseline_cache)
             servers = (AttachedServers(self.attach.prefill_urls, self.attach.decode_urls) if self.attach
                        else local_servers(ctx, alloc, (bs_p, bs_d), binds))
-            pd = run_pd(ctx, alloc, servers)
+            pd = phase("P/D", run_pd, ctx, alloc, servers)
             if baseline is None:
-                baseline = run_baseline(ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
+                baseline = phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
 
-        evaluate(ctx, baseline, pd)
+        phase("evaluation", evaluate, ctx, baseline, pd)
+        add_token_spans(ctx, baseline, pd)
         self.report.failure = failures.from_checks(self.report.checks, ctx.read_logs(), [pd.completions, baseline.completions])
 
     def _resolve(self) -> None:
         """The model, its heads and topology, the GPU plan and the accuracy settings; refuse what cannot run."""
         ctx, cfg = self.ctx, self.cfg
+        progress.current().phase(f"run P TP{cfg.tp_p} -> D TP{cfg.tp_d} on {cfg.device}: resolving the model "
+                                 f"{cfg.model or '(default)'}")
         if self.attach is not None:  # the model the attached decode server serves
             root, ctx.served_name = served_model(self.attach.decode_urls[0])
             ctx.model = cfg.model or root
@@ -117,6 +127,32 @@ class PDRun:
         ctx.accuracy = resolve_accuracy(cfg.accuracy, ctx.model, ctx.served_name) if cfg.accuracy is not None else None
         if ctx.accuracy is not None:
             config["accuracy"] = ctx.accuracy.to_dict()
+
+
+def phase(name: str, fn, *args):
+    """One phase of the run, as a step on the timeline and a line for whoever watches."""
+    with progress.current().step(name, "phase", announce=f"{name} phase"):
+        return fn(*args)
+
+
+def add_token_spans(ctx: RunContext, baseline: BaselineResult, pd) -> None:
+    """Where the first divergent token of each diverged prompt lies in both texts (report.html highlights it),
+    from the model's own tokenizer; left out, with why, when its decoding does not reproduce the texts."""
+    comp = ctx.report.comparison
+    if not comp or not any(p.get("divergence") for p in comp.get("prompts", [])):
+        return
+    decode, why = load_decoder(ctx.model)
+    if decode is None:
+        comp["token_spans_note"] = why
+        return
+    ids: dict[str, dict] = {}
+    for side, run in (("baseline", baseline.completions), ("pd", pd.completions)):
+        for c in run.completions:
+            ids.setdefault(c.prompt_id, {})[side] = c.token_ids
+    try:
+        comp["token_spans"] = divergence_spans(comp["prompts"], ids, comp.get("texts", {}), decode)
+    except Exception as e:  # a decoration of the report: never what decides a verdict, but said when it fails
+        comp["token_spans_note"] = f"token spans could not be computed: {type(e).__name__}: {e}"
 
 
 def run_e2e(cfg: E2EConfig) -> dict:

@@ -11,6 +11,7 @@ from typing import Any
 
 from harness.checks.check import Check
 from harness.core.files import write_atomic
+from harness.run import html as run_html
 
 
 @dataclass
@@ -24,8 +25,11 @@ class Report:
     logs: dict[str, str] = field(default_factory=dict)
     failure: dict[str, Any] | None = None  # set when the run could not complete
     accuracy: dict[str, Any] | None = None  # lm-eval scores and per-sample diff (with --accuracy)
+    load: dict[str, Any] | None = None  # the load phase: requests, aborts, comparison, latency, pool reuse
+    faults: dict[str, Any] | None = None  # injected faults and the requests they hit
     skipped_checks: list[dict[str, str]] = field(default_factory=list)  # checks this run could not make, with why
     timing_breakdown: dict[str, Any] | None = None  # harness/run/timing.py: where the wall time went
+    events: list[dict[str, Any]] = field(default_factory=list)  # {name, kind, start_s, end_s, ok}: the run's timeline
 
     @property
     def verdict(self) -> str:
@@ -59,8 +63,14 @@ class Report:
         )
         if self.accuracy is not None:
             d["accuracy"] = self.accuracy
+        if self.load is not None:
+            d["load"] = self.load
+        if self.faults is not None:
+            d["faults"] = self.faults
         if self.failure is not None:
             d["failure"] = self.failure
+        if self.events:
+            d["events"] = self.events
         return d
 
 
@@ -87,6 +97,7 @@ def render_markdown(d: dict[str, Any]) -> str:
                   "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |", "|---|---|---|---|---|---|---|",
                   f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | {a['tolerance']:.3f} | "
                   f"{a['differing_responses']} | {a['score_flips']} |"]
+    lines += load_markdown(d.get("load"))
     comp = d.get("comparison")
     if comp:
         lines += ["", "## Comparison with the baseline", "", f"{comp.get('summary', '')}", "",
@@ -114,6 +125,7 @@ def write_report(report: Report, run_dir: Path, runs_root: Path | None = None) -
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "report.json", json.dumps(d, indent=2, default=str) + "\n")
     write_atomic(run_dir / "report.md", render_markdown(d))
+    write_atomic(run_dir / "report.html", run_html.render_page(d, run_dir))
     if runs_root is not None:
         point_latest(runs_root, run_dir)
     return d
@@ -142,3 +154,29 @@ def print_summary(d: dict, run_dir: Path, out=sys.stdout) -> None:
         print("  " + str(d["failure"].get("excerpt", "")).replace("\n", "\n  "), file=out)
     print(f"verdict: {d['verdict']}" + (f" ({d.get('reason')})" if d["verdict"] != "pass" else ""), file=out)
     print(f"report: {run_dir / 'report.md'}", file=out)
+
+
+def load_markdown(load: dict[str, Any] | None) -> list[str]:
+    """The load table of report.md."""
+    if not load:
+        return []
+
+    def ms(x) -> str:
+        return "-" if x is None else f"{1000 * x:.0f}"
+
+    lat = load["latency"]
+    pd, base = lat["pd"], lat["baseline"]
+    ab = load["aborted_by_client"]
+    cancelled = ", ".join(f"{k} {v}" for k, v in load["cancelled_by_proxy"].items() if v) or "none"
+    pools = "; ".join(f"{p['server']}: {p['blocks_needed']} needed / {p['blocks']} blocks" for p in load["pools"])
+    delta = load.get("max_logprob_delta")
+    return ["", f"## Load ({load['requests']} requests, concurrency {load['concurrency']})", "",
+            "| aborted by client (P / D) | cancelled by the proxy | matched | mismatched | max Δlogprob | "
+            "TTFT p50/p99 ms P/D | baseline | e2e p50/p99 ms P/D | baseline | KV pool |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {ab.get('prefill', 0)} / {ab.get('decode', 0)} | {cancelled} | {load['matched']} | "
+            f"{', '.join(load['mismatched']) or 0} | {'-' if delta is None else f'{delta:.2e}'} | "
+            f"{ms(pd['ttft_p50_s'])}/{ms(pd['ttft_p99_s'])} | {ms(base['ttft_p50_s'])}/{ms(base['ttft_p99_s'])} | "
+            f"{ms(pd['e2e_p50_s'])}/{ms(pd['e2e_p99_s'])} | {ms(base['e2e_p50_s'])}/{ms(base['e2e_p99_s'])} | {pools} |",
+            "", f"The baseline answered {load['baseline_answered']}. Batching noise cannot fail a correct run: "
+            f"{load['why_noise_cannot_fail']}."]

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import psutil
 
+from harness.core import progress
+
 LOG_TAIL_LINES = 40
 
 
@@ -190,14 +192,18 @@ class ManagedProcess:
         """Block until ready; returns seconds from start to ready."""
         if deadline is None:
             deadline = time.monotonic() + self.spec.ready_timeout_s
-        while True:
-            if self.is_ready():
-                assert self.started_at is not None
-                self.ready_after_s = time.monotonic() - self.started_at
-                return self.ready_after_s
-            if time.monotonic() >= deadline:
-                raise self.fail(f"not ready within {self.spec.ready_timeout_s:.0f} s")
-            time.sleep(poll_s)
+        progress.current().status(lambda: starting_status([self]))
+        try:
+            while True:
+                if self.is_ready():
+                    assert self.started_at is not None
+                    self.ready_after_s = time.monotonic() - self.started_at
+                    return self.ready_after_s
+                if time.monotonic() >= deadline:
+                    raise self.fail(f"not ready within {self.spec.ready_timeout_s:.0f} s")
+                time.sleep(poll_s)
+        finally:
+            progress.current().clear()
 
     def _remember_descendants(self) -> None:
         if not self.alive():
@@ -291,10 +297,28 @@ class ManagedProcess:
 
 def stop_all(procs: Sequence[ManagedProcess]) -> None:
     """Tear down several processes in parallel: one grace period in all, not one each."""
+    if not procs:
+        return
+    rep = progress.current()
+    names = ", ".join(p.name for p in procs)
+    span = rep.begin(f"{names} teardown", "teardown")
     for p in procs:
         p.terminate()
     for p in procs:
         p.stop()
+    rep.end(span, True, f"{names} stopped in {progress.duration(rep.clock() - span.start)}")
+
+
+def starting_status(procs: Sequence[ManagedProcess]) -> str:
+    """What each process still starting is doing: its seconds since start and the last line of its log."""
+    parts = []
+    for p in procs:
+        since = time.monotonic() - p.started_at if p.started_at is not None else 0.0
+        line = progress.last_line(p.log_tail(5), 120)
+        if line.startswith(f"# {p.name}:"):  # only the harness's own header so far
+            line = "no output yet"
+        parts.append(f"{p.name} starting, {since:.0f} s: {line}")
+    return " | ".join(parts)
 
 
 def start_all(procs: Sequence[ManagedProcess], stack: contextlib.ExitStack, timeout_s: float) -> dict[str, float]:
@@ -306,21 +330,35 @@ def start_all(procs: Sequence[ManagedProcess], stack: contextlib.ExitStack, time
     """
     started: list[ManagedProcess] = []
     stack.callback(stop_all, started)
+    rep = progress.current()
+    spans = {}
+    if procs:
+        rep.phase(f"starting {', '.join(p.name for p in procs)} (logs: {procs[0].spec.log_path.parent})")
     for p in procs:
         p.start()
         started.append(p)
+        spans[p.name] = rep.begin(f"{p.name} start-up", "launch")
     deadline = time.monotonic() + timeout_s
     pending = list(procs)
     ready: dict[str, float] = {}
-    while pending:
-        for p in list(pending):
-            if p.is_ready():
-                assert p.started_at is not None
-                p.ready_after_s = time.monotonic() - p.started_at
-                ready[p.name] = p.ready_after_s
-                pending.remove(p)
-        if pending and time.monotonic() >= deadline:
-            raise pending[0].fail(f"not ready within {timeout_s:.0f} s")
-        if pending:
-            time.sleep(0.1)
+    try:
+        rep.status(lambda: starting_status(list(pending)))
+        while pending:
+            for p in list(pending):
+                if p.is_ready():
+                    assert p.started_at is not None
+                    p.ready_after_s = time.monotonic() - p.started_at
+                    ready[p.name] = p.ready_after_s
+                    pending.remove(p)
+                    rep.end(spans[p.name], True, f"{p.name} ready after {progress.duration(p.ready_after_s)}")
+                    if pending:
+                        rep.status(lambda: starting_status(list(pending)))
+            if pending and time.monotonic() >= deadline:
+                raise pending[0].fail(f"not ready within {timeout_s:.0f} s")
+            if pending:
+                time.sleep(0.1)
+    finally:
+        for name, span in spans.items():
+            if span.end is None:
+                rep.end(span, False, f"{name}: start-up ended before it was ready")
     return ready

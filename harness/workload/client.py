@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import requests
 
+from harness.core import progress
 from harness.workload.completion import Completion, parse_completion
 from harness.workload.prompts import Prompt
 
@@ -46,9 +47,20 @@ class CompletionRun:
 def run_completions(base_url: str, model: str, prompts: list[Prompt], gen: GenerationSettings, run_tag: str = "") -> CompletionRun:
     """Send prompts one at a time (a fixed batch composition keeps greedy runs comparable)."""
     out = CompletionRun()
-    with requests.Session() as s:
+    label = run_tag.rstrip("-") or "requests"
+    sent = [0, time.monotonic()]  # prompts sent so far, when the last one went out
+
+    def status() -> str:
+        failed = f", {len(out.failures)} failed" if out.failures else ""
+        return f"{label}: prompt {sent[0]}/{len(prompts)} sent, waiting {time.monotonic() - sent[1]:.0f} s{failed}"
+
+    rep = progress.current()
+    with rep.step(f"{label} requests", "requests", announce=f"{label}: sending {len(prompts)} prompts to {base_url}"), \
+            requests.Session() as s:
+        rep.status(status)
         for p in prompts:
             t0 = time.monotonic()
+            sent[0], sent[1] = sent[0] + 1, t0
             headers = {"X-Request-Id": f"{run_tag}{p.id}"} if run_tag else {}
             try:
                 r = s.post(f"{base_url}/v1/completions", json=gen.body(model, p.text), headers=headers, timeout=gen.timeout_s)

@@ -4,25 +4,18 @@ With ACCURACY=1 the run serves the tiny model trained on the offline GSM8K-forma
 real lm-eval run through the proxy and against the baseline.
 """
 
-import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import processes_tagged
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def e2e(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    proc = subprocess.run(["make", "e2e", "TP_P=1", "TP_D=1", "ACCURACY=1", f"RUN_DIR={run_dir}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=2400)
-    report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
-    return proc, run_dir, report
+def e2e(e2e_accuracy_run):
+    return e2e_accuracy_run  # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
 
 
 def test_exit_code_and_verdict_pass(e2e):

@@ -6,28 +6,19 @@ the plain e2e run of tests/integration/test_e2e_cpu.py; regime B is tests/integr
 """
 
 import json
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import processes_tagged
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.vllm
 PAIRS = ("tiny-k1-p2-d2", "tiny-k1-p2-d1", "tiny-k2-p2-d1")
 
 
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("regimes") / "run"
-    env = {**os.environ, "ONLY": ",".join(PAIRS)}
-    env.pop("VLLM_VERSION", None)  # the pinned version
-    proc = subprocess.run([str(REPO / "run_gqa_replication_accuracy_test.sh"), "--run-dir", str(run_dir)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=2400)
-    assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
-    return proc, run_dir, json.loads((run_dir / "report.json").read_text())
+def matrix(regimes_matrix_run):
+    return regimes_matrix_run  # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
 
 
 def pair_report(run_dir: Path, pair: str) -> dict:
