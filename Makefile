@@ -11,11 +11,22 @@ E2E_ARGS ?=
 PYTEST_ARGS ?=
 DRY_RUN ?=
 NIGHTLY_ARGS ?=
+# An offline install's folder of wheels: `make wheelhouse` writes it, `make setup WHEELHOUSE=DIR` installs from it.
+WHEELHOUSE ?=
+WHEELHOUSE_ARGS ?=
 
-.PHONY: setup e2e test test-unit test-integration clean-runs nightly
+.PHONY: setup e2e test test-unit test-integration clean-runs nightly wheelhouse
 
 setup:
-	@DEVICE=$(DEVICE) bash scripts/setup.sh
+	@DEVICE=$(DEVICE) WHEELHOUSE=$(WHEELHOUSE) bash scripts/setup.sh
+
+# On a connected machine (docs/offline-install.md), e.g. for a GPU image with torch 2.11.0+cu130:
+#   make wheelhouse WHEELHOUSE=/data/wh WHEELHOUSE_ARGS="--torch 2.11.0+cu130 --python 3.12 --platform manylinux_2_31_x86_64 --drop-kernels fa2"
+# DEVICE=cpu: a CPU machine like this one. This machine's own .venv is set up first, from the index.
+wheelhouse:
+	$(if $(WHEELHOUSE),,$(error give WHEELHOUSE=DIR, the folder to write))
+	@DEVICE= WHEELHOUSE= bash scripts/setup.sh
+	$(PY) -m harness wheelhouse --out $(WHEELHOUSE) $(if $(DEVICE),--device $(DEVICE)) $(WHEELHOUSE_ARGS)
 
 e2e: setup
 	$(PY) -m harness e2e --tp-p $(TP_P) --tp-d $(TP_D) $(if $(MODEL),--model $(MODEL)) $(if $(DEVICE),--device $(DEVICE)) $(if $(RUN_DIR),--run-dir $(RUN_DIR)) $(if $(VLLM_VERSION),--vllm-version $(VLLM_VERSION)) $(if $(filter 1 yes true,$(ACCURACY)),--accuracy) $(E2E_ARGS)

