@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 from harness.accuracy.settings import AccuracySettings
-from harness.core.argtypes import positive_int
-from harness.run.config import PROXY_FAULTS, E2EConfig, env_defaults
+from harness.core.argtypes import non_negative_int, positive_int
+from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, E2EConfig, env_defaults
+from harness.workload.load import LoadSettings
 from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
 from harness.gpu.detect import has_nvidia_gpu
@@ -19,7 +20,7 @@ from harness.serve.vllm_cmd import CpuTuning
 
 
 # Subcommands that live in their own modules; each has add_parser(subparsers) and main(args) -> exit code.
-SUBCOMMAND_MODULES = {"plan": "harness.gpu.cli", "bench": "harness.bench.cli", "nightly": "harness.nightly", "matrix": "harness.matrix.cli"}
+SUBCOMMAND_MODULES = {"plan": "harness.gpu.cli", "bench": "harness.bench.cli", "nightly": "harness.nightly", "matrix": "harness.matrix.cli", "envs": "harness.envs.envs_cli", "bisect": "harness.releases.bisect_cli", "history": "harness.releases.history_cli", "repro": "harness.repro.cli", "wheelhouse": "harness.envs.wheelhouse_cli"}
 
 
 def _subcommand(name: str):
@@ -56,6 +57,25 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--accuracy-limit", type=positive_int, help="samples of the test split (default: all)")
     e.add_argument("--num-fewshot", type=int, help="default: the task's")
     e.add_argument("--lm-eval-concurrency", type=positive_int, default=2)
+    e.add_argument("--load-requests", type=non_negative_int, default=LoadSettings.requests,
+                   help="requests of the load phase (default %(default)s; 0: no load phase)")
+    e.add_argument("--load-concurrency", type=positive_int, default=LoadSettings.concurrency, help="default %(default)s")
+    e.add_argument("--load-abort-every", type=non_negative_int, default=LoadSettings.abort_every,
+                   help="the client cancels every n-th load request, alternately while P prefills and mid-decode "
+                        "(default %(default)s; 0: none)")
+    e.add_argument("--kv-pool-blocks", type=non_negative_int,
+                   help="KV blocks per server (default: twice a longest request's when the load phase runs, so blocks "
+                        "are reused; 0: vLLM's own)")
+    e.add_argument("--max-model-len", type=positive_int, help="default: 512 on CPU, 2048 on GPU")
+    e.add_argument("--logprob-threshold", type=float,
+                   help="largest |logprob difference| of a chosen token against the baseline (default: the device's, see docs/load.md)")
+    e.add_argument("--proxy-fault-every", type=positive_int, default=1, help="apply --proxy-fault to every n-th request only")
+    e.add_argument("--decode-kv-fault", type=float, metavar="FACTOR",
+                   help="fault injection: D multiplies the KV it received for the first layer by FACTOR (e.g. 1.05: "
+                        "logprobs move, greedy tokens mostly do not); the run must fail")
+    e.add_argument("--dtype", help="model dtype for every server (default: float32 on CPU, the model's own on GPU)")
+    e.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no CUDA graphs or compilation on GPU (faster start-up; CPU always runs eager)")
     e.add_argument("--proxy-fault", choices=PROXY_FAULTS, default="none",
                    help="fault injection: corrupt-block-ids hands D wrong remote block ids, no-remote-decode skips the "
                         "transfer (the run must fail either way)")
@@ -121,7 +141,7 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
     cfg = E2EConfig(
         tp_p=pick("tp_p", 1),
         tp_d=pick("tp_d", 1),
-        model=a.model,
+        model=a.model if a.model is not None else (GPU_DEFAULT_MODEL if device == "gpu" else None),
         device=device,
         block_size_p=pick("block_size_p"),
         block_size_d=pick("block_size_d"),
@@ -136,12 +156,24 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
         kv_lease_s=a.kv_lease,
         accuracy=accuracy,
         proxy_fault=a.proxy_fault,
+        proxy_fault_every=a.proxy_fault_every,
+        load=LoadSettings(requests=a.load_requests, concurrency=a.load_concurrency, abort_every=a.load_abort_every),
+        max_model_len=a.max_model_len,
+        kv_pool_blocks=a.kv_pool_blocks,
+        logprob_threshold=a.logprob_threshold,
+        dtype=a.dtype,
+        decode_kv_fault=a.decode_kv_fault,
+        enforce_eager=a.enforce_eager,
     )
     cfg.validate()
     if preflight:
         from harness.run.preflight import check_config
 
         check_config(cfg, vllm_version=version[0] if version else None)
+        if cfg.device == "gpu":
+            from harness.run.preflight import check_gpus
+
+            check_gpus(cfg)
     if version:
         from harness.envs.vllm_env import EnvSetupFailed, ensure_env
 
@@ -150,6 +182,16 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
         except EnvSetupFailed as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def default_model_note(cfg: E2EConfig) -> str:
+    """The line that says a GPU run without --model serves the reported case's model, and its regime."""
+    from harness.run.preflight import preflight_config
+
+    topo = preflight_config(cfg).topology
+    shape = f" (K={topo.kv_heads}: P{cfg.tp_p}->D{cfg.tp_d} is regime {topo.regime})" if topo else ""
+    return (f"model: no --model given, so the GPU run serves {cfg.model}, the model of vLLM issue #45330{shape}; "
+            "it must be in the Hugging Face cache (servers run with HF_HUB_OFFLINE=1)")
 
 
 def attach_from_args(a: argparse.Namespace):
@@ -202,6 +244,9 @@ def topology_main(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    from harness.core import progress
+
+    progress.use(progress.on_stderr())  # progress goes to stderr only: stdout stays what scripts parse
     if a.cmd in SUBCOMMAND_MODULES:
         return _subcommand(a.cmd).main(a)
     if a.cmd == "topology":
@@ -224,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.model is None and cfg.device == "gpu":
+        print(default_model_note(cfg), flush=True)
     catch_interrupts()
     from harness.run.pipeline import PDRun
     from harness.run.report import print_summary

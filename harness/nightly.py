@@ -31,7 +31,7 @@ DEFAULT_GPUS = 8
 DEFAULT_GPU_MEM_GIB = 80.0
 # Per-step timeouts (s). A matrix pair starts up to three servers (10 min ready timeout each) and
 # sends 18 prompts; an accuracy run adds full GSM8K (1319 questions) twice, baseline and P/D.
-TIMEOUTS_S = {"prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60}
+TIMEOUTS_S = {"prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60, "history": 10 * 60}
 STOP_GRACE_S = 120.0  # a step's harness tears its servers down on SIGTERM; then SIGKILL and a sweep
 RELEASE_TIMEOUT_S = 180.0  # after a step, until its GPUs have their memory back
 # (hub id, P TP, D TP): TinyLlama P2->D8 is the #45330 case (colocated on 8 GPUs); Qwen3-0.6B has a
@@ -174,7 +174,20 @@ def build_steps(gpus: int, gpu_mem_gib: float, python: str, run_dir: Path, vllm_
                       f"d({q(HUB_DATASET)}, repo_type={q('dataset')})"])
     prefetch = Step("prefetch", "prefetch", (python, "-c", code), TIMEOUTS_S["prefetch"],
                     (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",))
-    return [prefetch, *steps]
+    return [prefetch, *steps, history_step(python, run_dir, vllm_version, [p.id for p in pairs if p.device == "gpu"])]
+
+
+def history_step(python: str, run_dir: Path, vllm_version: str | None, ids: list[str]) -> Step:
+    """The release history attached to the night: its matrix results (and any stored earlier at the same harness
+    revision) as history.md + history.png; it runs nothing itself."""
+    from harness.envs.vllm_env import pinned
+
+    versions = vllm_version or pinned("gpu")["vllm"]
+    argv = (python, "-m", "harness", "history", "--device", "gpu", "--versions", versions, "--only", ",".join(ids),
+            "--import-runs", str(run_dir / "matrix"), "--no-run", "--out", str(run_dir / "history"))
+    return Step("history", "history", argv, TIMEOUTS_S["history"],
+                ("history.md and history.png: each GPU entry's outcome on the night's release(s), from the matrix steps' "
+                 "reports and the results store (same harness revision)",), note="runs nothing: draws what the matrix steps measured")
 
 
 def render_dry_run(steps: Sequence[Step], gpus: int, gpu_mem_gib: float) -> str:

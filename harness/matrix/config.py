@@ -88,9 +88,31 @@ class MatrixEntry(BaseModel):
         return kf.cls if kf is not None and kf.family == family and kf.intermittent else None
 
 
+class BoundaryEvidence(BaseModel):
+    """How a family boundary was measured: a bisect (python -m harness bisect) and what it ran."""
+
+    model_config = ConfigDict(extra="forbid")
+    date: str = Field(min_length=1)
+    command: str = Field(min_length=1)
+    entry: str = Field(min_length=1)  # the matrix entry bisected
+    tested: dict[str, str] = Field(min_length=1)  # release -> outcome seen
+    answer: str = Field(min_length=1)  # the bisect's line
+
+
+class FamilyBounds(BaseModel):
+    """Where a version family starts, measured: ``fixed_in`` its first release; ``broken_in`` the first release
+    that showed the failure the family is about (when measured)."""
+
+    model_config = ConfigDict(extra="forbid")
+    fixed_in: str | None = Field(default=None, pattern=r"^\d+(\.\d+)*$")
+    broken_in: str | None = Field(default=None, pattern=r"^\d+(\.\d+)*$")
+    evidence: BoundaryEvidence
+
+
 class MatrixFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     entries: list[MatrixEntry] = Field(min_length=1)
+    families: dict[Family, FamilyBounds] = Field(default_factory=dict)  # measured boundaries (harness/models/topology.py reads them)
 
     @model_validator(mode="after")
     def _unique(self) -> MatrixFile:

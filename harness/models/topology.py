@@ -2,13 +2,17 @@
 
 D is "local" and P is "remote" (as in vLLM's D worker). With K KV heads, a
 rank holds ``max(1, K // tp)`` heads: once tp > K heads are replicated and the
-KV block length stops scaling with 1/tp - the case vLLM <= 0.21 mishandled
+KV block length stops scaling with 1/tp - the case vLLM before the fix mishandled
 (issue #45330).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from harness.core.paths import CONFIGS_DIR
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
 REGIMES = {
@@ -18,8 +22,9 @@ REGIMES = {
     "D": "K < P and P > D: replicated prefill larger than decode (rejected by design)",
     "E": "D < P <= K: D reads from several P ranks and merges",
 }
-# First release treated as carrying the fix (PR #45879). Verified: 0.21.0 asserts, 0.32.0 passes.
-FIXED_IN = (0, 22, 0)
+# The first release of the `fixed` family (carrying PR #45879) is measured, not assumed: a bisect of the
+# regime-B entry (python -m harness bisect) recorded it with its evidence in the matrix config.
+FAMILIES_YAML = CONFIGS_DIR / "gqa_replication.yaml"
 
 
 @dataclass(frozen=True)
@@ -108,14 +113,27 @@ def parse_version(v: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
-def version_family(v: str | None) -> str:
+@functools.lru_cache(maxsize=8)
+def measured_fixed_in(path: Path = FAMILIES_YAML) -> tuple[int, ...]:
+    """families.fixed.fixed_in of the matrix config (validated with the rest of it by harness/matrix/config.py)."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    v = ((data.get("families") or {}).get("fixed") or {}).get("fixed_in")
+    if not v:
+        raise ValueError(f"{path}: families.fixed.fixed_in is not set (measure it: python -m harness bisect)")
+    return parse_version(str(v))
+
+
+def version_family(v: str | None, fixed_in: tuple[int, ...] | None = None) -> str:
+    """pre-fix before the measured first fixed release (or ``fixed_in``), else fixed; no version: fixed."""
     if v is None:
         return "fixed"
-    return "pre-fix" if parse_version(v) < FIXED_IN else "fixed"
+    return "pre-fix" if parse_version(v) < (fixed_in or measured_fixed_in()) else "fixed"
 
 
 def predict(shape: ModelShape, tp_p: int, tp_d: int, block_size_p: int = 16, block_size_d: int | None = None,
-            vllm_version: str | None = None) -> Topology:
+            vllm_version: str | None = None, fixed_in: tuple[int, ...] | None = None) -> Topology:
     bs_d = block_size_d or block_size_p
     k = shape.kv_heads
     reasons = validity(shape, tp_p, tp_d, block_size_p, bs_d)
@@ -128,7 +146,7 @@ def predict(shape: ModelShape, tp_p: int, tp_d: int, block_size_p: int = 16, blo
     ratio = tp_ratio(tp_p, tp_d) if valid else 0
     bsr = bs_d // block_size_p if valid else 0
     reg = regime(k, tp_p, tp_d)
-    family = version_family(vllm_version)
+    family = version_family(vllm_version, fixed_in)
     if not valid:
         expected, why = "invalid", "; ".join(reasons)
     elif tp_p > tp_d and tp_p > k:

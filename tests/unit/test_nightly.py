@@ -8,6 +8,7 @@ import yaml
 from harness import nightly
 from harness.cli import main
 from harness.core.paths import REPO_ROOT
+from harness.envs.vllm_env import pinned
 from harness.gpu.plan import render_plan
 from harness.matrix.config import load_matrix
 from harness.nightly import (ACCURACY_CHECKS, ACCURACY_RUNS, E2E_CHECKS, Step, StepResult, build_steps, junit_xml, render_dry_run,
@@ -77,7 +78,7 @@ def test_prefetch_downloads_every_model_that_runs_and_gsm8k(steps):
     code = steps[0].argv[2]
     for s in steps[1:]:
         model = dict(s.servers).get("prefill0", "")
-        if s.skip_reason is None:
+        if s.skip_reason is None and s.servers:
             name = model.split("--model ")[1].split()[0]
             assert f'"{name}"' in code
     assert '"openai/gsm8k", repo_type="dataset"' in code
@@ -211,3 +212,15 @@ def test_ci_workflow_parses_and_runs_make_nightly():
 def test_makefile_has_a_nightly_target_with_dry_run():
     text = (REPO_ROOT / "Makefile").read_text()
     assert "\nnightly:" in text and "--dry-run" in text and "DRY_RUN" in text
+
+
+def test_the_night_ends_with_its_release_history(steps):
+    h = steps[-1]
+    assert (h.id, h.kind, h.skip_reason) == ("history", "history", None)
+    a = h.argv
+    assert a[3] == "history" and "--no-run" in a and a[a.index("--import-runs") + 1] == "/runs/n/matrix"
+    assert a[a.index("--out") + 1] == "/runs/n/history" and a[a.index("--versions") + 1] == pinned("gpu")["vllm"]
+    assert a[a.index("--only") + 1].split(",") == [e.id for e in gpu_entries()]
+    wf = yaml.safe_load((REPO_ROOT / "ci" / "nightly-gpu.yml").read_text())
+    uploads = [s for s in wf["jobs"]["nightly"]["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
+    assert any("history/history.png" in s["with"]["path"] for s in uploads)

@@ -1,0 +1,130 @@
+"""python -m harness history --config FILE [--only IDS] --versions A..B: release x entry outcomes, Markdown + PNG."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from harness.core.errors import ConfigError
+from harness.core.interrupts import catch_interrupts
+from harness.core.files import write_atomic
+from harness.core.paths import RUNS_ROOT
+from harness.releases.history import Cell, Column, HistoryTable, render_markdown, render_png
+
+
+def add_parser(sub) -> None:
+    h = sub.add_parser("history", help="each entry's outcome on each release (reusing stored results): history.md + history.png")
+    h.add_argument("--config", type=Path, help="matrix config (default: configs/gqa_replication.yaml)")
+    h.add_argument("--only", help="comma-separated entry ids (default: every entry of this device)")
+    h.add_argument("--versions", required=True, help="A..B (every release the package index lists between, ends included) or A,B,C")
+    h.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    h.add_argument("--out", type=Path, help="folder for history.md/.png/.json and the runs (default: runs/<timestamp>-history)")
+    h.add_argument("--no-run", action="store_true", help="draw only stored results; run nothing (missing cells say so)")
+    h.add_argument("--fresh", action="store_true", help="measure every cell again")
+    h.add_argument("--import-runs", type=Path, help="first store the pairs of matrix reports (report.json) found under this folder")
+    h.add_argument("--keep-envs", type=int, help="after each release, prune .venvs/ to this many environments (disk)")
+    h.add_argument("--run-lock", type=Path, help="hold this file's lock around each run (not installs)")
+
+
+def import_runs(folder: Path, store, by: str) -> int:
+    """Store every judged pair of the matrix reports under ``folder``; returns how many."""
+    n = 0
+    for report in sorted(folder.rglob("report.json")):
+        try:
+            d = json.loads(report.read_text())
+        except (OSError, ValueError):
+            continue
+        for p in d.get("pairs") or []:
+            if p.get("observed") and p.get("vllm_version"):
+                if store.put(p["id"], p["vllm_version"], p["observed"], seconds=0.0, run_dir=p.get("run_dir"),
+                             detail=p.get("detail") or "", expected=p.get("expected"), regime=p.get("regime"),
+                             by=f"{by} (imported from {report})") is not None:
+                    n += 1
+    return n
+
+
+def main(a: argparse.Namespace) -> int:
+    from harness.envs.vllm_env import DISTRIBUTION
+    from harness.gpu.detect import count_gpus, has_nvidia_gpu
+    from harness.matrix.config import MATRIX_YAML, load_matrix
+    from harness.matrix.plan import plan
+    from harness.releases.index import list_releases, parse_range
+    from harness.releases.probe import Prober
+    from harness.releases.store import ResultStore
+
+    try:
+        if a.keep_envs is not None and a.keep_envs < 1:
+            raise ConfigError("--keep-envs must be >= 1 (the environment in use stays)")
+        matrix, models = load_matrix(a.config or MATRIX_YAML)
+        device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+        only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
+        versions = parse_range(a.versions, list_releases(DISTRIBUTION[device]))
+        ids = [e.id for e in matrix.entries if (only is None and e.device == device) or (only is not None and e.id in only)]
+        if only and (unknown := sorted(only - {e.id for e in matrix.entries})):
+            raise ConfigError(f"unknown matrix id(s): {', '.join(unknown)}")
+        if not ids:
+            raise ConfigError(f"no {device} entry to draw")
+        wrong = [i for i in ids if matrix.get(i).device != device]
+        if wrong:
+            raise ConfigError(f"{', '.join(wrong)}: not {device} entries; this run is on {device}")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = a.out or RUNS_ROOT / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-history"
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m harness " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else shlex.join(sys.argv)
+    store = ResultStore()
+    if a.import_runs:
+        print(f"history: stored {import_runs(a.import_runs, store, command)} pairs from {a.import_runs}", flush=True)
+    plans = {v: {p.id: p for p in plan(matrix, models, v, device, 10 ** 6, set(ids))} for v in versions}
+    first = plans[versions[0]]
+    columns = [Column(i, f"K={first[i].kv_heads} P{first[i].tp_p}→D{first[i].tp_d} regime {first[i].regime}", first[i].regime) for i in ids]
+    table = HistoryTable(versions, columns, revision=store.revision, command=command, date=dt.date.today().isoformat())
+    prober = Prober(matrix, models, store, out / "runs", device, count_gpus() if device == "gpu" else 0, fresh=a.fresh,
+                    run_lock=a.run_lock, by=command)
+    print(f"history: {len(ids)} entries x {len(versions)} releases ({versions[0]} .. {versions[-1]}); harness revision "
+          f"{store.revision}; folder {out}", flush=True)
+    catch_interrupts()  # SIGTERM too: the run in progress tears its servers down
+    ran = reused = 0
+    try:
+        for v in versions:
+            for i in ids:
+                expected = plans[v][i].expected
+                got = None if a.fresh else store.get(i, v)
+                if got is not None:
+                    table.cells[(v, i)] = Cell(got.outcome, "store", got.run_dir, expected, got.detail)
+                    reused += 1
+                elif not a.no_run:
+                    print(f"history: {i} on vLLM {v}", flush=True)
+                    o = prober.observe(i, v)
+                    table.cells[(v, i)] = Cell(o.outcome, o.source, o.run_dir, expected, o.detail)
+                    ran += 1
+                write_table(table, out, png=False)
+            if a.keep_envs is not None and not a.no_run:
+                from harness.core.paths import VENVS_DIR
+                from harness.envs.manage import human, prune
+
+                r = prune(VENVS_DIR, a.keep_envs)
+                if r.removed:
+                    print(f"history: pruned {', '.join(r.removed)} ({human(r.freed_bytes)})", flush=True)
+    except KeyboardInterrupt:
+        write_table(table, out)
+        print(f"interrupted; partial history: {out / 'history.md'}", file=sys.stderr)
+        return 130
+    write_table(table, out)
+    print(f"history: {ran} cells run, {reused} reused, {sum(1 for v in versions for i in ids if (v, i) not in table.cells)} not measured")
+    for c in columns:
+        print(f"  {c.id}: " + ("; ".join(table.boundaries(c.id)) or "no change over the measured releases"))
+    print(f"history: {out / 'history.md'} and {out / 'history.png'}")
+    return 0
+
+
+def write_table(t: HistoryTable, out: Path, png: bool = True) -> None:
+    write_atomic(out / "history.json", json.dumps(t.to_dict(), indent=1) + "\n")
+    write_atomic(out / "history.md", render_markdown(t, "history.png"))
+    if png:
+        render_png(t, out / "history.png")

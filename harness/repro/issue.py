@@ -1,0 +1,138 @@
+"""ISSUE.md of a bundle: the text a maintainer pastes into a vLLM issue, from the run's report and logs."""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+from pathlib import Path
+
+from harness.checks.classify import SIGNATURES
+
+
+def model_config(report: dict) -> dict:
+    """K, heads, head_dim (and the rest of the shape) of the served model: its config.json, else the report's heads."""
+    cfg = report.get("config") or {}
+    heads = cfg.get("model_heads") or {}
+    out = {"num_attention_heads": heads.get("attention_heads"), "num_key_value_heads": heads.get("kv_heads"), "head_dim": None}
+    p = Path(str(cfg.get("resolved_model") or "")) / "config.json"
+    if p.exists():
+        c = json.loads(p.read_text())
+        out.update({k: c.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                                         "num_hidden_layers", "vocab_size", "torch_dtype") if c.get(k) is not None})
+        if out.get("head_dim") is None and c.get("hidden_size") and c.get("num_attention_heads"):
+            out["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
+    return out
+
+
+def matching_line(report: dict, pattern: str) -> tuple[str, str] | None:
+    """(log name, first line matching ``pattern``) among the run's logs."""
+    rx = re.compile(pattern, re.IGNORECASE)
+    for name, path in (report.get("logs") or {}).items():
+        try:
+            for line in Path(path).read_text(errors="replace").splitlines():
+                if rx.search(line):
+                    return name, line.strip()
+        except OSError:
+            continue
+    return None
+
+
+def harness_command(report: dict, run_dir: Path) -> str:
+    """The harness command that made the run: the matrix entry when the run is a matrix pair, else e2e."""
+    cfg = report.get("config") or {}
+    version = (report.get("versions") or {}).get("vllm")
+    matrix_report = run_dir.parent.parent / "report.json"
+    if matrix_report.exists():
+        try:
+            pairs = json.loads(matrix_report.read_text()).get("pairs") or []
+        except ValueError:
+            pairs = []
+        for p in pairs:
+            if p.get("run_dir") and Path(p["run_dir"]).resolve() == run_dir.resolve():
+                return f"python -m harness matrix --only {p['id']} --vllm-version {p['vllm_version']}"
+    parts = ["python -m harness e2e", f"--tp-p {cfg.get('tp_p')}", f"--tp-d {cfg.get('tp_d')}", f"--device {cfg.get('device')}"]
+    if cfg.get("model"):
+        parts.append(f"--model {cfg['model']}")
+    if version:
+        parts.append(f"--vllm-version {version}")
+    return " ".join(parts)
+
+
+def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec, locked: bool) -> str:
+    cfg = report.get("config") or {}
+    v = report.get("versions") or {}
+    topo = cfg.get("topology") or {}
+    failure = report.get("failure") or {}
+    mc = model_config(report)
+    k = mc.get("num_key_value_heads")
+    dist = v.get("vllm_distribution") or "vllm"
+    meaning = next((s.meaning for s in SIGNATURES if s.cls == cls), cls)
+    observed_cls = failure.get("class")
+    reproduced = observed_cls == cls or failure.get("signature") == cls
+    hit = matching_line(report, pattern)
+    if reproduced:
+        # the error itself names the bug best: the exception text of the matching line, else the class's meaning
+        said = re.search(r"(\w+(?:Error|Exception): .*)", hit[1]) if hit else None
+        what = re.split(r" [\[({]", said.group(1))[0] if said else meaning  # the message without its shapes and values
+        if len(what) > 110:
+            what = what[:110].rsplit(" ", 1)[0] + " ..."
+        title = (f"[Bug]: NixlConnector heterogeneous TP: {what} at prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, "
+                 f"num_key_value_heads={k} ({dist} {v.get('vllm')})")
+    else:
+        title = (f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} on {dist} "
+                 f"{v.get('vllm')}: {report.get('verdict')} ({observed_cls or 'no failure'}); {cls} not seen")
+    gpu = "none (CPU run)" if cfg.get("device") == "cpu" else json.dumps((cfg.get("gpu_plan") or {}).get("gpus") or "see the run's GPU plan")
+    lines = [f"# {title}", "",
+             "## Your current environment", "",
+             f"- vLLM: {dist} {v.get('vllm')}",
+             f"- NIXL: {v.get('nixl')}",
+             f"- torch: {v.get('torch')}",
+             f"- Python: {v.get('python')}",
+             f"- platform: {platform.platform()} (the machine that wrote this bundle)",
+             f"- GPU / driver: {gpu}",
+             f"- exact package versions: `requirements.lock` of the bundle ({'the whole closure of the run' if locked else 'only the top-level versions: the run environment was gone'})",
+             "", "## Model", "",
+             f"- served model: `{cfg.get('served_model_name')}` "
+             + ("(a tiny random-weights Llama; `build_model.py` of the bundle rebuilds it offline, same weights)"
+                if Path(str(cfg.get('resolved_model') or '')).joinpath('harness_tiny_model.json').exists() else f"({cfg.get('resolved_model')})"),
+             f"- K (num_key_value_heads): {k}; attention heads: {mc.get('num_attention_heads')}; head_dim: {mc.get('head_dim')}"
+             + "".join(f"; {n}: {mc[n]}" for n in ("hidden_size", "num_hidden_layers", "vocab_size") if mc.get(n) is not None),
+             f"- dtype: {'float32' if '--dtype' in dec.argv and dec.flag('--dtype') == 'float32' else (dec.flag('--dtype') or 'auto')}",
+             "", "## Topology", "",
+             f"- prefill TP {cfg.get('tp_p')}, decode TP {cfg.get('tp_d')}; tp_ratio {topo.get('tp_ratio')}",
+             f"- KV heads per rank: prefill {topo.get('p_heads_per_rank')}, decode {topo.get('d_heads_per_rank')}",
+             f"- regime {topo.get('regime')}: {topo.get('regime_description')}",
+             f"- KV block length per layer: prefill {topo.get('p_block_len')} B, decode {topo.get('d_block_len')} B "
+             f"(block size {topo.get('block_size_p')} / {topo.get('block_size_d')})",
+             "", "## Commands", "",
+             "Prefill and decode, exactly as the run started them (each on 127.0.0.1; `repro.sh` uses the same with its own ports):", "",
+             "```bash", report["commands"]["prefill"], "", report["commands"]["decode"], "```", "",
+             "Then one request to the prefill server with `max_tokens: 1` and `\"kv_transfer_params\": {\"do_remote_decode\": true, ...}`, "
+             "and the same request to the decode server with the `kv_transfer_params` the prefill server returned "
+             "(`repro_client.py send`, the body is in `requests.json`).", ""]
+    if any("PD_HARNESS_" in k for k in {**pre.env, **dec.env}):
+        lines += ["The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): on a small CPU "
+                  "machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning and shortens idle "
+                  "spinning. It changes scheduling only, never what is computed.", ""]
+    lines += ["## Log excerpt", ""]
+    if hit:
+        lines += [f"First line of the run's `{hit[0]}` log matching the {cls} signature:", "", "```", hit[1], "```", ""]
+    if failure.get("excerpt"):
+        lines += [f"The run's failure (`{observed_cls}`, from {failure.get('source')}):", "", "```", str(failure["excerpt"])[:3000], "```", ""]
+    if not hit and not failure:
+        lines += ["The run passed: no failure line.", ""]
+    expected = "The decode server accepts the NIXL handshake, reads the prompt's KV blocks from the prefill server, and its " \
+               "completion matches a non-disaggregated server's (greedy)."
+    if reproduced:
+        observed = f"{meaning}. The run's verdict: {report.get('verdict')} - {report.get('reason') or failure.get('reason')}"
+    elif report.get("verdict") == "pass":
+        observed = "As expected: the handshake passed, KV moved over NIXL and the outputs matched the baseline."
+    else:
+        observed = f"{observed_cls}: {report.get('reason') or failure.get('reason')}"
+    lines += ["## Expected", "", expected, "", "## Observed", "", observed, "",
+              "## How it was found", "",
+              f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
+              "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching log line, "
+              "or NOT REPRODUCED.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,68 @@
+"""The release history table: Markdown with every cell, where outcomes change, and a PNG heatmap."""
+
+import json
+
+from harness.releases.history import Cell, Column, HistoryTable, colour, render_markdown, render_png
+from harness.releases.history_cli import import_runs
+from harness.releases.store import ResultStore
+
+VERSIONS = ["0.21.0", "0.22.0", "0.24.0", "0.27.0", "0.32.0"]
+COLUMNS = [Column("tiny-k1-p1-d2", "K=1 P1→D2 regime B", "B"), Column("tiny-k1-p2-d2", "K=1 P2→D2 regime C", "C")]
+
+
+def table() -> HistoryTable:
+    t = HistoryTable(VERSIONS, COLUMNS, revision="abc123", command="python -m harness history ...", date="2026-12-04")
+    outcomes = {"tiny-k1-p1-d2": ["assert-45330", "assert-45330", "server-exited", "ok", "kv-lease-expired"],
+                "tiny-k1-p2-d2": ["ok", "ok", "server-exited", "ok", None]}
+    for entry, row in outcomes.items():
+        for v, o in zip(VERSIONS, row):
+            if o is not None:
+                t.cells[(v, entry)] = Cell(o, "store" if v == "0.21.0" else "run", f"/runs/{entry}/{v}", "ok" if v != "0.21.0" else
+                                           ("assert-45330" if entry == "tiny-k1-p1-d2" else "ok"), "detail" if o != "ok" else "")
+    return t
+
+
+def test_markdown_has_a_row_per_release_and_a_cell_per_entry():
+    md = render_markdown(table())
+    assert "| vLLM | tiny-k1-p1-d2 (K=1 P1→D2 regime B) | tiny-k1-p2-d2 (K=1 P2→D2 regime C) |" in md
+    assert "| 0.21.0 | assert-45330 · | ok · |" in md  # reused from the store
+    assert "| 0.22.0 | assert-45330 ⚠ | ok |" in md  # the config's families expected ok of 0.22.0
+    assert "| 0.24.0 | server-exited ⚠ | server-exited ⚠ |" in md
+    assert "| 0.32.0 | kv-lease-expired ⚠ | not measured |" in md
+    assert "![release history](history.png)" in md
+
+
+def test_where_outcomes_change_skips_unmeasured_releases():
+    t = table()
+    assert t.boundaries("tiny-k1-p1-d2") == ["assert-45330 on 0.22.0 -> server-exited on 0.24.0", "server-exited on 0.24.0 -> ok on 0.27.0",
+                                             "ok on 0.27.0 -> kv-lease-expired on 0.32.0"]
+    assert t.boundaries("tiny-k1-p2-d2") == ["ok on 0.22.0 -> server-exited on 0.24.0", "server-exited on 0.24.0 -> ok on 0.27.0"]
+    assert "- tiny-k1-p2-d2: ok on 0.22.0 -> server-exited on 0.24.0" in render_markdown(t)
+
+
+def test_png_is_an_image_of_the_table(tmp_path):
+    import matplotlib.image as mpimg
+
+    path = tmp_path / "history.png"
+    render_png(table(), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.shape[0] > 200 and img.shape[1] > 400
+    # the outcome colours are drawn: a red (assert-45330) and a green (ok) cell are in the picture
+    rgb = (img[:, :, :3] * 255).round().astype(int).reshape(-1, 3).tolist()
+    pixels = {tuple(p) for p in rgb}
+    for outcome in ("assert-45330", "ok", "server-exited"):
+        h = colour(outcome).lstrip("#")
+        assert tuple(int(h[i:i + 2], 16) for i in (0, 2, 4)) in pixels, outcome
+
+
+def test_matrix_reports_are_imported_into_the_store(tmp_path):
+    report = tmp_path / "nightly" / "matrix" / "x" / "report.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({"pairs": [
+        {"id": "tinyllama-p2-d8", "vllm_version": "0.32.0", "observed": "ok", "expected": "ok", "regime": "B", "run_dir": "/r", "detail": ""},
+        {"id": "qwen25-3b-p4-d2", "vllm_version": "0.32.0", "observed": None, "expected": "rejected", "regime": "D"}]}))
+    store = ResultStore(tmp_path / "store", revision="r1")
+    assert import_runs(tmp_path / "nightly", store, "nightly") == 1
+    assert store.get("tinyllama-p2-d8", "0.32.0").outcome == "ok"
+    assert store.get("qwen25-3b-p4-d2", "0.32.0") is None

