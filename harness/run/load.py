@@ -31,8 +31,7 @@ class PDLoad:
     prefill_abort_s: float
     stats_before: dict
     stats_after: dict
-    metrics_before: dict[str, list[Sample]] = field(default_factory=dict)  # by server name (prefill, decode[i], ...)
-    metrics_after: dict[str, list[Sample]] = field(default_factory=dict)
+    metrics_after: dict[str, list[Sample]] = field(default_factory=dict)  # by server name (prefill, decode[i], ...)
 
 
 def prepare(ctx: RunContext, url: str) -> None:
@@ -84,10 +83,9 @@ def pd_load(ctx: RunContext, proxy_url: str, servers: ServerSet, watch: list) ->
     before = read_json(f"{proxy_url}/proxy/stats", "proxy")
     hops = before.get("prefill_hop_ms") or []
     abort_s = max(MIN_PREFILL_ABORT_S, PREFILL_ABORT_SHARE * statistics.median(hops) / 1000) if hops else 0.02
-    metrics_before = server_metrics(servers)
     t0 = time.monotonic()
     run = run_watched(lambda: run_load(proxy_url, ctx.served_name, ctx.load_requests, ctx.load_prompts, ctx.gen,
                                        ctx.cfg.load.concurrency, abort_s, "pd-"), watch, "pd-load")
     ctx.timed("pd_load", t0)
     after = read_json(f"{proxy_url}/proxy/stats", "proxy")
-    return PDLoad(run, abort_s, before, after, metrics_before, server_metrics(servers))
+    return PDLoad(run, abort_s, before, after, server_metrics(servers))
