@@ -16,6 +16,7 @@ from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
 from harness.gpu.detect import has_nvidia_gpu
 from harness.envs.vllm_env import requested_versions
+from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 from harness.serve.vllm_cmd import CpuTuning
 
 
@@ -42,10 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size-d", type=positive_int, help="default: $DECODE_BLOCK_SIZE")
     e.add_argument("--kv-layout-d", choices=["HND", "NHD"], help="default: $DECODER_KV_LAYOUT")
     e.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
+    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every server's KV cache dtype (default: vLLM's auto)")
+    e.add_argument("--prefix-caching-d", action="store_true", help="turn D's prefix cache on and run the prefix-cache scenarios")
+    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="default: vLLM's")
+    e.add_argument("--attention-backend", help="vLLM attention backend for every server, e.g. FLASH_ATTN (default: vLLM's)")
+    e.add_argument("--kv-buffer-device", choices=KV_BUFFER_DEVICES, help="NIXL's KV buffer (default: cpu on CPU, cuda on GPU)")
+    e.add_argument("--permute-local-kv-d", action="store_true",
+                   help="D permutes the HND blocks it receives into its NHD layout (vLLM's enable_permute_local_kv; with --kv-layout-d NHD)")
     e.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
     e.add_argument("--vllm-version", help="serve from this vLLM version, installed under .venvs/ the first time (default: $VLLM_VERSION or the pinned one)")
     e.add_argument("--max-tokens", type=positive_int, default=16)
+    e.add_argument("--fresh-baseline", action="store_true",
+                   help="compute the baseline again instead of reusing cached answers (the new ones are cached)")
     e.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
     e.add_argument("--request-timeout", type=float, default=180.0)
     e.add_argument("--kv-lease", type=positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
@@ -99,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model", help="build local models")
     msub = m.add_subparsers(dest="model_cmd", required=True)
-    t = msub.add_parser("tiny", help="a deterministic random-weights Llama with a locally trained tokenizer")
-    t.add_argument("--kv-heads", type=positive_int, default=1)
+    t = msub.add_parser("tiny", help="a deterministic random-weights Llama (or --family) with a locally trained tokenizer")
+    t.add_argument("--family", default="llama", help="llama (default), qwen3, qwen2, mistral, gemma3, deepseek_v2 (MLA)")
+    t.add_argument("--sliding-window", type=positive_int, help="tokens (mistral, gemma3; default 64)")
+    t.add_argument("--kv-heads", type=positive_int, default=1, help="K (deepseek_v2: must equal --heads)")
     t.add_argument("--heads", type=positive_int, default=4)
     t.add_argument("--layers", type=positive_int, default=2)
     t.add_argument("--head-dim", type=positive_int, default=64)
@@ -164,6 +176,10 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
         dtype=a.dtype,
         decode_kv_fault=a.decode_kv_fault,
         enforce_eager=a.enforce_eager,
+        fresh_baseline=a.fresh_baseline,
+        axes=ServerAxes(kv_cache_dtype=a.kv_cache_dtype, prefix_caching_d=a.prefix_caching_d, async_scheduling=a.async_scheduling,
+                        attention_backend=a.attention_backend, kv_buffer_device=a.kv_buffer_device,
+                        permute_local_kv_d=a.permute_local_kv_d),
     )
     cfg.validate()
     if preflight:
@@ -225,7 +241,10 @@ def topology_main(a: argparse.Namespace) -> int:
             print(f"error: unknown model {a.model!r}: give a local folder with config.json, an entry of "
                   "configs/models.yaml, or --kv-heads K --heads H", file=sys.stderr)
             return 2
-        shape = ModelShape(int(heads["attention_heads"] or 0), int(heads["kv_heads"]), a.head_dim, a.dtype)
+        # MLA: one latent head per rank, as wide as the model's latent (heads.py), whatever --head-dim says.
+        mla = bool(heads.get("mla"))
+        head_dim = int(heads["head_dim"]) if mla and heads.get("head_dim") else a.head_dim
+        shape = ModelShape(int(heads["attention_heads"] or 0), int(heads["kv_heads"]), head_dim, a.dtype, mla)
     else:
         if a.heads is None:
             print("error: --kv-heads needs --heads", file=sys.stderr)
@@ -255,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         from harness.models.tiny import TinyModelSpec, ensure_tiny_model, export
 
         try:
-            spec = TinyModelSpec(kv_heads=a.kv_heads, heads=a.heads, layers=a.layers, head_dim=a.head_dim)
+            spec = TinyModelSpec(kv_heads=a.kv_heads, heads=a.heads, layers=a.layers, head_dim=a.head_dim,
+                                 family=a.family, sliding_window=a.sliding_window)
             path = export(spec, a.out) if a.out else ensure_tiny_model(spec)
         except (ValueError, FileExistsError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Steps, each through an existing entry point with its own timeout and one JUnit testcase:
   prefetch            models and GSM8K into the HF cache (servers run with HF_HUB_OFFLINE=1)
-  matrix/<id>         every GPU entry of configs/gqa_replication.yaml: `python -m harness matrix --only <id>`
+  matrix/<id>         every GPU entry of configs/gqa_replication.yaml: `python -m harness matrix FILE --only <id>`
+  edge/<id>           every GPU entry of configs/edge_cases.yaml (GPU-only axes: host buffer, fp8 KV, backends, ...)
   accuracy/<model>    real gsm8k through P/D against the baseline: `python -m harness e2e --accuracy`
 `--dry-run` prints every step (command, GPU plan, server command lines, checks, timeout) on any machine.
 """
@@ -16,7 +17,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.accuracy.settings import HUB_DATASET, HUB_TASK
@@ -92,16 +93,19 @@ class StepResult:
     log: str | None = None
 
 
-def _server_commands(plan: GpuPlan, model: str, python: str) -> tuple[tuple[str, str], ...]:
-    """Each vLLM server of the plan as a run would launch it (harness/run/pipeline.py make_server), plus the proxy;
-    ports are illustrative."""
+def _server_commands(plan: GpuPlan, model: str, python: str, base: E2EConfig | None = None) -> tuple[tuple[str, str], ...]:
+    """Each vLLM server of the plan as a run would launch it (harness/run/launch.py make_server), plus the proxy;
+    ports are illustrative. ``base``: the entry's settings (block sizes, layout, axes) over a GPU run's defaults."""
     from harness.run.launch import make_server
 
     alloc = FakePorts()
-    cfg = E2EConfig(device="gpu", model=model, python=python, cpu_tuning=CpuTuning(enabled=False))
+    cfg = replace(base or E2EConfig(), device="gpu", model=model, python=python, cpu_tuning=CpuTuning(enabled=False))
+    bs_p, bs_d = cfg.block_sizes()
     out, urls = [], {}
     for s in plan.servers:
-        srv = make_server(cfg, alloc, s.role, s.tp, model, model, None, None, Path("logs"), placement=s)  # type: ignore[arg-type]
+        bs = bs_p if s.role == "prefill" else bs_d
+        srv = make_server(cfg, alloc, s.role, s.tp, model, model, bs, None, Path("logs"),  # type: ignore[arg-type]
+                          cfg.kv_layout_d if s.role == "decode" else None, placement=s)
         urls[s.role] = srv.url
         out.append((s.name, srv.command))
     out.append(("proxy", f"{python} {REPO_ROOT / 'toy_proxy_server.py'} --host 127.0.0.1 --port {alloc.port()} "
@@ -113,7 +117,8 @@ def _matrix_checks(expected: str, version_label: str) -> tuple[str, ...]:
     what = {"ok": "handshake passes and P/D outputs match the baseline: " + ", ".join(E2E_CHECKS),
             "assert-45330": "D raises the #45330 handshake assertion (failure class assert-45330)",
             "rejected": "D rejects the replicated P>D handshake (failure class rejected-replicated-p-gt-d)",
-            "invalid": "vLLM refuses the TP sizes (not launched)"}[expected]
+            "invalid": "vLLM refuses the TP sizes (not launched)",
+            "unsupported": "vLLM refuses a setting of the entry (failure class unsupported, with vLLM's message)"}[expected]
     return (f"pair behaves as its entry expects of vLLM {version_label}: {expected}", what, "matrix exit code 0")
 
 
@@ -121,33 +126,25 @@ def build_steps(gpus: int, gpu_mem_gib: float, python: str, run_dir: Path, vllm_
                 matrix_file: Path | None = None) -> list[Step]:
     """Every step of the nightly run for ``gpus`` GPUs of ``gpu_mem_gib`` (pure apart from reading the configs)."""
     from harness.matrix.plan import plan as matrix_plan
-    from harness.matrix.config import MATRIX_YAML, load_matrix
+    from harness.matrix.config import EDGE_YAML, MATRIX_YAML, load_matrix
     from harness.models.config import load_models
 
-    matrix, models = load_matrix(matrix_file or MATRIX_YAML)
-    pairs = matrix_plan(matrix, models, vllm_version, "gpu", gpus)
     hw = uniform_gpus(gpus, gpu_mem_gib)
     version_args = ("--vllm-version", vllm_version) if vllm_version else ()
     label = vllm_version or "(pinned)"
     steps: list[Step] = []
     hub_models: list[str] = []
+    files = [matrix_file] if matrix_file else [MATRIX_YAML, EDGE_YAML]
+    gpu_ids: list[str] = []
 
-    for p in (p for p in pairs if p.device == "gpu"):
-        entry = matrix.get(p.id)
-        model = models[p.model].hub_id or p.model
-        argv = (python, "-m", "harness", "matrix", "--only", p.id, "--device", "gpu", "--gpus", str(gpus),
-                "--run-dir", str(run_dir / "matrix" / p.id), *version_args)
-        gplan, skip = None, p.skip_reason
-        if skip is None:
-            try:
-                gplan = plan_gpus(hw, p.tp_p, p.tp_d, model_memory(model), baseline_first=False)  # the matrix runs its baseline after P/D
-            except PlanError as e:
-                skip = str(e)
-        if skip is None and model not in hub_models:
-            hub_models.append(model)
-        steps.append(Step(f"matrix/{p.id}", "matrix", argv, TIMEOUTS_S["matrix"], _matrix_checks(p.expected, label),
-                          entry.gpus or 0, gplan, _server_commands(gplan, model, python) if gplan else (), skip,
-                          f"K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}" + (f"; {entry.note}" if entry.note else "")))
+    for file in files:
+        matrix, models = load_matrix(file)
+        kind = "edge" if file == EDGE_YAML else "matrix"
+        for p in (p for p in matrix_plan(matrix, models, vllm_version, "gpu", gpus) if p.device == "gpu"):
+            if kind == "matrix":  # the history step draws the GQA matrix (its default config)
+                gpu_ids.append(p.id)
+            steps.append(_matrix_step(p, matrix.get(p.id), models, file, kind, hw, gpus, python, run_dir, version_args, label,
+                                      hub_models))
 
     for hub_id, tp_p, tp_d in ACCURACY_RUNS:
         entry = load_models().find(hub_id)
@@ -174,7 +171,31 @@ def build_steps(gpus: int, gpu_mem_gib: float, python: str, run_dir: Path, vllm_
                       f"d({q(HUB_DATASET)}, repo_type={q('dataset')})"])
     prefetch = Step("prefetch", "prefetch", (python, "-c", code), TIMEOUTS_S["prefetch"],
                     (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",))
-    return [prefetch, *steps, history_step(python, run_dir, vllm_version, [p.id for p in pairs if p.device == "gpu"])]
+    return [prefetch, *steps, history_step(python, run_dir, vllm_version, gpu_ids)]
+
+
+def _matrix_step(p, entry, models, file: Path, kind: str, hw, gpus: int, python: str, run_dir: Path, version_args: tuple,
+                 label: str, hub_models: list[str]) -> Step:
+    """One GPU matrix entry as a nightly step: `python -m harness matrix FILE --only ID`, its plan and server commands."""
+    from harness.matrix.run import config_for
+
+    model = models[p.model].hub_id or p.model
+    argv = (python, "-m", "harness", "matrix", str(file), "--only", p.id, "--device", "gpu", "--gpus", str(gpus),
+            "--run-dir", str(run_dir / kind / p.id), *version_args)
+    gplan, skip = None, p.skip_reason
+    if skip is None:
+        try:
+            gplan = plan_gpus(hw, p.tp_p, p.tp_d, model_memory(model), baseline_first=False)  # the matrix runs its baseline after P/D
+        except PlanError as e:
+            skip = str(e)
+    if skip is None and model not in hub_models:
+        hub_models.append(model)
+    base = config_for(E2EConfig(device="gpu"), p, model, python, run_dir)
+    axes = " ".join(f"{k}={v}" for k, v in p.settings.items())
+    return Step(f"{kind}/{p.id}", "matrix", argv, TIMEOUTS_S["matrix"], _matrix_checks(p.expected, label), entry.gpus or 0, gplan,
+                _server_commands(gplan, model, python, base) if gplan else (), skip,
+                f"K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}" + (f"; {axes}" if axes else "")
+                + (f"; {entry.note}" if entry.note else ""))
 
 
 def history_step(python: str, run_dir: Path, vllm_version: str | None, ids: list[str]) -> Step:

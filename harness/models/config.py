@@ -23,6 +23,12 @@ class ModelEntry(BaseModel):
     kv_heads: int = Field(ge=1)
     params_b: float | None = Field(default=None, gt=0)  # parameters in billions, for GPU memory planning (harness/gpu/plan.py)
     gsm8k_expected: float | None = Field(default=None, ge=0, le=1)
+    # The KV cache's shape beyond the heads (harness/models/heads.py); a hub_id-less entry is built by
+    # harness/models/tiny.py spec_for_model_entry from these.
+    family: str | None = Field(default=None, min_length=1)  # config.json model_type, or a tiny family (tiny.FAMILIES)
+    head_dim: int | None = Field(default=None, ge=1)  # per KV head; MLA: kv_lora_rank + qk_rope_head_dim
+    sliding_window: int | None = Field(default=None, ge=1)  # tokens, where some or all layers slide
+    mla: bool = False  # multi-head latent attention: one latent KV head replicated on every TP rank, K is moot
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelEntry:

@@ -4,6 +4,10 @@ D is "local" and P is "remote" (as in vLLM's D worker). With K KV heads, a
 rank holds ``max(1, K // tp)`` heads: once tp > K heads are replicated and the
 KV block length stops scaling with 1/tp - the case vLLM before the fix mishandled
 (issue #45330).
+
+MLA (DeepSeek-style) is apart from all that: vLLM caches one latent "head" per token
+(kv_lora_rank + qk_rope_head_dim wide), the same on every TP rank, so block lengths
+are equal at any TP pair and D reads whole blocks from one P rank (regime M).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ REGIMES = {
     "C": "K < P <= D: replicated on both sides, equal block lengths",
     "D": "K < P and P > D: replicated prefill larger than decode (rejected by design)",
     "E": "D < P <= K: D reads from several P ranks and merges",
+    "M": "MLA: one latent KV head replicated on every rank; D reads whole blocks from one P rank",
 }
 # The first release of the `fixed` family (carrying PR #45879) is measured, not assumed: a bisect of the
 # regime-B entry (python -m harness bisect) recorded it with its evidence in the matrix config.
@@ -31,8 +36,9 @@ FAMILIES_YAML = CONFIGS_DIR / "gqa_replication.yaml"
 class ModelShape:
     attention_heads: int
     kv_heads: int
-    head_dim: int = 64
+    head_dim: int = 64  # MLA: the latent width (kv_lora_rank + qk_rope_head_dim)
     dtype: str = "bfloat16"
+    mla: bool = False  # K is then moot: one KV head per rank on every side
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def validity(shape: ModelShape, p: int, d: int, bs_p: int, bs_d: int) -> list[st
             continue
         if shape.attention_heads % tp:
             reasons.append(f"{side} tp {tp} does not divide {shape.attention_heads} attention heads")
-        if tp > shape.kv_heads and tp % shape.kv_heads:
+        if not shape.mla and tp > shape.kv_heads and tp % shape.kv_heads:
             reasons.append(f"{side} tp {tp} > K={shape.kv_heads} must be a multiple of K")
     if p >= 1 and d >= 1 and max(p, d) % min(p, d):
         reasons.append(f"the larger TP ({max(p, d)}) must be a multiple of the smaller ({min(p, d)})")
@@ -138,17 +144,22 @@ def predict(shape: ModelShape, tp_p: int, tp_d: int, block_size_p: int = 16, blo
     k = shape.kv_heads
     reasons = validity(shape, tp_p, tp_d, block_size_p, bs_d)
     valid = not reasons
-    hp = heads_per_rank(k, max(tp_p, 1))
-    hd = heads_per_rank(k, max(tp_d, 1))
+    # MLA: vLLM's get_num_kv_heads is 1 for MLA at any TP (vllm/config/model.py).
+    hp = 1 if shape.mla else heads_per_rank(k, max(tp_p, 1))
+    hd = 1 if shape.mla else heads_per_rank(k, max(tp_d, 1))
     nbytes = DTYPE_BYTES.get(shape.dtype, 2)
     p_len = block_size_p * hp * shape.head_dim * nbytes
     d_len = bs_d * hd * shape.head_dim * nbytes
     ratio = tp_ratio(tp_p, tp_d) if valid else 0
     bsr = bs_d // block_size_p if valid else 0
-    reg = regime(k, tp_p, tp_d)
+    reg = "M" if shape.mla else regime(k, tp_p, tp_d)
     family = version_family(vllm_version, fixed_in)
     if not valid:
         expected, why = "invalid", "; ".join(reasons)
+    elif shape.mla:
+        # 0.21.0 and 0.32.0 both treat MLA as replicated (nixl base_worker.py _validate_remote_agent_handshake):
+        # block lengths equal up to block_size_ratio, which they are by construction; no P > D refusal.
+        expected, why = "ok", "MLA latent is replicated: equal block lengths, each D rank reads one P rank"
     elif tp_p > tp_d and tp_p > k:
         expected, why = "rejected", "a replicated prefill TP larger than decode TP is refused at handshake (by design)"
     elif family == "pre-fix" and tp_d >= tp_p and tp_p <= k:

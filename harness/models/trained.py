@@ -97,7 +97,8 @@ class TrainedModelSpec:
 
     def key(self) -> str:
         # The generator version too: the training text comes from it.
-        blob = json.dumps({**asdict(self), "trainer": TRAINER_VERSION, "generator": GENERATOR_VERSION}, sort_keys=True)
+        blob = json.dumps({**asdict(self), "arch": self.arch.record(), "trainer": TRAINER_VERSION, "generator": GENERATOR_VERSION},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def dirname(self) -> str:

@@ -31,6 +31,7 @@ def add_parser(sub) -> None:
     b.add_argument("--run-dir", type=Path, help="default: runs/<timestamp>-bisect-<entry>")
     b.add_argument("--max-probes", type=int, default=8, help="most releases to run (default 8)")
     b.add_argument("--fresh", action="store_true", help="measure again instead of reusing stored results")
+    b.add_argument("--fresh-baseline", action="store_true", help="compute baselines again instead of reusing cached answers")
     b.add_argument("--run-lock", type=Path, help="hold this file's lock around each run (not installs): a machine shared with other runs")
     b.add_argument("--json", action="store_true", help="print bisect.json instead of the line")
 
@@ -94,7 +95,7 @@ def main(a: argparse.Namespace) -> int:
     run_dir = a.run_dir or RUNS_ROOT / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-bisect-{a.entry}"
     command = "python -m harness " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else shlex.join(sys.argv)
     prober = Prober(matrix, models, store, run_dir / "probes", device, count_gpus() if device == "gpu" else 0,
-                    fresh=a.fresh, run_lock=a.run_lock, by=command)
+                    fresh=a.fresh, fresh_baseline=a.fresh_baseline, run_lock=a.run_lock, by=command)
     aliases = aliases_for(entry)
     ends: dict[str, Observation] = {}
     for v, outcome in ((versions[0], old_outcome), (versions[-1], new_outcome)):

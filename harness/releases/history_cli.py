@@ -25,6 +25,7 @@ def add_parser(sub) -> None:
     h.add_argument("--out", type=Path, help="folder for history.md/.png/.json and the runs (default: runs/<timestamp>-history)")
     h.add_argument("--no-run", action="store_true", help="draw only stored results; run nothing (missing cells say so)")
     h.add_argument("--fresh", action="store_true", help="measure every cell again")
+    h.add_argument("--fresh-baseline", action="store_true", help="compute baselines again instead of reusing cached answers")
     h.add_argument("--import-runs", type=Path, help="first store the pairs of matrix reports (report.json) found under this folder")
     h.add_argument("--keep-envs", type=int, help="after each release, prune .venvs/ to this many environments (disk)")
     h.add_argument("--run-lock", type=Path, help="hold this file's lock around each run (not installs)")
@@ -85,7 +86,7 @@ def main(a: argparse.Namespace) -> int:
     columns = [Column(i, f"K={first[i].kv_heads} P{first[i].tp_p}→D{first[i].tp_d} regime {first[i].regime}", first[i].regime) for i in ids]
     table = HistoryTable(versions, columns, revision=store.revision, command=command, date=dt.date.today().isoformat())
     prober = Prober(matrix, models, store, out / "runs", device, count_gpus() if device == "gpu" else 0, fresh=a.fresh,
-                    run_lock=a.run_lock, by=command)
+                    fresh_baseline=a.fresh_baseline, run_lock=a.run_lock, by=command)
     print(f"history: {len(ids)} entries x {len(versions)} releases ({versions[0]} .. {versions[-1]}); harness revision "
           f"{store.revision}; folder {out}", flush=True)
     catch_interrupts()  # SIGTERM too: the run in progress tears its servers down

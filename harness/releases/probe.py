@@ -31,6 +31,7 @@ class Prober:
     device: str = "cpu"
     gpus: int = 0
     fresh: bool = False  # ignore stored results (measure again; the new result replaces the stored one)
+    fresh_baseline: bool = False  # compute baselines again instead of reusing cached answers (docs/performance.md)
     run_lock: Path | None = None
     by: str = ""  # the command, recorded with each stored result
     out: object = sys.stdout
@@ -71,7 +72,7 @@ class Prober:
         run_dir = self.run_root / entry_id / f"vllm-{version}"
         with self._locked():
             t1 = time.monotonic()
-            results = run_matrix({version: pairs}, {version: python}, self.models, E2EConfig(device=self.device), run_dir,
+            results = run_matrix({version: pairs}, {version: python}, self.models, E2EConfig(device=self.device, fresh_baseline=self.fresh_baseline), run_dir,
                                  out=self.out)
             run_s = time.monotonic() - t1
         r = results[0]

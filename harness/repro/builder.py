@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import pprint
 from pathlib import Path
 
 from harness.models import tiny
@@ -17,7 +18,7 @@ from harness.models import tiny
 SPEC_FILE = "harness_tiny_model.json"  # written next to a tiny model by the recipe
 
 HEADER = '''#!/usr/bin/env python3
-"""Builds the tiny random-weights Llama the run served: a byte-level BPE tokenizer trained on a generated
+"""Builds the tiny random-weights model the run served: a byte-level BPE tokenizer trained on a generated
 corpus and seeded random weights (float32). Nothing is downloaded. Needs torch, transformers, tokenizers
 and safetensors (the venv repro.sh makes has them).
 
@@ -79,9 +80,17 @@ def weights_sha256(model_dir: Path) -> str | None:
 def builder_script(spec: dict, run_weights_sha256: str | None) -> str:
     """The standalone script's text: the recipe's corpus, tokenizer and model functions with the run's parameters."""
     parts = [HEADER,
-             f"SPEC = {json.dumps(spec, indent=4)}\n",
+             f"SPEC = {pprint.pformat(spec, indent=4)}\n",  # a Python literal (a JSON null is not one)
              f"RUN_WEIGHTS_SHA256 = {run_weights_sha256!r}\n",
              f"_WORDS = {list(tiny._WORDS)!r}\n\n"]
     for fn in (tiny.corpus, tiny.train_tokenizer, tiny.build_model):
         parts.append("\n" + inspect.getsource(fn))
+    family = spec.get("family", "llama")
+    if family != "llama":  # the family's own config recipe, and what build_model hands it to
+        config_fn = tiny.FAMILIES[family]
+        parts.append(f"\n\nMLA_KV_LORA_RANK = {tiny.MLA_KV_LORA_RANK}\nMLA_ROPE_DIM = {tiny.MLA_ROPE_DIM}\n")
+        for fn in (tiny._common, config_fn):
+            parts.append("\n" + inspect.getsource(fn))
+        parts.append(f"\n\nFAMILIES = {{{family!r}: {config_fn.__name__}}}\n")
+        parts.append("\n" + inspect.getsource(tiny.build_family_model))
     return "".join(parts) + FOOTER

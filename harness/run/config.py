@@ -11,6 +11,7 @@ from pathlib import Path
 from harness.accuracy.settings import AccuracySettings
 from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
+from harness.serve.axes import ServerAxes
 from harness.serve.vllm_cmd import CpuTuning
 from harness.workload.load import LoadSettings
 
@@ -56,6 +57,7 @@ class E2EConfig:
     request_timeout_s: float = 180.0
     kv_lease_s: int | None = None  # None: 120 s on CPU (handshakes are slow there), vLLM's default on GPU
     seed: int = 0
+    fresh_baseline: bool = False  # compute the baseline again instead of reading the disk cache (it still writes it)
     accuracy: AccuracySettings | None = None  # None: no lm-eval run
     proxy_fault: str = "none"  # fault injection for tests: "corrupt-block-ids" hands D wrong remote block ids
     proxy_fault_every: int = 1  # the fault applies to every n-th request through the proxy
@@ -66,6 +68,7 @@ class E2EConfig:
     dtype: str | None = None  # None: float32 on CPU, the model's own on GPU
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs and compilation on GPU
     decode_kv_fault: float | None = None  # fault injection: D scales the received KV of one layer by this (the run must fail)
+    axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
 
     def validate(self) -> None:
         for name in ("tp_p", "tp_d"):
@@ -94,6 +97,7 @@ class E2EConfig:
             raise ConfigError(f"KV pool blocks must be >= 0, got {self.kv_pool_blocks}")
         try:
             self.load.validate()
+            self.axes.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.load.enabled and self.load.abort_max_tokens >= self.model_len:
@@ -107,13 +111,14 @@ class E2EConfig:
     def model_len(self) -> int:
         return self.max_model_len or (512 if self.device == "cpu" else 2048)
 
-    def pool_blocks(self, block_size: int | None) -> int | None:
-        """KV blocks a server gets: twice a longest request's, so the load phase must reuse blocks (None: vLLM's)."""
+    def pool_blocks(self, block_size: int | None, kv_cache_groups: int = 1) -> int | None:
+        """KV blocks a server gets: twice a longest request's in each of the model's KV cache groups (layers of one
+        attention kind), so the load phase must reuse blocks (None: vLLM's)."""
         if self.kv_pool_blocks == 0 or (self.kv_pool_blocks is None and not self.load.enabled):
             return None
         if self.kv_pool_blocks:
             return self.kv_pool_blocks
-        return 2 * -(-self.model_len // (block_size or VLLM_DEFAULT_BLOCK_SIZE))
+        return kv_cache_groups * 2 * -(-self.model_len // (block_size or VLLM_DEFAULT_BLOCK_SIZE))
 
     @property
     def lease_s(self) -> int | None:

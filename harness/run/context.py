@@ -16,6 +16,7 @@ from harness.serve.ports import PortAllocator
 from harness.serve.procs import ManagedProcess
 from harness.workload.client import GenerationSettings
 from harness.workload.load import LoadRequest
+from harness.workload.prefix import PrefixCase
 from harness.workload.prompts import Prompt
 
 
@@ -33,10 +34,17 @@ class RunContext:
     leftovers: list[int] = field(default_factory=list)  # PIDs still alive after a phase's teardown
     load_requests: list[LoadRequest] = field(default_factory=list)  # the load phase's plan (empty: no load phase)
     load_prompts: dict[str, list[int]] = field(default_factory=dict)  # its prompts as token ids, by request id
+    prefix_cases: list[PrefixCase] = field(default_factory=list)  # the prefix-cache scenarios (D's prefix cache on)
+    prefix_prompts: dict[str, list[int]] = field(default_factory=dict)  # their prompts as token ids, by case id
 
     @property
     def logs(self) -> Path:
         return self.run_dir / "logs"
+
+    @property
+    def kv_cache_groups(self) -> int:
+        """The served model's KV cache groups (1 until its heads are read; harness/models/heads.py)."""
+        return int((self.report.config.get("model_heads") or {}).get("kv_cache_groups") or 1)
 
     def timed(self, key: str, t0: float) -> None:
         self.report.timings_s[key] = time.monotonic() - t0
@@ -47,7 +55,7 @@ class RunContext:
         placement = self.gpu.placement(role) if self.gpu is not None else None
         aborts = self.cfg.load.enabled and self.cfg.load.abort_every > 0 and role != "baseline"
         srv = make_server(self.cfg, alloc, role, tp, self.model, self.served_name, block_size, cpu_bind, self.logs, kv_layout,
-                          placement=placement, num_blocks=self.cfg.pool_blocks(block_size), log_requests=aborts)
+                          placement=placement, num_blocks=self.cfg.pool_blocks(block_size, self.kv_cache_groups), log_requests=aborts)
         self.report.commands[role] = srv.command
         self.report.logs[role] = str(srv.proc.spec.log_path)
         return srv

@@ -7,11 +7,13 @@ from harness.checks import transfer
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
 from harness.checks.leak import check_no_leak
+from harness.checks.prefix_cache import check_sources
 from harness.checks.load import (Pool, blocks_needed, check_aborts, check_answers, check_logprobs, check_match, check_reuse,
                                  compare_load, latency_summary, pool_blocks_from_log, pool_from_metrics)
 from harness.run.baseline import BaselineResult
 from harness.run.context import RunContext
 from harness.run.pd import PDResult
+from harness.run.prefix import PDPrefix
 from harness.workload.client import CompletionRun
 
 MIN_PROMPTS = 16
@@ -42,6 +44,10 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
         load_checks, load_cmp = evaluate_load(ctx, baseline, pd)
         checks += load_checks
         compared.append(load_cmp)
+    if pd.prefix is not None and baseline.prefix is not None:
+        prefix_checks, prefix_cmp = evaluate_prefix(ctx, baseline.prefix, pd.prefix)
+        checks += prefix_checks
+        compared.append(prefix_cmp)
     checks.append(check_logprobs(compared, ctx.cfg.logprob_limit))
     if ctx.cfg.proxy_fault != "none" and pd.final_stats is not None:  # which requests the proxy changed: the mismatches
         faulted = list(pd.final_stats.get("faulted_ids", []))
@@ -131,5 +137,23 @@ def evaluate_load(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> tu
                   for p in pools],
         "comparison": cmp.to_dict(),
         "outcomes": [o.to_dict() for o in run.outcomes],
+    }
+    return checks, cmp
+
+
+def evaluate_prefix(ctx: RunContext, baseline: CompletionRun, pd: PDPrefix) -> tuple[list[Check], ComparisonResult]:
+    """The prefix-cache scenarios: answered, the same answers as the baseline, D's sources exactly as predicted."""
+    n = len(ctx.prefix_cases)
+    cmp = compare_completions(baseline.completions, pd.run.completions, top_k=ctx.gen.logprobs)
+    answered = answered_check(baseline, pd.run, n)
+    checks = [Check("prefix_cache_answered", answered.passed, answered.detail, answered.data),
+              Check("prefix_cache_outputs_match", cmp.passed and len(cmp.prompts) == n, cmp.summary()),
+              check_sources(pd.sourced)]
+    ctx.report.prefix_cache = {
+        "block_size_d": ctx.cfg.block_sizes()[1],
+        "rule": "local_cache_hit = the longest cached block-aligned prefix, at most floor((N-1)/B)*B; "
+                "external_kv_transfer = N - local_cache_hit; local_compute = 0",
+        "requests": [r.to_dict() for r in pd.sourced],
+        "comparison": cmp.to_dict(),
     }
     return checks, cmp

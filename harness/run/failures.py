@@ -45,11 +45,12 @@ def process_failure(e: ProcessFailed, logs: dict[str, str]) -> dict:
     """A server that died or never became ready: its log's signature if known, else how it failed.
 
     A server that failed during start-up (it exited, or logged a fatal error and was stopped) is
-    ``server-exited`` whatever its log says; a known signature in that log (e.g. vLLM refusing its
-    configuration) is kept as ``signature``."""
+    ``server-exited``, a known signature in its log (e.g. vLLM refusing its configuration) kept as
+    ``signature``; unless vLLM refused a setting this build or device cannot do: that is ``unsupported``,
+    an outcome a matrix entry can expect."""
     f = classify({e.name: e.log_tail, **logs})
     if not e.after_ready and "not ready within" not in e.reason:
-        out = {"class": "server-exited", "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
+        out = {"class": "unsupported" if f.cls == "unsupported" else "server-exited", "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
                "source": e.name, "excerpt": e.log_tail}
         if f.cls != "unknown":
             out.update(signature=f.cls, signature_meaning=f.meaning, excerpt=f"{f.excerpt}\n...\n{e.log_tail}")

@@ -81,6 +81,12 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
         max_model_len=cfg.model_len,
         dtype=cfg.dtype or ("float32" if cfg.device == "cpu" else None),
         enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else cfg.device == "cpu",
+        kv_cache_dtype=cfg.axes.kv_cache_dtype,
+        async_scheduling=cfg.axes.async_scheduling,
+        attention_backend=cfg.axes.attention_backend,
+        kv_buffer_device=cfg.axes.kv_buffer_device,
+        prefix_caching=role == "decode" and cfg.axes.prefix_caching_d,
+        permute_local_kv=role == "decode" and cfg.axes.permute_local_kv_d,
         **({} if cfg.device == "cpu" else {"max_num_seqs": None}),
     )
     ports = server_ports(alloc, tp)

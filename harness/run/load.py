@@ -8,6 +8,7 @@ answers the same prompts at the same concurrency, without the cancelled ones.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 import time
 from dataclasses import dataclass, field
 
@@ -40,14 +41,17 @@ def prepare(ctx: RunContext, url: str) -> None:
         return
     bs = ctx.cfg.block_sizes()[1] or 16
     reqs = plan_load(ctx.cfg.load, bs, ctx.cfg.model_len, ctx.cfg.max_tokens, ctx.cfg.seed)
+    ctx.load_prompts = token_prompts(reqs, tokenizer(url, ctx.served_name), ctx.cfg.seed)
+    ctx.load_requests = reqs
 
+
+def tokenizer(url: str, model: str) -> Callable[[str], list[int]]:
+    """A served model's tokenizer through its server's /tokenize (text -> ids, BOS included where the model adds one)."""
     def tokenize(text: str) -> list[int]:
-        r = requests.post(f"{url}/tokenize", json={"model": ctx.served_name, "prompt": text}, timeout=60)
+        r = requests.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=60)
         r.raise_for_status()
         return list(r.json()["tokens"])
-
-    ctx.load_prompts = token_prompts(reqs, tokenize, ctx.cfg.seed)
-    ctx.load_requests = reqs
+    return tokenize
 
 
 def baseline_load(ctx: RunContext, url: str) -> LoadRun | None:

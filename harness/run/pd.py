@@ -18,6 +18,7 @@ from harness.checks.leak import ServerState, state_of, wait_idle
 from harness.models.config import load_models
 from harness.run.context import RunContext
 from harness.run.load import PDLoad, pd_load, server_metrics
+from harness.run.prefix import PDPrefix, pd_prefix
 from harness.run.watch import run_watched
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
@@ -38,6 +39,7 @@ class PDResult:
     eval: EvalRun | None = None
     through: Check | None = None  # lm-eval's requests took the P/D path
     load: PDLoad | None = None
+    prefix: PDPrefix | None = None  # the prefix-cache scenarios (D's prefix cache on)
     idle: LeakWatch | None = None  # P and D back to idle after the run
     final_stats: dict | None = None  # the proxy's counters at the end (faulted request ids among them)
 
@@ -76,6 +78,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
         after = decode_metrics(servers)
         stats = proxy_stats(proxy_url, servers)
         out = PDResult(completions, before, after, stats, {}, servers.attached, smoke=smoke_check(ctx, proxy_url))
+        out.prefix = pd_prefix(ctx, proxy_url, servers, watch)  # before the load churns D's cache
         out.load = pd_load(ctx, proxy_url, servers, watch)
         if ctx.accuracy is not None:
             acc_before = decode_metrics(servers)

@@ -116,7 +116,8 @@ class PDRun:
         heads = config["model_heads"] = model_heads(ctx.model)
         config["prompts"] = len(ctx.prompts)
         if self.attach is None:  # refuse what cannot run before anything starts (the CLI checked the same, if it was used)
-            pf = preflight(heads["attention_heads"], heads["kv_heads"], cfg.tp_p, cfg.tp_d, *cfg.block_sizes(), cfg.device)
+            pf = preflight(heads["attention_heads"], heads["kv_heads"], cfg.tp_p, cfg.tp_d, *cfg.block_sizes(), cfg.device,
+                           mla=bool(heads.get("mla")), head_dim=heads.get("head_dim"))
             config["topology"] = pf.topology.to_dict() if pf.topology else None
             if pf.problems:
                 raise ConfigError(pf.message())

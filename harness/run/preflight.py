@@ -18,6 +18,9 @@ from harness.models.topology import ModelShape, Topology, predict
 CPU_BLOCK_MULTIPLE = 32
 # vLLM's own default block size where none is given (GPU); only used for the topology prediction.
 VLLM_DEFAULT_BLOCK = 16
+# vLLM's CPU MLA backend forces this block size whatever is asked (vllm/platforms/cpu.py, "CPU MLA backend
+# requires block_size=16"); only used for the topology prediction.
+CPU_MLA_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -41,12 +44,13 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _head_problems(attention_heads: int, kv_heads: int, side: str, tp: int) -> list[str]:
+def _head_problems(attention_heads: int, kv_heads: int, side: str, tp: int, mla: bool = False) -> list[str]:
     out = []
     if attention_heads % tp:
         out.append(f"{side} TP {tp} does not divide the model's {attention_heads} attention heads "
                    "(vLLM needs num_attention_heads % tp == 0)")
-    if tp > kv_heads and tp % kv_heads:
+    # MLA has one latent KV head on every rank: K is moot, vLLM only needs the attention heads to divide.
+    if not mla and tp > kv_heads and tp % kv_heads:
         out.append(f"{side} TP {tp} is larger than the model's {kv_heads} KV heads and not a multiple of them "
                    "(vLLM needs tp % K == 0 when tp > K)")
     return out
@@ -54,8 +58,10 @@ def _head_problems(attention_heads: int, kv_heads: int, side: str, tp: int) -> l
 
 def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d: int,
               block_size_p: int | None = None, block_size_d: int | None = None, device: str = "cpu",
-              cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
+              cpu_cores: int | None = None, vllm_version: str | None = None, mla: bool = False,
+              head_dim: int | None = None) -> Preflight:
     """Problems and the predicted topology for a run. Heads ``None``: the model is unknown, head checks are skipped.
+    ``mla``: the model uses MLA (no K rule; regime M); ``head_dim``: for the block lengths (default 64).
 
     Block sizes ``None`` mean the harness default (32 on CPU, vLLM's own on GPU); D's defaults to P's.
     ``cpu_cores`` (CPU only) defaults to the cores this process may use.
@@ -70,12 +76,12 @@ def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d
 
     known = attention_heads is not None and kv_heads is not None
     if known:
-        if attention_heads < 1 or kv_heads < 1 or attention_heads % kv_heads:
+        if attention_heads < 1 or kv_heads < 1 or (attention_heads % kv_heads and not mla):
             problems.append(f"the model's heads are inconsistent: {attention_heads} attention heads, {kv_heads} KV heads")
             known = False
         else:
             for side, tp in sides:
-                problems += _head_problems(attention_heads, kv_heads, side, tp)
+                problems += _head_problems(attention_heads, kv_heads, side, tp, mla)
     if max(tp_p, tp_d) % min(tp_p, tp_d):
         problems.append(f"TP sizes {tp_p} (prefill) and {tp_d} (decode): the larger must be a multiple of the smaller")
 
@@ -103,7 +109,10 @@ def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d
     if known:
         p = bs_p if bs_p and bs_p >= 1 else VLLM_DEFAULT_BLOCK
         d = bs_d if bs_d and bs_d >= 1 else p
-        topo = predict(ModelShape(attention_heads, kv_heads), tp_p, tp_d, p, d, vllm_version)
+        if mla and device == "cpu":
+            p = d = CPU_MLA_BLOCK
+        shape = ModelShape(attention_heads, kv_heads, head_dim or 64, mla=mla)
+        topo = predict(shape, tp_p, tp_d, p, d, vllm_version)
     return Preflight(tuple(problems), topo)
 
 
@@ -146,9 +155,22 @@ def config_heads(cfg: E2EConfig) -> tuple[int | None, int | None]:
     return h["attention_heads"], h["kv_heads"]
 
 
+def config_mla(cfg: E2EConfig) -> tuple[bool, int | None]:
+    """(uses MLA, its latent width) of the model ``cfg`` will serve; the local tiny and trained models are Llamas.
+    The width only for MLA: the other predictions keep their head_dim of 64."""
+    if cfg.model is None:
+        return False, None
+    from harness.models.heads import model_heads
+
+    h = model_heads(cfg.model)
+    return (True, h.get("head_dim")) if h.get("mla") else (False, None)
+
+
 def preflight_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
     heads, kv = config_heads(cfg)
-    return preflight(heads, kv, cfg.tp_p, cfg.tp_d, cfg.block_size_p, cfg.block_size_d, cfg.device, cpu_cores, vllm_version)
+    mla, head_dim = config_mla(cfg)
+    return preflight(heads, kv, cfg.tp_p, cfg.tp_d, cfg.block_size_p, cfg.block_size_d, cfg.device, cpu_cores, vllm_version,
+                     mla, head_dim)
 
 
 def check_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:

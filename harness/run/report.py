@@ -27,6 +27,7 @@ class Report:
     accuracy: dict[str, Any] | None = None  # lm-eval scores and per-sample diff (with --accuracy)
     load: dict[str, Any] | None = None  # the load phase: requests, aborts, comparison, latency, pool reuse
     faults: dict[str, Any] | None = None  # injected faults and the requests they hit
+    prefix_cache: dict[str, Any] | None = None  # D's prefix-cache scenarios: each request's token sources, predicted and seen
     skipped_checks: list[dict[str, str]] = field(default_factory=list)  # checks this run could not make, with why
     timing_breakdown: dict[str, Any] | None = None  # harness/run/timing.py: where the wall time went
     events: list[dict[str, Any]] = field(default_factory=list)  # {name, kind, start_s, end_s, ok}: the run's timeline
@@ -67,6 +68,8 @@ class Report:
             d["load"] = self.load
         if self.faults is not None:
             d["faults"] = self.faults
+        if self.prefix_cache is not None:
+            d["prefix_cache"] = self.prefix_cache
         if self.failure is not None:
             d["failure"] = self.failure
         if self.events:
@@ -82,6 +85,11 @@ def render_markdown(d: dict[str, Any]) -> str:
     ]
     if d.get("reason"):
         lines += [f"Reason: {d['reason']}", ""]
+    bc = cfg.get("baseline_cache") or {}
+    if bc.get("used"):
+        lines += [f"Baseline: cached answers ({bc.get('where', 'disk')}), computed by run `{bc.get('from_run')}`"
+                  + (f" at {bc['created']}" if bc.get("created") else "") + "; no baseline server ran in this run"
+                  + (" (`--fresh-baseline` computes it again)." if bc.get("where") == "disk" else "."), ""]
     lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
     for c in d.get("checks", []):
         detail = str(c["detail"]).replace("|", "\\|").replace("\n", " ")
@@ -98,6 +106,7 @@ def render_markdown(d: dict[str, Any]) -> str:
                   f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | {a['tolerance']:.3f} | "
                   f"{a['differing_responses']} | {a['score_flips']} |"]
     lines += load_markdown(d.get("load"))
+    lines += prefix_markdown(d.get("prefix_cache"))
     comp = d.get("comparison")
     if comp:
         lines += ["", "## Comparison with the baseline", "", f"{comp.get('summary', '')}", "",
@@ -180,3 +189,17 @@ def load_markdown(load: dict[str, Any] | None) -> list[str]:
             f"{ms(pd['e2e_p50_s'])}/{ms(pd['e2e_p99_s'])} | {ms(base['e2e_p50_s'])}/{ms(base['e2e_p99_s'])} | {pools} |",
             "", f"The baseline answered {load['baseline_answered']}. Batching noise cannot fail a correct run: "
             f"{load['why_noise_cannot_fail']}."]
+
+
+def prefix_markdown(prefix: dict[str, Any] | None) -> list[str]:
+    """D's prefix-cache scenarios: each request's prompt-token sources, predicted vs seen."""
+    if not prefix:
+        return []
+    lines = ["", f"## D's prefix cache (block size {prefix['block_size_d']})", "", f"Rule: {prefix['rule']}.", "",
+             "| request | scenario | tokens | expected local / external / computed | seen | |", "|---|---|---|---|---|---|"]
+    for r in prefix["requests"]:
+        e, m = r["expected"], r["measured"] or {}
+        seen = " / ".join(str(int(m[k])) if k in m else "-" for k in ("local_cache_hit", "external_kv_transfer", "local_compute"))
+        lines.append(f"| {r['id']} | {r['scenario']} | {r['length']} | {e['local_cache_hit']} / {e['external_kv_transfer']} / "
+                     f"{e['local_compute']} | {seen} | {'ok' if r['exact'] else 'DIFFERENT'} |")
+    return lines

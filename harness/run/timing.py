@@ -130,6 +130,9 @@ def breakdown(timings: dict[str, float], staggered: bool = False) -> TimingBreak
     for phase in PHASES:
         if phase in timings:
             b.phases.append(PhaseRemainder(phase, float(timings[phase]), in_phase[phase]))
+    if "baseline_cache_read" in timings:
+        b.notes.append(f"no baseline phase: its answers came from the disk cache (read in {float(timings['baseline_cache_read']):.1f} s, "
+                       "counted as harness time)")
     if "baseline_phase" in timings and "baseline_teardown" not in timings:
         b.notes.append("the baseline's teardown is not recorded separately: it is inside the baseline phase's remainder, "
                        "so it counts as harness time here")

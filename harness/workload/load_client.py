@@ -51,7 +51,7 @@ class LoadRun:
 
 
 def load_body(gen: GenerationSettings, model: str, req: LoadRequest, prompt: list[int]) -> dict:
-    body = gen.body(model, prompt)  # type: ignore[arg-type] - token ids are a valid OpenAI prompt
+    body = gen.body(model, prompt)
     body.update(max_tokens=req.max_tokens, stream=True, stream_options={"include_usage": True})
     if req.abort == "decode":
         body["ignore_eos"] = True  # the stream must outlive the few tokens after which it is cancelled

