@@ -46,6 +46,10 @@ FILE_HASHES = "file-hashes.json"  # sha256 of model files by (path, size, mtime,
 
 # Per run, not per answer: the ports a server listens on and the folder its logs go to.
 VOLATILE_ENV = ("VLLM_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT", RUN_TAG_ENV)
+# Set in the harness's own process by libraries it imported (torch's inductor, joblib/sklearn via transformers) when
+# it built a model, so present or not depending on what this process did before, never on the user; none changes
+# numerics. Measured: a matrix that built the K=2 model in-process keyed its baseline apart from the next matrix.
+LIBRARY_SET_ENV = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CACHE_DIR")
 VOLATILE_FLAGS = ("--port",)
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # What a server inherits from the harness's environment and can change numerics or what is loaded.
@@ -117,6 +121,7 @@ def inherited_env(environ: Mapping[str, str], overridden: Mapping[str, str] | No
     overridden = overridden or {}
     return {k: v for k, v in environ.items()
             if k.startswith(INHERITED_PREFIXES) and k not in overridden and k not in VOLATILE_ENV
+            and k not in LIBRARY_SET_ENV
             and not any(m in k.upper() for m in SECRET_MARKERS)}
 
 

@@ -138,6 +138,9 @@ def test_the_key_changes_with_the_environment_the_server_inherits_and_the_vllm_b
     assert bc.cache_key(bc.key_inputs(ctx, sid, 32, environ={"OMP_NUM_THREADS": "2"})) != k0
     # a secret is never written into an entry (and cannot change an answer)
     assert bc.cache_key(bc.key_inputs(ctx, sid, 32, environ={"HF_TOKEN": "hf_abc"})) == k0
+    # what torch and joblib set in the harness's process when it built a model is not the user's: same key
+    imported = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE", "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}
+    assert bc.cache_key(bc.key_inputs(ctx, sid, 32, environ={"HOME": "/x", **imported})) == k0
     monkeypatch.setattr(bc, "python_identity", lambda p: {**fake_python_identity(p), "vllm": {"version": "0.32.0", "record_sha256": "s"}})
     assert bc.cache_key(bc.key_inputs(ctx, sid, 32, environ={"HOME": "/x"})) != k0
 
