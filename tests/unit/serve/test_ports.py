@@ -6,6 +6,9 @@ import pytest
 
 from harness.serve.ports import PortAllocator, PortExhausted, server_ports
 
+# Small ranges these tests fill must be outside DEFAULT_RANGE (20000-32000): a real run on the machine (a server, or a
+# port of its in TIME-WAIT) would otherwise take one, and "every port of the range" would not hold.
+
 
 def test_blocks_are_contiguous_disjoint_and_bindable(tmp_path):
     with PortAllocator(lock_dir=tmp_path) as a:
@@ -19,8 +22,8 @@ def test_blocks_are_contiguous_disjoint_and_bindable(tmp_path):
 
 def test_two_allocators_never_collide(tmp_path):
     # A narrow range forces both to contend for the same ports.
-    a = PortAllocator(lock_dir=tmp_path, port_range=(23000, 23040), seed=1)
-    b = PortAllocator(lock_dir=tmp_path, port_range=(23000, 23040), seed=1)
+    a = PortAllocator(lock_dir=tmp_path, port_range=(32200, 32240), seed=1)
+    b = PortAllocator(lock_dir=tmp_path, port_range=(32200, 32240), seed=1)
     got_a = {a.port() for _ in range(15)}
     got_b = {b.port() for _ in range(15)}
     assert not got_a & got_b
@@ -32,7 +35,7 @@ def test_other_process_holding_lock_is_respected(tmp_path):
     code = (
         "import sys,time; sys.path.insert(0, %r)\n"
         "from harness.serve.ports import PortAllocator\n"
-        "a = PortAllocator(lock_dir=%r, port_range=(24000, 24010))\n"
+        "a = PortAllocator(lock_dir=%r, port_range=(32100, 32110))\n"
         "ports = [a.port() for _ in range(10)]\n"
         "print('held', flush=True); time.sleep(30)\n"
     ) % (str(__import__('pathlib').Path(__file__).resolve().parents[3]), str(tmp_path))
@@ -40,12 +43,12 @@ def test_other_process_holding_lock_is_respected(tmp_path):
     try:
         assert p.stdout.readline().strip() == "held"
         with pytest.raises(PortExhausted):
-            PortAllocator(lock_dir=tmp_path, port_range=(24000, 24010)).port()
+            PortAllocator(lock_dir=tmp_path, port_range=(32100, 32110)).port()
     finally:
         p.kill()
         p.wait()
     # The dead process's locks are gone with it.
-    assert 24000 <= PortAllocator(lock_dir=tmp_path, port_range=(24000, 24010)).port() < 24010
+    assert 32100 <= PortAllocator(lock_dir=tmp_path, port_range=(32100, 32110)).port() < 32110
 
 
 def test_port_in_use_is_skipped(tmp_path):
