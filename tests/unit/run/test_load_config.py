@@ -36,6 +36,12 @@ def test_flags_reach_the_config():
     assert c.pool_blocks(32) == 64
 
 
+def test_an_fp8_kv_cache_gets_the_threshold_of_its_measured_noise_unless_one_is_given():
+    assert cfg([]).logprob_limit == 1e-3
+    assert cfg(["--kv-cache-dtype", "fp8"]).logprob_limit == 2e-2
+    assert cfg(["--kv-cache-dtype", "fp8_e5m2", "--logprob-threshold", "1e-3"]).logprob_limit == 1e-3
+
+
 @pytest.mark.parametrize("argv", [["--load-concurrency", "0"], ["--load-requests", "-1"], ["--proxy-fault-every", "0"],
                                   ["--kv-pool-blocks", "x"]])
 def test_bad_load_flags_exit_2(argv, capsys):
