@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("model", help="build local models")
     msub = m.add_subparsers(dest="model_cmd", required=True)
     t = msub.add_parser("tiny", help="a deterministic random-weights Llama (or --family) with a locally trained tokenizer")
-    t.add_argument("--family", default="llama", help="llama (default), qwen3, qwen2, mistral, gemma3, deepseek_v2 (MLA)")
+    t.add_argument("--family", default="llama", help="llama (default), qwen3, qwen2, mistral, gemma3, deepseek_v2 (MLA), granitemoehybrid (Mamba2 + attention)")
     t.add_argument("--sliding-window", type=positive_int, help="tokens (mistral, gemma3; default 64)")
     t.add_argument("--kv-heads", type=positive_int, default=1, help="K (deepseek_v2: must equal --heads)")
     t.add_argument("--heads", type=positive_int, default=4)

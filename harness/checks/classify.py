@@ -33,6 +33,10 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig("kv-layout-mismatch", r"Heterogeneous TP expects same kv_cache_layout", "P and D KV cache layouts differ"),
     _sig("non-contiguous-heads", r"Heterogeneous TP head-dimension splitting requires contiguous heads",
          "head splitting needs a block-contiguous layout on P"),
+    # D's handshake when neither side's block size divides the other's (e.g. a hybrid model, whose attention block
+    # vLLM sizes from the Mamba state per rank, so from TP): every transfer fails; before the lease class it causes.
+    _sig("block-size-mismatch", r"Local block size \d+ is not divisible by remote block size",
+         "P's and D's KV block sizes cannot be matched (neither divides the other): refused at handshake"),
     _sig("nixl-unavailable", r"NIXL is not available", "the nixl package is missing or failed to load"),
     _sig("out-of-memory", r"CUDA out of memory|MemoryError|Not enough memory|No available memory for the cache blocks|"
          r"Cannot allocate memory",
@@ -50,8 +54,8 @@ SIGNATURES: tuple[Signature, ...] = (
     _sig("handshake-failed", r"handshake_setup_failed|handshake_failed", "the NIXL handshake failed for another reason"),
 )
 # Classes no retry can cure: a run that logs one of them stops at once.
-FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismatch", "non-contiguous-heads", "nixl-unavailable",
-                 "unsupported")
+FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismatch", "non-contiguous-heads",
+                 "block-size-mismatch", "nixl-unavailable", "unsupported")
 # Classes the pipeline gives when no log signature matched.
 RUN_CLASSES = ("server-exited", "startup-timeout", "prefill-died", "decode-died", "proxy-died", "baseline-died",
                "output-mismatch", "logprob-mismatch", "accuracy-mismatch", "no-transfer", "kv-leak", "abort-not-fired",

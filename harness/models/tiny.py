@@ -12,8 +12,9 @@ single KV head is replicated.
 Other families (``TinyModelSpec.family``) have the same shape knobs plus what
 makes each family different for the KV cache: q/k norms and a head_dim apart
 from the hidden size (qwen3), qkv bias (qwen2), a sliding window on every layer
-(mistral) or on every other layer (gemma3), and MLA (deepseek_v2: one latent KV
-"head" per token, replicated on every TP rank).
+(mistral) or on every other layer (gemma3), MLA (deepseek_v2: one latent KV
+"head" per token, replicated on every TP rank), and a hybrid (granitemoehybrid: Mamba2 layers, whose per-request
+SSM/conv state NIXL moves apart from the attention KV, interleaved with attention layers).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class TinyModelSpec:
         if self.family in MLA_FAMILIES and self.kv_heads != self.heads:
             # MLA has no GQA: num_key_value_heads is written as the attention heads, as DeepSeek does.
             raise ValueError(f"family {self.family} (MLA) needs kv_heads == heads")
+        if self.family in HYBRID_FAMILIES and self.layers < 2:
+            # one Mamba2 layer and one attention layer at least, else it is no hybrid
+            raise ValueError(f"family {self.family} (hybrid) needs layers >= 2")
 
     def record(self) -> dict:
         """The parameters that name the model (key, harness_tiny_model.json). A Llama's record has no family
@@ -164,6 +168,7 @@ def build_model(spec: TinyModelSpec, vocab_size: int):
 
 SLIDING_DEFAULT = {"mistral": 64, "gemma3": 64}  # small, so the harness prompts (up to ~250 tokens) cross it
 MLA_FAMILIES = ("deepseek_v2",)
+HYBRID_FAMILIES = ("granitemoehybrid",)
 # vLLM's CPU MLA decode kernel only compiles for a 576-wide latent (kv_lora_rank 512 + rope 64, as DeepSeek).
 MLA_KV_LORA_RANK = 512
 MLA_ROPE_DIM = 64
@@ -217,6 +222,23 @@ def deepseek_v2_config(spec: TinyModelSpec, vocab_size: int):
                             n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64)
 
 
+def granitemoehybrid_config(spec: TinyModelSpec, vocab_size: int):
+    from transformers import GraniteMoeHybridConfig
+
+    # Granite 4.0-H style, the hybrid vLLM 0.32.0 still serves (Bamba was removed in 0.23.0): Mamba2 first, then
+    # attention, alternating, so 2 layers hold one of each. No experts (a dense shared MLP), RoPE on the attention
+    # layers so the transferred KV is position-dependent, the usual 1/sqrt(head_dim) scale (Granite's default is 1).
+    # Mamba heads are 2 x heads of head_dim each (intermediate 2 x hidden): they divide by any TP the heads divide by.
+    # One B/C group, as Granite 4.0-H: vLLM replicates it on every TP rank, where NIXL's conv-state slicing errs.
+    layer_types = ["attention" if i % 2 else "mamba" for i in range(spec.layers)]
+    return GraniteMoeHybridConfig(**_common(spec, vocab_size), hidden_size=spec.heads * spec.head_dim,
+                                  layer_types=layer_types, position_embedding_type="rope",
+                                  attention_multiplier=spec.head_dim ** -0.5, num_local_experts=0,
+                                  shared_intermediate_size=spec.intermediate, mamba_n_heads=2 * spec.heads,
+                                  mamba_d_head=spec.head_dim, mamba_expand=2, mamba_n_groups=1, mamba_d_state=16,
+                                  mamba_d_conv=4)
+
+
 FAMILIES = {
     "llama": None,  # build_model's own recipe
     "qwen3": qwen3_config,
@@ -224,6 +246,7 @@ FAMILIES = {
     "mistral": mistral_config,
     "gemma3": gemma3_config,
     "deepseek_v2": deepseek_v2_config,
+    "granitemoehybrid": granitemoehybrid_config,
 }
 
 

