@@ -56,7 +56,7 @@ def run_baseline(ctx: RunContext, alloc: PortAllocator, block_size: int | None, 
     base = ctx.server(alloc, "baseline", cfg.tp_d, block_size, cpu_bind)  # not started: its command is part of the keys
     server_id = disk.command_identity(base.proc.spec.argv, base.proc.spec.env)
     key = (ctx.model, cfg.tp_d, block_size, cfg.python, cfg.max_tokens, cfg.seed, cfg.device, ctx.accuracy, cfg.load,
-           cfg.pool_blocks(block_size), cfg.model_len, disk.canonical(server_id), cfg.axes.prefix_caching_d)
+           ctx.pool_blocks(block_size), cfg.model_len, disk.canonical(server_id), cfg.axes.prefix_caching_d)
     if cache is not None and key in cache:
         hit = cache[key]
         _not_launched(ctx)

@@ -246,7 +246,7 @@ def key_inputs(ctx: RunContext, server: Mapping[str, Any], block_size: int | Non
         "tp": cfg.tp_d,
         "dtype": cfg.dtype,
         "block_size": block_size,
-        "kv_pool_blocks": cfg.pool_blocks(block_size),
+        "kv_pool_blocks": ctx.pool_blocks(block_size),
         "max_model_len": cfg.model_len,
         "server": dict(server),
         "inherited_env": inherited_env(environ, server.get("env", {})),

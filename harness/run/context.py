@@ -43,17 +43,25 @@ class RunContext:
         return self.run_dir / "logs"
 
     @property
+    def model_heads(self) -> dict:
+        """What harness/models/heads.py read from the served model ({} until then)."""
+        return self.report.config.get("model_heads") or {}
+
+    @property
     def kv_cache_groups(self) -> int:
-        """The served model's KV cache groups (1 until its heads are read; harness/models/heads.py)."""
-        return int((self.report.config.get("model_heads") or {}).get("kv_cache_groups") or 1)
+        """The served model's KV cache groups (1 until its heads are read)."""
+        return int(self.model_heads.get("kv_cache_groups") or 1)
 
     def pool_block_size(self, block_size: int | None) -> int | None:
         """The block size the KV pool is counted in: vLLM's reference CPU MLA path serves 16-token blocks whatever is
         asked, so a pool counted in the asked 32 would not hold one longest request."""
-        mla = bool((self.report.config.get("model_heads") or {}).get("mla"))
-        if mla and self.cfg.device == "cpu" and block_size:
+        if self.model_heads.get("mla") and self.cfg.device == "cpu" and block_size:
             return min(block_size, CPU_MLA_BLOCK)
         return block_size
+
+    def pool_blocks(self, block_size: int | None) -> int | None:
+        """The KV blocks each server of this run gets (E2EConfig.pool_blocks, in the blocks vLLM will serve)."""
+        return self.cfg.pool_blocks(self.pool_block_size(block_size), self.kv_cache_groups)
 
     def timed(self, key: str, t0: float) -> None:
         self.report.timings_s[key] = time.monotonic() - t0
@@ -64,7 +72,7 @@ class RunContext:
         placement = self.gpu.placement(role) if self.gpu is not None else None
         aborts = self.cfg.load.enabled and self.cfg.load.abort_every > 0 and role != "baseline"
         srv = make_server(self.cfg, alloc, role, tp, self.model, self.served_name, block_size, cpu_bind, self.logs, kv_layout,
-                          placement=placement, num_blocks=self.cfg.pool_blocks(self.pool_block_size(block_size), self.kv_cache_groups), log_requests=aborts)
+                          placement=placement, num_blocks=self.pool_blocks(block_size), log_requests=aborts)
         self.report.commands[role] = srv.command
         self.report.logs[role] = str(srv.proc.spec.log_path)
         return srv

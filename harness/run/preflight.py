@@ -19,7 +19,7 @@ CPU_BLOCK_MULTIPLE = 32
 # vLLM's own default block size where none is given (GPU); only used for the topology prediction.
 VLLM_DEFAULT_BLOCK = 16
 # vLLM's CPU MLA backend forces this block size whatever is asked (vllm/platforms/cpu.py, "CPU MLA backend
-# requires block_size=16"); only used for the topology prediction.
+# requires block_size=16"): the topology prediction, and the KV pool is counted in it (RunContext.pool_block_size).
 CPU_MLA_BLOCK = 16
 
 
