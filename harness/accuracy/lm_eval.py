@@ -15,6 +15,7 @@ from pathlib import Path
 
 from harness.accuracy.settings import HUB_DATASET, OFFLINE_TASK, AccuracySettings
 from harness.core import progress
+from harness.core.notrack import with_no_track
 from harness.serve.procs import ManagedProcess, ProcessSpec
 
 
@@ -126,7 +127,7 @@ def run_lm_eval(python: str, base_url: str, model_name: str, s: AccuracySettings
     # The offline task must never touch the hub; a hub task may need to download its dataset.
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if s.task == OFFLINE_TASK else {}
     spec = ProcessSpec(name=log_path.stem, argv=lm_eval_argv(python, base_url, model_name, s, out_dir), log_path=log_path,
-                       env={**offline, "TOKENIZERS_PARALLELISM": "false", **(env or {})})
+                       env=with_no_track({**offline, "TOKENIZERS_PARALLELISM": "false", **(env or {})}))
     deadline = time.monotonic() + s.timeout_s
     name = log_path.stem.replace("_", " ").replace("lm eval", "lm-eval")
     rep = progress.current()

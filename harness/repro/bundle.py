@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness.checks.classify import SIGNATURES
 from harness.core.errors import ConfigError
+from harness.core.notrack import NO_TRACK_ENV
 from harness.repro.builder import builder_script, tiny_spec, weights_sha256
 from harness.repro.issue import issue_markdown
 from harness.serve.ports import INTERNAL_PORTS_BASE
@@ -262,6 +263,8 @@ def repro_script(report: dict, pre: ServerCommand, dec: ServerCommand, cls: str,
         "# build, start nothing), and the ports P_PORT, P_SIDE_PORT, P_VLLM_PORT, D_PORT, D_SIDE_PORT, D_VLLM_PORT",
         "# (default: free ones).",
         "set -euo pipefail",
+        "# Nothing leaves the machine: usage reporting off in everything this script starts (pip, the model build, servers).",
+        "export " + " ".join(f"{k}={v}" for k, v in NO_TRACK_ENV.items()),
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         'WORK="${REPRO_WORK:-$PWD/repro-work}"',
         'PYTHON="${PYTHON:-python3}"',

@@ -8,6 +8,8 @@ from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
 from harness.checks.leak import check_no_leak
 from harness.checks.prefix_cache import check_sources
+from harness.checks.usage_stats import CHECK_NAME as USAGE_CHECK
+from harness.checks.usage_stats import check_no_usage_reporting
 from harness.checks.load import (Pool, blocks_needed, check_aborts, check_answers, check_logprobs, check_match, check_reuse,
                                  compare_load, latency_summary, pool_blocks_from_log, pool_from_metrics)
 from harness.run.baseline import BaselineResult
@@ -37,6 +39,11 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     else:
         checks += transfer.check_decode_log("\n".join(t for name, t in pd.logs.items() if name.startswith("decode")))
         checks.append(transfer.check_lease(pd.logs))
+    if pd.environs is not None:
+        checks.append(check_no_usage_reporting(pd.environs))
+    else:
+        ctx.report.skipped_checks.append({"name": USAGE_CHECK, "reason": "attach mode: the servers' environment is "
+                                          "whoever started them; set VLLM_NO_USAGE_STATS=1 there (docs/running.md)"})
     if pd.idle is not None:
         checks.append(check_no_leak(pd.idle.states, pd.idle.idle_kv, pd.idle.waited_s, pd.idle.deadline_s))
     compared = [result]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.checks.classify import FATAL_PATTERNS
+from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
 from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
 from harness.run.config import E2EConfig
@@ -114,6 +115,6 @@ def make_proxy(python: str, alloc: PortAllocator, prefill_urls: list[str], decod
     if fault_every != 1:
         argv += ["--fault-every", str(fault_every)]
     url = f"http://127.0.0.1:{port}"
-    proc = ManagedProcess(ProcessSpec(name=name, argv=argv, env={RUN_TAG_ENV: str(logs_dir)}, log_path=logs_dir / f"{name}.log",
-                                      health_url=f"{url}/health", ready_timeout_s=60))
+    proc = ManagedProcess(ProcessSpec(name=name, argv=argv, env=with_no_track({RUN_TAG_ENV: str(logs_dir)}),
+                                      log_path=logs_dir / f"{name}.log", health_url=f"{url}/health", ready_timeout_s=60))
     return proc, url

@@ -42,6 +42,7 @@ class PDResult:
     prefix: PDPrefix | None = None  # the prefix-cache scenarios (D's prefix cache on)
     idle: LeakWatch | None = None  # P and D back to idle after the run
     final_stats: dict | None = None  # the proxy's counters at the end (faulted request ids among them)
+    environs: dict[str, dict[str, str] | None] | None = None  # each server process's environment (None: attached)
 
 
 @dataclass
@@ -78,6 +79,8 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
         after = decode_metrics(servers)
         stats = proxy_stats(proxy_url, servers)
         out = PDResult(completions, before, after, stats, {}, servers.attached, smoke=smoke_check(ctx, proxy_url))
+        if isinstance(servers, LocalServers):  # while they serve: engine cores and workers are up by now
+            out.environs = servers.environs()
         out.prefix = pd_prefix(ctx, proxy_url, servers, watch)  # before the load churns D's cache
         out.load = pd_load(ctx, proxy_url, servers, watch)
         if ctx.accuracy is not None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import psutil
 import requests
 
 from harness.serve.procs import ManagedProcess, ProcessFailed, http_ok, start_all
@@ -85,6 +86,25 @@ class LocalServers:
 
     def seen_pids(self) -> list[int]:
         return [pid for p in self.processes for pid in p.seen_pids()]
+
+    def environs(self) -> dict[str, dict[str, str] | None]:
+        """Each live process of every server's tree -> its environment (None where it cannot be read)."""
+        out: dict[str, dict[str, str] | None] = {}
+        for name, proc in self._procs.items():
+            if proc.pid is None:
+                continue
+            try:
+                tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.Error:
+                continue
+            for p in tree:
+                try:
+                    out[f"{name} pid {p.pid}"] = dict(p.environ())
+                except psutil.NoSuchProcess:  # it exited meanwhile: nothing left to report
+                    continue
+                except psutil.Error:
+                    out[f"{name} pid {p.pid}"] = None
+        return out
 
 
 class AttachedServers:

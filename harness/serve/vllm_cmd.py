@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from harness.core.notrack import with_no_track
 from harness.serve.ports import ServerPorts
 
 Role = Literal["prefill", "decode", "baseline"]
@@ -228,7 +229,7 @@ def build_server_command(
         existing = (base_env if base_env is not None else os.environ).get("PYTHONPATH", "")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (*path, existing) if p)
     env.update(dict(spec.extra_env))
-    return Command(tuple(argv), env)
+    return Command(tuple(argv), with_no_track(env))  # last: no axis or caller turns usage reporting back on
 
 
 def plan_cpu_binding(n_cores: int, rank_counts: Sequence[int]) -> list[str]:

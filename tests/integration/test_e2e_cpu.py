@@ -87,3 +87,18 @@ def test_accuracy_from_real_lm_eval_runs_through_the_proxy_and_the_baseline(e2e)
 def test_nothing_left_running(e2e):
     _, run_dir, _ = e2e
     assert processes_tagged(run_dir / "logs") == []
+
+
+def test_nothing_leaves_the_machine(e2e):
+    """Usage reporting off, read from the live processes' own environment (API server and engine core of each
+    server), and shown on every server command of the report."""
+    _, _, report = e2e
+    check = next(c for c in report["checks"] if c["name"] == "no_usage_reporting")
+    assert check["passed"], check["detail"]
+    procs = check["data"]["processes"]
+    for role in ("prefill", "decode"):
+        assert sum(p.startswith(role) for p in procs) >= 2, procs  # the API server and its engine core at least
+    servers = {name: cmd for name, cmd in report["commands"].items() if name != "proxy"}  # the proxy is ours, not vLLM
+    assert {"baseline", "prefill", "decode"} <= set(servers)
+    for name, command in servers.items():
+        assert "VLLM_NO_USAGE_STATS=1" in command and "DO_NOT_TRACK=1" in command, name

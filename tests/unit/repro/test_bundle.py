@@ -164,3 +164,13 @@ def test_the_lock_follows_extras_of_dependencies(tmp_path):
     pins, _ = environment_lock(str(py))
     assert {"vllm==9.9.9", "fake-toolkit==1.0", "fake-cufile==2.0"} <= set(pins)
     assert not {"fake-cublas==3.0", "fake-test-only==1.0"} & set(pins)
+
+
+def test_repro_sh_turns_usage_reporting_off_for_everything_it_starts(tmp_path):
+    out = write_bundle(fake_run(tmp_path, sys.executable, failed=True), tmp_path / "bundle")
+    lines = (out / "repro.sh").read_text().splitlines()
+    export = next(i for i, line in enumerate(lines) if line.startswith("export ") and "VLLM_NO_USAGE_STATS" in line)
+    assert export < next(i for i, line in enumerate(lines) if "-m pip" in line)  # before pip, the build and the servers
+    env = subprocess.run(["bash", "-c", f"{lines[export]}; env"], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin"}).stdout.splitlines()
+    assert {"VLLM_NO_USAGE_STATS=1", "VLLM_DO_NOT_TRACK=1", "DO_NOT_TRACK=1"} <= set(env)

@@ -128,3 +128,16 @@ def test_edge_axes_become_vllm_flags_and_connector_settings():
     assert "--no-enable-prefix-caching" in plain.argv
     assert "enable_permute_local_kv" not in json.loads(arg(plain, "--kv-transfer-config"))
     assert "--no-async-scheduling" in cmd(async_scheduling=False).argv
+
+
+@pytest.mark.parametrize("role", ["baseline", "prefill", "decode"])
+@pytest.mark.parametrize("device", ["cpu", "gpu"])
+def test_every_server_runs_with_usage_reporting_off(role, device):
+    # an axis that sets one of them otherwise cannot turn reporting back on
+    kw = {"device": device, "extra_env": (("VLLM_NO_USAGE_STATS", "0"), ("DO_NOT_TRACK", "0"))}
+    if device == "gpu":
+        kw["gpus"] = (0,)
+    c = cmd(role, **kw)
+    for k in ("VLLM_NO_USAGE_STATS", "VLLM_DO_NOT_TRACK", "DO_NOT_TRACK"):
+        assert c.env[k] == "1", k
+        assert f"{k}=1" in c.shell()  # the report's command line shows it
