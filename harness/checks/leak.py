@@ -1,11 +1,22 @@
-"""After a run, P and D must be idle again: no request running or waiting, KV usage back to its value before the
-first request, no request whose KV lease expired. A server that keeps blocks after its requests ended leaks."""
+"""After a run, P and D must be idle again: no request running or waiting, and the KV blocks they hold back to the
+count before the first request. A server that keeps blocks after its requests ended either holds them for a lease
+or leaks them, and the check tells the two apart.
+
+P keeps the blocks of a request that finished (P's answers are one token) until a D reads them or their lease
+expires: P cannot know that no D will come. A client cancel that reaches P just after it finished, or lands between
+the hops, leaves P holding those blocks until the lease (vLLM ``nixl/pull_scheduler.py`` ``request_finished``:
+only a request that ends aborted frees at once). So a block still held at the deadline is followed up to the lease
+plus a margin: freed by a lease expiry that the client's cancels account for is its own outcome, "held until lease
+expiry after a client abort"; still held after the lease is a leak.
+"""
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from harness.checks.check import Check
 from harness.serve.prometheus import Sample, first_present, metric_sum
@@ -14,8 +25,15 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the name changed between releases
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
-# KV usage is a share of the pool; a gauge read while a block is being freed may lag by less than this.
-KV_EPSILON = 1e-6
+CHECK_NAME = "no_kv_leak"
+# P's lease line names the request and how many D workers read it (vLLM nixl/base_worker.py _reap_expired_send_leases).
+EXPIRY_LINE = re.compile(r"Releasing expired KV blocks for request (\S+) which were retrieved by (\d+) remote worker")
+# Proxy stages where a client cancel can leave P holding a finished request's blocks: P may have finished already
+# ("prefill": the answer was on its way) or had ("between_hops"); no D was told of the request.
+HOLD_STAGES = ("prefill", "between_hops")
+LEASE_MARGIN_S = 15.0  # P reaps expired leases on its engine steps and the gauge follows: allow for both
+
+Outcome = Literal["idle", "lease-hold", "freed-late", "kv-leak", "busy", "blind"]
 
 
 @dataclass(frozen=True)
@@ -23,50 +41,203 @@ class ServerState:
     running: float | None
     waiting: float | None
     kv_usage: float | None  # 0..1; None when this vLLM exports no usage gauge
-    expired: float | None  # requests whose KV lease expired (P side)
+    expired: float | None  # requests whose KV lease expired (P side), since the server started
+    pool_blocks: int | None = None  # the KV pool, from vllm:cache_config_info
+
+    @property
+    def kv_blocks(self) -> int | None:
+        """Blocks held: the usage gauge is a share of the pool, so a whole number of blocks once multiplied back."""
+        if self.kv_usage is None or not self.pool_blocks:
+            return None
+        return round(self.kv_usage * self.pool_blocks)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {**asdict(self), "kv_blocks": self.kv_blocks}
 
 
 def state_of(samples: list[Sample]) -> ServerState:
     usage = first_present(samples, KV_USAGE)
     return ServerState(metric_sum(samples, RUNNING), metric_sum(samples, WAITING), usage[1] if usage else None,
-                       metric_sum(samples, EXPIRED))
+                       metric_sum(samples, EXPIRED), _pool_blocks(samples))
 
 
-def problems(name: str, s: ServerState, idle_kv: float | None) -> list[str]:
-    out = []
-    if s.running is None and s.waiting is None and s.kv_usage is None:
-        return [f"{name} exports none of {RUNNING}, {WAITING}, {'/'.join(KV_USAGE)}"]
-    if s.running:
-        out.append(f"{name} still runs {s.running:g} request(s)")
-    if s.waiting:
-        out.append(f"{name} still has {s.waiting:g} waiting request(s)")
-    if s.kv_usage is not None and s.kv_usage > (idle_kv or 0.0) + KV_EPSILON:
-        out.append(f"{name} KV usage {100 * s.kv_usage:.2f}% (idle before the run: {100 * (idle_kv or 0.0):.2f}%)")
-    if s.expired:
-        out.append(f"{name} had {s.expired:g} request(s) whose KV lease expired")
-    return out
+def _pool_blocks(samples: list[Sample]) -> int | None:
+    for s in samples:
+        if s.name == "vllm:cache_config_info":
+            try:
+                return int(s.labels["num_gpu_blocks"])
+            except (KeyError, ValueError):
+                return None
+    return None
 
 
-def wait_idle(read: Callable[[], dict[str, list[Sample]]], idle_kv: dict[str, float | None], deadline_s: float,
-              poll_s: float = 0.5, clock=time.monotonic, sleep=time.sleep) -> tuple[dict[str, ServerState], float]:
-    """Poll ``read`` (server name -> /metrics) until every server is idle or ``deadline_s`` passed;
-    the last states and the seconds waited."""
+def held_blocks(s: ServerState, idle: ServerState | None) -> float:
+    """Blocks (or, without a pool size, the usage share) held beyond the server's idle value; 0 when none."""
+    if s.kv_blocks is not None:
+        return max(0, s.kv_blocks - ((idle.kv_blocks if idle else 0) or 0))
+    if s.kv_usage is None:
+        return 0
+    base = (idle.kv_usage if idle else 0.0) or 0.0
+    return s.kv_usage - base if s.kv_usage > base + 1e-9 else 0
+
+
+def describe(name: str, s: ServerState, idle: ServerState | None) -> str:
+    """What the check saw on one server, in blocks where the pool size is known (never a rounded percentage)."""
+    parts = [f"{s.running or 0:g} running", f"{s.waiting or 0:g} waiting"]
+    if s.kv_blocks is not None:
+        base = (idle.kv_blocks if idle else 0) or 0
+        parts.append(f"{s.kv_blocks} of {s.pool_blocks} KV blocks held (idle before the run: {base})")
+    elif s.kv_usage is not None:
+        parts.append(f"KV usage {s.kv_usage:.3g} of the pool (idle before the run: {(idle.kv_usage if idle else 0) or 0:.3g})")
+    expired = (s.expired or 0) - ((idle.expired if idle else 0) or 0)
+    if expired:
+        parts.append(f"{expired:g} lease expiries")
+    return f"{name}: " + ", ".join(parts)
+
+
+def busy(s: ServerState) -> bool:
+    return bool(s.running or s.waiting)
+
+
+def blind(s: ServerState) -> bool:
+    return s.running is None and s.waiting is None and s.kv_usage is None
+
+
+@dataclass
+class IdleWatch:
+    """How P and D went idle after the run's last request."""
+
+    idle: dict[str, ServerState]  # before the first request
+    states: dict[str, ServerState]  # the last read
+    waited_s: float  # from the start of the wait to the last read
+    deadline_s: float
+    lease_s: float | None  # P's lease; None: not followed up
+    at_deadline: dict[str, ServerState] | None = None  # the states at the deadline, where blocks were still held
+    freed_after_s: float | None = None  # when a hold ended, seconds after the start of the wait
+    outcome: Outcome = "idle"
+    cancels: dict[str, list[str]] = field(default_factory=dict)  # the proxy's client cancels by stage (request ids)
+
+
+def wait_idle(read: Callable[[], dict[str, list[Sample]]], idle: Mapping[str, ServerState], deadline_s: float,
+              lease_s: float | None = None, poll_s: float = 0.5, clock=time.monotonic, sleep=time.sleep) -> IdleWatch:
+    """Poll ``read`` (server name -> /metrics) until every server is idle or ``deadline_s`` passed. Blocks still held
+    then, with no request running or waiting, are followed up to ``lease_s`` + a margin (only then does the wait
+    grow). The outcome: idle, lease-hold (freed as leases expired), freed-late (freed, no expiry), kv-leak, busy,
+    blind (no gauge to read)."""
     t0 = clock()
-    while True:
-        states = {name: state_of(samples) for name, samples in read().items()}
-        waited = clock() - t0
-        if not any(problems(n, s, idle_kv.get(n)) for n, s in states.items()) or waited >= deadline_s:
-            return states, waited
+    idle = dict(idle)
+
+    def poll() -> tuple[dict[str, ServerState], float]:
+        return {name: state_of(samples) for name, samples in read().items()}, clock() - t0
+
+    states, waited = poll()
+    while not _all_idle(states, idle) and waited < deadline_s:
         sleep(poll_s)
+        states, waited = poll()
+    watch = IdleWatch(idle, states, waited, deadline_s, lease_s)
+    if _all_idle(states, idle):
+        return watch
+    if any(blind(s) for s in states.values()):
+        watch.outcome = "blind"
+        return watch
+    if any(busy(s) for s in states.values()) or lease_s is None:
+        watch.outcome = "busy" if any(busy(s) for s in states.values()) else "kv-leak"
+        return watch
+    watch.at_deadline = states
+    follow_until = lease_s + LEASE_MARGIN_S
+    while not _all_idle(states, idle) and waited < follow_until:
+        sleep(poll_s)
+        states, waited = poll()
+    watch.states, watch.waited_s = states, waited
+    if not _all_idle(states, idle):
+        watch.outcome = "kv-leak"
+        return watch
+    watch.freed_after_s = waited
+    expired = sum(_expired(s, idle.get(n)) - _expired(watch.at_deadline[n], idle.get(n)) for n, s in states.items())
+    watch.outcome = "lease-hold" if expired > 0 else "freed-late"
+    return watch
 
 
-def check_no_leak(states: dict[str, ServerState], idle_kv: dict[str, float | None], waited_s: float, deadline_s: float) -> Check:
-    found = [p for n, s in states.items() for p in problems(n, s, idle_kv.get(n))]
-    data = {"servers": {n: s.to_dict() for n, s in states.items()}, "idle_kv_usage": idle_kv, "waited_s": round(waited_s, 2)}
-    if found:
-        return Check("no_kv_leak", False, f"not idle {deadline_s:g} s after the last request: " + "; ".join(found), data)
-    return Check("no_kv_leak", bool(states), f"{len(states)} servers idle {waited_s:.1f} s after the last request "
-                 "(no request running or waiting, KV usage back to idle, no lease expired)" if states else "no server to check", data)
+def _expired(s: ServerState, idle: ServerState | None) -> float:
+    return (s.expired or 0) - ((idle.expired if idle else 0) or 0)
+
+
+def _all_idle(states: Mapping[str, ServerState], idle: Mapping[str, ServerState]) -> bool:
+    return all(not busy(s) and not blind(s) and not held_blocks(s, idle.get(n)) for n, s in states.items())
+
+
+@dataclass(frozen=True)
+class Expiry:
+    server: str
+    request_id: str
+    read_by: int  # D workers that read the blocks before the lease expired
+
+
+def expiries(logs: Mapping[str, str]) -> list[Expiry]:
+    """Every lease expiry P's and D's logs name."""
+    return [Expiry(name, m.group(1), int(m.group(2))) for name, text in logs.items() for m in EXPIRY_LINE.finditer(text)]
+
+
+def abort_expiries(found: Sequence[Expiry], cancels: Mapping[str, Sequence[str]]) -> tuple[list[Expiry], list[Expiry]]:
+    """Split lease expiries into those a client cancel explains (no D read the blocks of a request the client cancelled
+    while P prefilled or between the hops: vLLM's request id holds the proxy's X-Request-Id) and the others."""
+    ids = [i for stage in HOLD_STAGES for i in cancels.get(stage, [])]
+    named = re.compile("|".join(rf"(?<![A-Za-z0-9]){re.escape(i)}(?![A-Za-z0-9])" for i in ids)) if ids else None
+    explained, other = [], []
+    for e in found:
+        (explained if e.read_by == 0 and named is not None and named.search(e.request_id) else other).append(e)
+    return explained, other
+
+
+def check_no_leak(w: IdleWatch, logs: Mapping[str, str] | None = None) -> Check:
+    """The leak check's verdict. ``logs``: the servers' logs (None in attach mode: expiries are counted, not named)."""
+    seen = "; ".join(describe(n, s, w.idle.get(n)) for n, s in w.states.items())
+    data: dict = {"outcome": w.outcome, "servers": {n: s.to_dict() for n, s in w.states.items()},
+                  "idle_before": {n: s.to_dict() for n, s in w.idle.items()}, "waited_s": round(w.waited_s, 2),
+                  "deadline_s": w.deadline_s, "lease_s": w.lease_s,
+                  "client_cancels": {s: len(ids) for s, ids in w.cancels.items()}}
+    if not w.states:
+        return Check(CHECK_NAME, False, "no server to check", data)
+    if w.outcome == "idle":
+        return Check(CHECK_NAME, True, f"{len(w.states)} servers idle {w.waited_s:.1f} s after the last request "
+                     f"(no request running or waiting, KV blocks back to idle): {seen}", data)
+    if w.outcome == "blind":
+        names = [n for n, s in w.states.items() if blind(s)]
+        return Check(CHECK_NAME, False, f"{', '.join(names)} export none of {RUNNING}, {WAITING}, {'/'.join(KV_USAGE)}",
+                     data)
+    if w.outcome == "busy":
+        return Check(CHECK_NAME, False, f"not idle {w.deadline_s:g} s after the last request: {seen}", data)
+    held = "; ".join(describe(n, s, w.idle.get(n)) for n, s in (w.at_deadline or w.states).items())
+    data["at_deadline"] = {n: s.to_dict() for n, s in (w.at_deadline or {}).items()}
+    if w.outcome == "kv-leak":
+        return Check(CHECK_NAME, False, f"kv-leak: blocks still held {w.waited_s:.0f} s after the last request, past "
+                     f"P's {w.lease_s or 0:g} s lease and a {LEASE_MARGIN_S:g} s margin: {seen}", data)
+    return _hold_check(w, held, logs, data)
+
+
+def _hold_check(w: IdleWatch, held: str, logs: Mapping[str, str] | None, data: dict) -> Check:
+    """Freed after the deadline: by leases that the client's cancels explain (a pass, named), or not."""
+    hold_cancels = {s: list(w.cancels.get(s, [])) for s in HOLD_STAGES}
+    n_cancels = sum(len(v) for v in hold_cancels.values())
+    when = f"at the {w.deadline_s:g} s deadline ({held}); freed {w.freed_after_s or 0:.0f} s after the last request"
+    if w.outcome == "freed-late":
+        return Check(CHECK_NAME, True, f"freed late, no lease expired: blocks still held {when}", data)
+    delta = sum(_expired(s, w.idle.get(n)) for n, s in w.states.items())
+    if logs is not None:
+        explained, other = abort_expiries(expiries(logs), hold_cancels)
+        data["lease_expiries"] = {"after_client_cancel": [asdict(e) for e in explained], "other": [asdict(e) for e in other]}
+        ok, why = not other and bool(explained), (f"{len(explained)} lease expiries of requests the client cancelled "
+                                                  f"before any D read them ({', '.join(e.request_id for e in explained[:6])})")
+        if other:
+            why = f"{len(other)} lease expiries no client cancel explains (first: {other[0].request_id}, read by " \
+                  f"{other[0].read_by} D worker(s))"
+    else:  # attach mode: the counter against the cancels that can cause a hold
+        ok = 0 < delta <= n_cancels
+        why = f"{delta:g} lease expiries, {n_cancels} client cancels that can leave P holding blocks"
+    data["outcome"] = "lease-hold" if ok else "unexplained-lease-expiry"
+    stages = ", ".join(f"{len(v)} {s.replace('_', ' ')}" for s, v in hold_cancels.items())
+    if ok:
+        return Check(CHECK_NAME, True, f"held until lease expiry after a client abort: blocks still held {when} as "
+                     f"P's {w.lease_s or 0:g} s lease expired; {why}; client cancels while P prefilled / between the hops: "
+                     f"{stages} (P keeps a finished request's blocks for a D that never comes: docs/load.md)", data)
+    return Check(CHECK_NAME, False, f"blocks held {when} by lease expiry, but {why}", data)

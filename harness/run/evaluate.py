@@ -38,14 +38,14 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
         ctx.report.skipped_checks += [{"name": name, "reason": why} for name in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")]
     else:
         checks += transfer.check_decode_log("\n".join(t for name, t in pd.logs.items() if name.startswith("decode")))
-        checks.append(transfer.check_lease(pd.logs))
+        checks.append(transfer.check_lease(pd.logs, pd.idle.cancels if pd.idle is not None else None))
     if pd.environs is not None:
         checks.append(check_no_usage_reporting(pd.environs))
     else:
         ctx.report.skipped_checks.append({"name": USAGE_CHECK, "reason": "attach mode: the servers' environment is "
                                           "whoever started them; set VLLM_NO_USAGE_STATS=1 there (docs/running.md)"})
     if pd.idle is not None:
-        checks.append(check_no_leak(pd.idle.states, pd.idle.idle_kv, pd.idle.waited_s, pd.idle.deadline_s))
+        checks.append(check_no_leak(pd.idle, None if pd.attached else pd.logs))
     compared = [result]
     if pd.load is not None and baseline.load is not None:
         load_checks, load_cmp = evaluate_load(ctx, baseline, pd)

@@ -14,7 +14,7 @@ from harness.accuracy.lm_eval import EvalRun
 from harness.checks import smoke
 from harness.checks import transfer
 from harness.checks.check import Check
-from harness.checks.leak import ServerState, state_of, wait_idle
+from harness.checks.leak import IdleWatch, state_of, wait_idle
 from harness.models.config import load_models
 from harness.run.context import RunContext
 from harness.run.load import PDLoad, pd_load, server_metrics
@@ -40,17 +40,9 @@ class PDResult:
     through: Check | None = None  # lm-eval's requests took the P/D path
     load: PDLoad | None = None
     prefix: PDPrefix | None = None  # the prefix-cache scenarios (D's prefix cache on)
-    idle: LeakWatch | None = None  # P and D back to idle after the run
+    idle: IdleWatch | None = None  # P and D back to idle after the run
     final_stats: dict | None = None  # the proxy's counters at the end (faulted request ids among them)
     environs: dict[str, dict[str, str] | None] | None = None  # each server process's environment (None: attached)
-
-
-@dataclass
-class LeakWatch:
-    idle_kv: dict[str, float | None]  # KV usage of each server before the first request
-    states: dict[str, ServerState]  # after the run, once idle or at the deadline
-    waited_s: float
-    deadline_s: float
 
 
 def local_servers(ctx: RunContext, alloc: PortAllocator, block_sizes: tuple[int | None, int | None],
@@ -59,6 +51,9 @@ def local_servers(ctx: RunContext, alloc: PortAllocator, block_sizes: tuple[int 
     dec = ctx.server(alloc, "decode", ctx.cfg.tp_d, block_sizes[1], binds[1], ctx.cfg.kv_layout_d)
     return LocalServers([(pre.url, pre.proc)], [(dec.url, dec.proc)], ctx.cfg.ready_timeout_s,
                         stagger=ctx.gpu is not None and ctx.gpu.plan.stagger_start)
+
+
+VLLM_DEFAULT_LEASE_S = 30  # nixl base_scheduler: kv_lease_duration
 
 
 def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResult:
@@ -71,7 +66,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
         proxy, proxy_url = ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
         ctx.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
         watch = [servers, proxy]
-        idle_kv = {name: state_of(samples).kv_usage for name, samples in server_metrics(servers).items()}
+        idle = {name: state_of(samples) for name, samples in server_metrics(servers).items()}
         before = decode_metrics(servers)
         t1 = time.monotonic()
         completions = watched_requests(ctx, proxy_url, watch)
@@ -92,9 +87,10 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
             out.through = check_through_pd(out.eval.n, stats_before, stats_after, xfers)
         out.final_stats = proxy_stats(proxy_url, servers)
         t_idle = time.monotonic()
-        deadline = ctx.cfg.load.leak_deadline_s
-        states, waited = wait_idle(lambda: server_metrics(servers), idle_kv, deadline)
-        out.idle = LeakWatch(idle_kv, states, waited, deadline)
+        # P's lease bounds how long it may keep a finished request's blocks; vLLM's default where none is set.
+        lease = ctx.cfg.lease_s if ctx.cfg.lease_s is not None else VLLM_DEFAULT_LEASE_S
+        out.idle = wait_idle(lambda: server_metrics(servers), idle, ctx.cfg.load.leak_deadline_s, lease)
+        out.idle.cancels = dict((out.final_stats or {}).get("cancelled_ids") or {})
         ctx.timed("pd_idle_wait", t_idle)
         t_stop = time.monotonic()
     if ctx.gpu is not None and isinstance(servers, LocalServers):

@@ -6,14 +6,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from harness.checks.leak import check_no_leak, state_of, wait_idle
+from harness.checks.leak import LEASE_MARGIN_S, check_no_leak, describe, held_blocks, state_of, wait_idle
+from harness.checks.transfer import check_lease
 from harness.serve.ports import PortAllocator
 from harness.serve.prometheus import parse_metrics
 
 
-def metrics(running=0, waiting=0, usage=0.0, expired=0, usage_name="vllm:kv_cache_usage_perc") -> str:
+def metrics(running=0, waiting=0, usage=0.0, expired=0, usage_name="vllm:kv_cache_usage_perc", blocks=None) -> str:
+    pool = f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n' if blocks else ""
     return (f'vllm:num_requests_running{{engine="0"}} {running}\nvllm:num_requests_waiting{{engine="0"}} {waiting}\n'
-            f'{usage_name}{{engine="0"}} {usage}\nvllm:nixl_num_kv_expired_reqs_total{{engine="0"}} {expired}\n')
+            f'{usage_name}{{engine="0"}} {usage}\nvllm:nixl_num_kv_expired_reqs_total{{engine="0"}} {expired}\n' + pool)
 
 
 class StandIn:
@@ -63,33 +65,103 @@ def reader(urls: dict[str, str]):
     return lambda: {name: parse_metrics(requests.get(u, timeout=5).text) for name, u in urls.items()}
 
 
-def test_a_server_whose_gauge_stays_up_fails_the_check(serve):
-    urls = {"prefill": serve(StandIn(metrics())), "decode": serve(StandIn(metrics(running=1, usage=0.25)))}
-    states, waited = wait_idle(reader(urls), {"prefill": 0.0, "decode": 0.0}, deadline_s=1.0, poll_s=0.1)
-    c = check_no_leak(states, {"prefill": 0.0, "decode": 0.0}, waited, 1.0)
-    assert not c.passed
-    assert "decode still runs 1 request(s)" in c.detail and "decode KV usage 25.00%" in c.detail and "prefill" not in c.detail
-    assert waited >= 1.0
+IDLE = {"prefill": state_of(parse_metrics(metrics(blocks=32768))), "decode": state_of(parse_metrics(metrics(blocks=32768)))}
+
+
+def test_a_server_still_running_requests_fails_at_the_deadline_without_waiting_for_a_lease(serve):
+    urls = {"prefill": serve(StandIn(metrics(blocks=32768))),
+            "decode": serve(StandIn(metrics(running=1, usage=0.25, blocks=32768)))}
+    w = wait_idle(reader(urls), IDLE, deadline_s=1.0, lease_s=60.0, poll_s=0.1)
+    c = check_no_leak(w, {})
+    assert not c.passed and w.outcome == "busy" and w.waited_s < 5.0
+    assert "decode: 1 running, 0 waiting, 8192 of 32768 KV blocks held (idle before the run: 0)" in c.detail
 
 
 def test_servers_that_settle_within_the_deadline_pass(serve):
-    urls = {"prefill": serve(StandIn(metrics(waiting=2, usage=0.5), settle_after=2)), "decode": serve(StandIn(metrics()))}
-    states, waited = wait_idle(reader(urls), {"prefill": 0.0, "decode": 0.0}, deadline_s=10.0, poll_s=0.05)
-    c = check_no_leak(states, {"prefill": 0.0, "decode": 0.0}, waited, 10.0)
-    assert c.passed, c.detail
-    assert waited < 10.0
+    urls = {"prefill": serve(StandIn(metrics(waiting=2, usage=0.5, blocks=64), settle_after=2)),
+            "decode": serve(StandIn(metrics(blocks=64)))}
+    w = wait_idle(reader(urls), IDLE, deadline_s=10.0, lease_s=60.0, poll_s=0.05)
+    c = check_no_leak(w, {})
+    assert c.passed and w.outcome == "idle", c.detail
+    assert w.waited_s < 10.0
 
 
 def test_usage_is_judged_against_the_idle_value_and_the_old_gauge_name_counts():
     s = state_of(parse_metrics(metrics(usage=0.1, usage_name="vllm:gpu_cache_usage_perc")))
-    assert s.kv_usage == 0.1
-    assert check_no_leak({"decode": s}, {"decode": 0.1}, 0.0, 5.0).passed
-    assert not check_no_leak({"decode": s}, {"decode": 0.0}, 0.0, 5.0).passed
+    assert s.kv_usage == 0.1 and s.kv_blocks is None  # no pool size: judged as a share
+    assert held_blocks(s, s) == 0 and held_blocks(s, state_of(parse_metrics(metrics()))) > 0
 
 
-def test_an_expired_lease_or_no_gauges_at_all_fail():
-    expired = state_of(parse_metrics(metrics(expired=1)))
-    assert "lease expired" in check_no_leak({"prefill": expired}, {}, 0.0, 5.0).detail
-    blind = state_of(parse_metrics("vllm:something_else 1\n"))
-    c = check_no_leak({"decode": blind}, {}, 0.0, 5.0)
-    assert not c.passed and "exports none of" in c.detail
+def test_one_block_of_a_large_pool_is_counted_not_rounded_away():
+    s = state_of(parse_metrics(metrics(usage=1 / 32768, blocks=32768)))
+    assert s.kv_blocks == 1 and held_blocks(s, IDLE["prefill"]) == 1
+    assert "1 of 32768 KV blocks held" in describe("prefill", s, IDLE["prefill"])
+
+
+class Clock:
+    """A fake clock the fake sleep moves; ``script`` gives the metrics text per elapsed second."""
+
+    def __init__(self, script):
+        self.t, self.script = 0.0, script
+
+    def sleep(self, s):
+        self.t += s
+
+    def read(self):
+        return {"prefill": parse_metrics(self.script(self.t)), "decode": parse_metrics(metrics(blocks=32768))}
+
+
+ONE_BLOCK = 1 / 32768
+LEASE_LINE = "WARNING Releasing expired KV blocks for request cmpl-pd-load-5-0 which were retrieved by 0 remote worker(s)"
+
+
+def test_a_block_freed_by_a_lease_the_client_cancels_explain_is_a_named_hold_not_a_leak():
+    clock = Clock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768) if t < 100 else metrics(expired=1, blocks=32768))
+    w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=120, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
+    assert w.outcome == "lease-hold" and 100 <= w.freed_after_s < 102
+    w.cancels = {"prefill": ["pd-load-5"], "between_hops": [], "decode": ["pd-load-13"]}
+    c = check_no_leak(w, {"prefill": LEASE_LINE})
+    assert c.passed and c.data["outcome"] == "lease-hold"
+    assert c.detail.startswith("held until lease expiry after a client abort")
+    assert "1 of 32768 KV blocks held" in c.detail and "cmpl-pd-load-5-0" in c.detail
+    # the same expiry for a request nobody cancelled (pd-load-50 is not pd-load-5): a real problem
+    w.cancels = {"prefill": ["pd-load-50"]}
+    c = check_no_leak(w, {"prefill": LEASE_LINE})
+    assert not c.passed and c.data["outcome"] == "unexplained-lease-expiry"
+
+
+def test_attach_mode_counts_expiries_against_the_cancels_that_can_hold():
+    clock = Clock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768) if t < 50 else metrics(expired=1, blocks=32768))
+    w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=60, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
+    w.cancels = {"prefill": ["pd-load-5"]}
+    assert check_no_leak(w, None).passed
+    w.cancels = {"decode": ["pd-load-5"]}  # a cancel in the decode hop: D was told, P frees on its notice
+    assert not check_no_leak(w, None).passed
+
+
+def test_blocks_held_past_the_lease_and_margin_are_a_leak():
+    clock = Clock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768))
+    w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=60, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
+    c = check_no_leak(w, {})
+    assert w.outcome == "kv-leak" and not c.passed and c.detail.startswith("kv-leak")
+    assert 60 + LEASE_MARGIN_S <= w.waited_s < 60 + LEASE_MARGIN_S + 2
+
+
+def test_an_idle_run_waits_no_longer_than_it_must():
+    clock = Clock(lambda t: metrics(blocks=32768))
+    w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=120, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
+    assert w.outcome == "idle" and w.waited_s == 0
+
+
+def test_a_lease_expiry_the_cancels_explain_does_not_fail_the_lease_check():
+    assert check_lease({"prefill": LEASE_LINE}, {"prefill": ["pd-load-5"]}).passed
+    assert not check_lease({"prefill": LEASE_LINE}, {"decode": ["pd-load-5"]}).passed
+    read_once = LEASE_LINE.replace("retrieved by 0", "retrieved by 1")  # a D read it: not a cancelled request's hold
+    assert not check_lease({"prefill": read_once}, {"prefill": ["pd-load-5"]}).passed
+
+
+def test_no_gauges_at_all_fail():
+    blind = {"decode": parse_metrics("vllm:something_else 1\n")}
+    w = wait_idle(lambda: blind, {}, deadline_s=0.0, lease_s=60)
+    c = check_no_leak(w, {})
+    assert not c.passed and "export none of" in c.detail
