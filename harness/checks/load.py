@@ -96,17 +96,28 @@ def check_logprobs(results: list[ComparisonResult], threshold: float) -> Check:
                  {"over_threshold": [i for i, _ in over]} if over else None)
 
 
-def check_aborts(run: LoadRun, stats_before: dict, stats_after: dict, logs: dict[str, str], logs_available: bool) -> Check:
-    """Each planned cancel happened: the client cancelled it, the proxy passed it on, a server aborted it."""
+def landed_stages(run: LoadRun, stats_after: dict) -> dict[str, str]:
+    """Where each client cancel of the run landed, by the proxy's stage (request id -> stage; "unseen" when the
+    proxy never saw it)."""
+    where = {i.removeprefix("pd-"): stage for stage, ids in (stats_after.get("cancelled_ids") or {}).items()
+             for i in ids if i.startswith("pd-")}
+    return {o.request.id: where.get(o.request.id, "unseen") for o in run.outcomes if o.status == "aborted"}
+
+
+def check_aborts(run: LoadRun, stats_before: dict, stats_after: dict, logs: dict[str, str],
+                 logs_available: bool) -> Check | None:
+    """Each planned cancel happened where it was meant to: the client cancelled it, the proxy passed it on at that
+    stage (a planned prefill cancel must land while P prefills at least once), a server aborted it. None when no
+    cancel was planned: the caller reports the check as skipped, never as passed."""
     planned = [o for o in run.outcomes if o.request.abort]
     if not planned:
-        return Check("load_aborts_fired", True, "no abort planned")
+        return None
     never = [o.request.id for o in planned if o.status != "aborted"]
     cancelled = {s: int(stats_after.get("cancelled", {}).get(s, 0)) - int(stats_before.get("cancelled", {}).get(s, 0))
                  for s in stats_after.get("cancelled", {})}
     by_stage = {s: [i for i in stats_after.get("cancelled_ids", {}).get(s, []) if i.startswith("pd-")] for s in cancelled}
-    seen_by_proxy = {i.removeprefix("pd-") for ids in by_stage.values() for i in ids}
-    unseen = [o.request.id for o in planned if o.status == "aborted" and o.request.id not in seen_by_proxy]
+    landed = landed_stages(run, stats_after)
+    unseen = [i for i, stage in landed.items() if stage == "unseen"]
     server_log = {"prefill": "\n".join(t for n, t in logs.items() if n.startswith("prefill")),
                   "decode": "\n".join(t for n, t in logs.items() if n.startswith("decode"))}
     confirmed = {hop: [i for i in by_stage.get(hop, []) if aborted_in_log(server_log[hop], i)] for hop in ("prefill", "decode")}
@@ -115,6 +126,11 @@ def check_aborts(run: LoadRun, stats_before: dict, stats_after: dict, logs: dict
         problems.append(f"planned aborts that never happened: {', '.join(never)}")
     if unseen:
         problems.append(f"cancelled by the client but not seen by the proxy: {', '.join(unseen)}")
+    for hop, stages in (("prefill", ("before_prefill", "prefill")), ("decode", ("decode",))):
+        mine = [o.request.id for o in planned if o.request.abort == hop and o.status == "aborted"]
+        if mine and not any(landed.get(i) in stages for i in mine):
+            where = ", ".join(f"{i} {landed.get(i)}" for i in mine[:6])
+            problems.append(f"none of the {len(mine)} planned {hop}-hop cancels landed in the {hop} hop ({where})")
     if logs_available:
         for hop in ("prefill", "decode"):
             if by_stage.get(hop) and not confirmed[hop]:
@@ -122,14 +138,14 @@ def check_aborts(run: LoadRun, stats_before: dict, stats_after: dict, logs: dict
         if not confirmed["prefill"] and not confirmed["decode"]:
             problems.append("no server logged an aborted request")
     detail = (f"{len(planned)} planned ({sum(o.request.abort == 'prefill' for o in planned)} while P prefills, "
-              f"{sum(o.request.abort == 'decode' for o in planned)} mid-decode); proxy cancelled by stage: "
+              f"{sum(o.request.abort == 'decode' for o in planned)} mid-decode); landed by the proxy's stage: "
               + ", ".join(f"{s} {n}" for s, n in cancelled.items())
               + (f"; aborted in the server logs: P {len(confirmed['prefill'])}, D {len(confirmed['decode'])}" if logs_available
                  else "; server logs not available (attach mode)"))
     if problems:
         detail += "; " + "; ".join(problems)
     return Check("load_aborts_fired", not problems, detail,
-                 {"cancelled_by_stage": cancelled, "confirmed_by_server": confirmed, "never": never})
+                 {"cancelled_by_stage": cancelled, "landed": landed, "confirmed_by_server": confirmed, "never": never})
 
 
 def check_reuse(pools: list[Pool]) -> Check:

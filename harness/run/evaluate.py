@@ -11,7 +11,7 @@ from harness.checks.prefix_cache import check_sources
 from harness.checks.usage_stats import CHECK_NAME as USAGE_CHECK
 from harness.checks.usage_stats import check_no_usage_reporting
 from harness.checks.load import (Pool, blocks_needed, check_aborts, check_answers, check_logprobs, check_match, check_reuse,
-                                 compare_load, latency_summary, pool_blocks_from_log, pool_from_metrics)
+                                 compare_load, landed_stages, latency_summary, pool_blocks_from_log, pool_from_metrics)
 from harness.run.baseline import BaselineResult
 from harness.run.context import RunContext
 from harness.run.pd import PDResult
@@ -115,18 +115,27 @@ def evaluate_load(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> tu
         from_metrics = pool_from_metrics(samples)
         blocks, bs = from_metrics if from_metrics else (pool_blocks_from_log(pd.logs.get(name, ""), bs), bs)
         pools.append(Pool(name, blocks, bs, blocks_needed(ctx.load_requests, load.run, bs, generated=role == "decode")))
-    checks = [check_answers(load.run, base), check_match(cmp), check_aborts(load.run, load.stats_before, load.stats_after, pd.logs,
-                                                                          not pd.attached)]
+    checks = [check_answers(load.run, base), check_match(cmp)]
+    aborts = check_aborts(load.run, load.stats_before, load.stats_after, pd.logs, not pd.attached)
+    if aborts is None:
+        ctx.report.skipped_checks.append({"name": "load_aborts_fired", "reason": "no client cancel planned "
+                                          "(--load-abort-every 0, or too few load requests)"})
+    else:
+        checks.append(aborts)
     reuse = check_reuse(pools)
-    if pd.attached and not reuse.passed:  # the pool is whoever started the servers' choice, not this run's
-        ctx.report.skipped_checks.append({"name": reuse.name, "reason": "attach mode: the servers' KV pool is too large for "
-                                          f"this load to reuse blocks ({reuse.detail}); start them with "
-                                          "--num-gpu-blocks-override to test reuse"})
+    if pd.attached:  # decided before the result: the pool is whoever started the servers' choice, not this run's
+        ctx.report.skipped_checks.append({"name": reuse.name, "reason": "attach mode: the servers' KV pool is not this "
+                                          f"run's to size, so reuse is not this run's to prove ({reuse.detail}); start "
+                                          "them with --num-gpu-blocks-override to test reuse"})
     else:
         checks.append(reuse)
     s = ctx.cfg.load
     run = load.run
-    aborted = {hop: sum(o.status == "aborted" and o.request.abort == hop for o in run.outcomes) for hop in ("prefill", "decode")}
+    # by where the cancel landed (the proxy's stage), not by plan: a planned prefill cancel may land in the decode hop
+    landed = landed_stages(run, load.stats_after)
+    aborted = {"prefill": 0, "decode": 0}
+    for stage in landed.values():
+        aborted[stage] = aborted.get(stage, 0) + 1
     ctx.report.load = {
         "settings": s.to_dict(),
         "requests": len(run.outcomes), "concurrency": run.concurrency,

@@ -48,6 +48,22 @@ def test_a_client_cancel_the_proxy_never_saw_fails():
     assert not c.passed and "not seen by the proxy: d1" in c.detail
 
 
+def test_no_planned_abort_is_no_check_not_a_pass():
+    assert check_aborts(LoadRun([outcome("a")]), STATS0, stats(), {}, True) is None
+
+
+def test_planned_prefill_cancels_that_all_landed_in_the_decode_hop_did_not_fire():
+    run = LoadRun([outcome("p1", "prefill", "aborted"), outcome("d1", "decode", "aborted")])
+    logs = {"decode": "Request cmpl-pd-p1-0 aborted.\nRequest cmpl-pd-d1-0 aborted."}
+    c = check_aborts(run, STATS0, stats(decode=["pd-p1", "pd-d1"]), logs, True)
+    assert not c.passed and "none of the 1 planned prefill-hop cancels landed in the prefill hop (p1 decode)" in c.detail
+    assert c.data["landed"] == {"p1": "decode", "d1": "decode"}
+    # one of two landing while P prefilled is enough: the timing is aimed, not exact
+    run = LoadRun([outcome("p1", "prefill", "aborted"), outcome("p2", "prefill", "aborted"), outcome("d1", "decode", "aborted")])
+    logs = {"prefill": "Request cmpl-pd-p2-0 aborted.", **logs}
+    assert check_aborts(run, STATS0, stats(prefill=["pd-p2"], decode=["pd-p1", "pd-d1"]), logs, True).passed
+
+
 def test_abort_log_match_needs_the_whole_id():
     assert aborted_in_log("Request cmpl-pd-load001-t31-0-1a2b aborted.", "pd-load001-t31")
     assert not aborted_in_log("Request cmpl-pd-load001-t31-0-1a2b aborted.", "pd-load001-t3")
