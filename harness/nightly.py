@@ -5,7 +5,13 @@ Steps, each through an existing entry point with its own timeout and one JUnit t
   matrix/<id>         every GPU entry of configs/gqa_replication.yaml: `python -m harness matrix FILE --only <id>`
   edge/<id>           every GPU entry of configs/edge_cases.yaml (GPU-only axes: host buffer, fp8 KV, backends, ...)
   accuracy/<model>    real gsm8k through P/D against the baseline: `python -m harness e2e --accuracy`
+  history             the night's matrix results drawn per release
+With several vLLM versions (--vllm-version/VLLM_VERSION a,b) the matrix and accuracy steps repeat per version,
+their ids ending in @<version>. The GPUs are NVML's, restricted to the caller's CUDA_VISIBLE_DEVICES; every GPU
+step gets exactly those (physical ids, CUDA_DEVICE_ORDER=PCI_BUS_ID), so its servers land where the night planned.
 `--dry-run` prints every step (command, GPU plan, server command lines, checks, timeout) on any machine.
+Exit codes: 0 every step passed or was skipped, 1 a step failed, 2 the night cannot start (bad input, GPUs that
+cannot be read, too few GPUs, a GPU_MEMORY_UTILIZATION that does not fit a step): one line on stderr.
 """
 
 from __future__ import annotations
@@ -16,20 +22,24 @@ import os
 import sys
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness.accuracy.settings import HUB_DATASET, HUB_TASK
 from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
-from harness.run.config import E2EConfig
-from harness.gpu.plan import GpuPlan, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
+from harness.run.config import E2EConfig, env_defaults
+from harness.gpu.nvml import Discovery
+from harness.gpu.plan import (CUDA_DEVICE_ORDER, Gpu, GpuPlan, PlanError, UtilizationError, describe_gpus, model_memory,
+                              plan_gpus, render_plan, uniform_gpus)
 from harness.serve.ports import PortBlock
 from harness.serve.vllm_cmd import CpuTuning
 
+# What a dry run assumes when NVML cannot be read (a real run then refuses): the nightly runner's box.
 DEFAULT_GPUS = 8
 DEFAULT_GPU_MEM_GIB = 80.0
+UTIL_ENV = "GPU_MEMORY_UTILIZATION"  # upstream's name; the steps' e2e runs read it too (harness/run/config.py)
 # Per-step timeouts (s). A matrix pair starts up to three servers (10 min ready timeout each) and
 # sends 18 prompts; an accuracy run adds full GSM8K (1319 questions) twice, baseline and P/D.
 TIMEOUTS_S = {"prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60, "history": 10 * 60}
@@ -73,7 +83,7 @@ class FakePorts:
 @dataclass(frozen=True)
 class Step:
     id: str
-    kind: str  # prefetch / matrix / accuracy
+    kind: str  # prefetch / matrix / accuracy / history
     argv: tuple[str, ...]
     timeout_s: float
     checks: tuple[str, ...]
@@ -82,6 +92,8 @@ class Step:
     servers: tuple[tuple[str, str], ...] = ()  # (name, shell command) as planned
     skip_reason: str | None = None
     note: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # added to the step's environment (its GPUs)
+    version: str | None = None  # the vLLM version it runs (None: the pinned one)
 
 
 @dataclass(frozen=True)
@@ -93,13 +105,51 @@ class StepResult:
     log: str | None = None
 
 
-def _server_commands(plan: GpuPlan, model: str, python: str, base: E2EConfig | None = None) -> tuple[tuple[str, str], ...]:
+@dataclass(frozen=True)
+class Hardware:
+    """The GPUs the night plans and runs on, and where that inventory came from."""
+
+    gpus: tuple[Gpu, ...]
+    source: str  # one line
+    assumed: bool = False  # not (all) read from NVML: a dry run's assumption or a flag's
+
+
+@dataclass(frozen=True)
+class Night:
+    """What every matrix and accuracy step of one vLLM version shares."""
+
+    gpus: tuple[Gpu, ...]
+    python: str
+    run_dir: Path
+    version: str | None  # None: the pinned one
+    tagged: bool  # several versions: step ids end in @<version>
+    util: float | None  # GPU_MEMORY_UTILIZATION given by hand
+    hub_models: list[str] = field(default_factory=list)  # what the prefetch downloads, shared across versions
+
+    def sid(self, kind: str, name: str) -> str:
+        return f"{kind}/{name}" + (f"@{self.version}" if self.tagged else "")
+
+    @property
+    def version_args(self) -> tuple[str, ...]:
+        return ("--vllm-version", self.version) if self.version else ()
+
+    @property
+    def env(self) -> tuple[tuple[str, str], ...]:
+        """A GPU step sees exactly the night's GPUs, by physical id, in NVML's order (harness/gpu/visible.py)."""
+        ids = ",".join(str(g.id) for g in self.gpus)
+        return (("CUDA_VISIBLE_DEVICES", ids), ("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER))
+
+
+def _server_commands(plan: GpuPlan, model: str, python: str, base: E2EConfig | None = None,
+                     util: float | None = None) -> tuple[tuple[str, str], ...]:
     """Each vLLM server of the plan as a run would launch it (harness/run/launch.py make_server), plus the proxy;
-    ports are illustrative. ``base``: the entry's settings (block sizes, layout, axes) over a GPU run's defaults."""
+    ports are illustrative. ``base``: the entry's settings (block sizes, layout, axes) over a GPU run's defaults;
+    ``util``: GPU_MEMORY_UTILIZATION as the step's run reads it."""
     from harness.run.launch import make_server
 
     alloc = FakePorts()
-    cfg = replace(base or E2EConfig(), device="gpu", model=model, python=python, cpu_tuning=CpuTuning(enabled=False))
+    cfg = replace(base or E2EConfig(), device="gpu", model=model, python=python, cpu_tuning=CpuTuning(enabled=False),
+                  gpu_memory_utilization=util)
     bs_p, bs_d = cfg.block_sizes()
     out, urls = [], {}
     for s in plan.servers:
@@ -122,106 +172,129 @@ def _matrix_checks(expected: str, version_label: str) -> tuple[str, ...]:
     return (f"pair behaves as its entry expects of vLLM {version_label}: {expected}", what, "matrix exit code 0")
 
 
-def build_steps(gpus: int, gpu_mem_gib: float, python: str, run_dir: Path, vllm_version: str | None = None,
-                matrix_file: Path | None = None) -> list[Step]:
-    """Every step of the nightly run for ``gpus`` GPUs of ``gpu_mem_gib`` (pure apart from reading the configs)."""
-    from harness.matrix.plan import plan as matrix_plan
-    from harness.matrix.config import EDGE_YAML, MATRIX_YAML, load_matrix
-    from harness.models.config import load_models
+def _plan(night: Night, sid: str, tp_p: int, tp_d: int, model: str, baseline_first: bool = True
+          ) -> tuple[GpuPlan | None, str | None]:
+    """The step's GPU plan, or why it is skipped; a GPU_MEMORY_UTILIZATION that does not fit stops the night
+    (ConfigError): the step's own run would refuse it, so the night says so before it starts."""
+    try:
+        memory = model_memory(model)
+        return plan_gpus(night.gpus, tp_p, tp_d, memory, baseline_first=baseline_first, util=night.util), None
+    except UtilizationError as e:
+        raise ConfigError(f"{UTIL_ENV}={night.util:g} does not fit {sid}: {e}") from None
+    except PlanError as e:
+        return None, str(e)
 
-    hw = uniform_gpus(gpus, gpu_mem_gib)
-    version_args = ("--vllm-version", vllm_version) if vllm_version else ()
-    label = vllm_version or "(pinned)"
+
+def build_steps(gpus: Sequence[Gpu], python: str, run_dir: Path, versions: Sequence[str] = (),
+                matrix_file: Path | None = None, util: float | None = None) -> list[Step]:
+    """Every step of the nightly run on ``gpus`` (physical ids, memory, names), for each of ``versions`` (none: the
+    pinned one); pure apart from reading the configs. ``util``: GPU_MEMORY_UTILIZATION given by hand."""
     steps: list[Step] = []
     hub_models: list[str] = []
-    files = [matrix_file] if matrix_file else [MATRIX_YAML, EDGE_YAML]
-    gpu_ids: list[str] = []
+    matrix_ids: list[str] = []
+    for version in list(versions) or [None]:
+        night = Night(tuple(gpus), python, run_dir, version, len(versions) > 1, util, hub_models)
+        steps += _matrix_steps(night, matrix_file, matrix_ids)
+        steps += [_accuracy_step(night, *run) for run in ACCURACY_RUNS]
+    return [_prefetch_step(python, hub_models), *steps, history_step(python, run_dir, versions, matrix_ids)]
 
-    for file in files:
+
+def _matrix_steps(night: Night, matrix_file: Path | None, matrix_ids: list[str]) -> list[Step]:
+    """Every GPU entry of the matrices, with this version's predictions."""
+    from harness.matrix.plan import plan as matrix_plan
+    from harness.matrix.config import EDGE_YAML, MATRIX_YAML, load_matrix
+
+    steps = []
+    for file in [matrix_file] if matrix_file else [MATRIX_YAML, EDGE_YAML]:
         matrix, models = load_matrix(file)
         kind = "edge" if file == EDGE_YAML else "matrix"
-        for p in (p for p in matrix_plan(matrix, models, vllm_version, "gpu", gpus) if p.device == "gpu"):
-            if kind == "matrix":  # the history step draws the GQA matrix (its default config)
-                gpu_ids.append(p.id)
-            steps.append(_matrix_step(p, matrix.get(p.id), models, file, kind, hw, gpus, python, run_dir, version_args, label,
-                                      hub_models))
+        for p in (p for p in matrix_plan(matrix, models, night.version, "gpu", len(night.gpus)) if p.device == "gpu"):
+            if kind == "matrix" and p.id not in matrix_ids:  # the history step draws the GQA matrix (its default)
+                matrix_ids.append(p.id)
+            steps.append(_matrix_step(night, p, matrix.get(p.id), models, file, kind))
+    return steps
 
-    for hub_id, tp_p, tp_d in ACCURACY_RUNS:
-        entry = load_models().find(hub_id)
-        sid = f"accuracy/{entry.id if entry else hub_id.split('/')[-1].lower()}-p{tp_p}-d{tp_d}"
-        gplan, skip = None, None
-        try:
-            gplan = plan_gpus(hw, tp_p, tp_d, model_memory(hub_id))
-        except PlanError as e:
-            skip = str(e)
-        argv = (python, "-m", "harness", "e2e", "--device", "gpu", "--model", hub_id, "--tp-p", str(tp_p), "--tp-d", str(tp_d),
-                "--accuracy", "--accuracy-task", ACCURACY_TASK, "--run-dir", str(run_dir / sid), *version_args)
-        checks = E2E_CHECKS + ACCURACY_CHECKS if entry and entry.gsm8k_expected is not None else E2E_CHECKS + ACCURACY_CHECKS[:-1]
-        if skip is None and hub_id not in hub_models:
-            hub_models.append(hub_id)
-        steps.append(Step(sid, "accuracy", argv, TIMEOUTS_S["accuracy"], checks + ("e2e exit code 0 (verdict pass)",), tp_p + tp_d,
-                          gplan, _server_commands(gplan, hub_id, python) if gplan else (), skip,
-                          f"full {ACCURACY_TASK} through P/D vs baseline" + (f"; expected score {entry.gsm8k_expected}" if entry and entry.gsm8k_expected else "")))
 
+def _accuracy_step(night: Night, hub_id: str, tp_p: int, tp_d: int) -> Step:
+    from harness.models.config import load_models
+
+    entry = load_models().find(hub_id)
+    sid = night.sid("accuracy", f"{entry.id if entry else hub_id.split('/')[-1].lower()}-p{tp_p}-d{tp_d}")
+    gplan, skip = _plan(night, sid, tp_p, tp_d, hub_id)
+    argv = (night.python, "-m", "harness", "e2e", "--device", "gpu", "--model", hub_id, "--tp-p", str(tp_p), "--tp-d",
+            str(tp_d), "--accuracy", "--accuracy-task", ACCURACY_TASK, "--run-dir", str(night.run_dir / sid),
+            *night.version_args)
+    expected = entry.gsm8k_expected if entry else None
+    checks = E2E_CHECKS + (ACCURACY_CHECKS if expected is not None else ACCURACY_CHECKS[:-1])
+    if skip is None and hub_id not in night.hub_models:
+        night.hub_models.append(hub_id)
+    checks += ("e2e exit code 0 (verdict pass)",)
+    servers = _server_commands(gplan, hub_id, night.python, util=night.util) if gplan else ()
+    note = f"full {ACCURACY_TASK} through P/D vs baseline" + (f"; expected score {expected}" if expected else "")
+    return Step(sid, "accuracy", argv, TIMEOUTS_S["accuracy"], checks, tp_p + tp_d, gplan, servers, skip, note,
+                night.env, night.version)
+
+
+def _prefetch_step(python: str, hub_models: list[str]) -> Step:
     import json
 
     q = json.dumps  # double quotes, so the shell rendering stays readable
     code = "; ".join(["from huggingface_hub import snapshot_download as d",
                       *(f"d({q(m)}, ignore_patterns={q(PREFETCH_IGNORE)})" for m in hub_models),
                       f"d({q(HUB_DATASET)}, repo_type={q('dataset')})"])
-    prefetch = Step("prefetch", "prefetch", (python, "-c", code), TIMEOUTS_S["prefetch"],
-                    (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",))
-    return [prefetch, *steps, history_step(python, run_dir, vllm_version, gpu_ids)]
+    return Step("prefetch", "prefetch", (python, "-c", code), TIMEOUTS_S["prefetch"],
+                (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",))
 
 
-def _matrix_step(p, entry, models, file: Path, kind: str, hw, gpus: int, python: str, run_dir: Path, version_args: tuple,
-                 label: str, hub_models: list[str]) -> Step:
+def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
     """One GPU matrix entry as a nightly step: `python -m harness matrix FILE --only ID`, its plan and server commands."""
     from harness.matrix.run import config_for
 
     model = models[p.model].hub_id or p.model
-    argv = (python, "-m", "harness", "matrix", str(file), "--only", p.id, "--device", "gpu", "--gpus", str(gpus),
-            "--run-dir", str(run_dir / kind / p.id), *version_args)
+    sid = night.sid(kind, p.id)
+    argv = (night.python, "-m", "harness", "matrix", str(file), "--only", p.id, "--device", "gpu", "--gpus",
+            str(len(night.gpus)), "--run-dir", str(night.run_dir / sid), *night.version_args)
     gplan, skip = None, p.skip_reason
-    if skip is None:
-        try:
-            gplan = plan_gpus(hw, p.tp_p, p.tp_d, model_memory(model), baseline_first=False)  # the matrix runs its baseline after P/D
-        except PlanError as e:
-            skip = str(e)
-    if skip is None and model not in hub_models:
-        hub_models.append(model)
-    base = config_for(E2EConfig(device="gpu"), p, model, python, run_dir)
+    if skip is None:  # the matrix runs its baseline after P/D
+        gplan, skip = _plan(night, sid, p.tp_p, p.tp_d, model, baseline_first=False)
+    if skip is None and model not in night.hub_models:
+        night.hub_models.append(model)
+    base = config_for(E2EConfig(device="gpu"), p, model, night.python, night.run_dir)
     axes = " ".join(f"{k}={v}" for k, v in p.settings.items())
-    return Step(f"{kind}/{p.id}", "matrix", argv, TIMEOUTS_S["matrix"], _matrix_checks(p.expected, label), entry.gpus or 0, gplan,
-                _server_commands(gplan, model, python, base) if gplan else (), skip,
+    label = night.version or "(pinned)"
+    return Step(sid, "matrix", argv, TIMEOUTS_S["matrix"], _matrix_checks(p.expected, label), entry.gpus or 0, gplan,
+                _server_commands(gplan, model, night.python, base, night.util) if gplan else (), skip,
                 f"K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}" + (f"; {axes}" if axes else "")
-                + (f"; {entry.note}" if entry.note else ""))
+                + (f"; {entry.note}" if entry.note else ""), night.env, night.version)
 
 
-def history_step(python: str, run_dir: Path, vllm_version: str | None, ids: list[str]) -> Step:
+def history_step(python: str, run_dir: Path, versions: Sequence[str], ids: list[str]) -> Step:
     """The release history attached to the night: its matrix results (and any stored earlier at the same harness
-    revision) as history.md + history.png; it runs nothing itself."""
+    revision) as history.md + history.png, one row per version; it runs nothing itself."""
     from harness.envs.vllm_env import pinned
 
-    versions = vllm_version or pinned("gpu")["vllm"]
-    argv = (python, "-m", "harness", "history", "--device", "gpu", "--versions", versions, "--only", ",".join(ids),
+    argv = (python, "-m", "harness", "history", "--device", "gpu", "--versions",
+            ",".join(versions) or pinned("gpu")["vllm"], "--only", ",".join(ids),
             "--import-runs", str(run_dir / "matrix"), "--no-run", "--out", str(run_dir / "history"))
     return Step("history", "history", argv, TIMEOUTS_S["history"],
                 ("history.md and history.png: each GPU entry's outcome on the night's release(s), from the matrix steps' "
                  "reports and the results store (same harness revision)",), note="runs nothing: draws what the matrix steps measured")
 
 
-def render_dry_run(steps: Sequence[Step], gpus: int, gpu_mem_gib: float) -> str:
+def render_dry_run(steps: Sequence[Step], hw: Hardware) -> str:
     import shlex
 
     run = [s for s in steps if s.skip_reason is None]
-    out = [f"nightly GPU run (dry run) for {gpus} GPUs x {gpu_mem_gib:g} GiB: {len(run)} steps to run, {len(steps) - len(run)} skipped",
-           f"note: {PORTS_NOTE}", f"note: {PLAN_NOTE}", ""]
+    out = [f"nightly GPU run (dry run) on {describe_gpus(hw.gpus)}: {len(run)} steps to run, "
+           f"{len(steps) - len(run)} skipped",
+           f"GPUs: {hw.source}", f"note: {PORTS_NOTE}", f"note: {PLAN_NOTE}", ""]
     for i, s in enumerate(steps, 1):
         state = "to run" if s.skip_reason is None else f"SKIPPED: {s.skip_reason}"
         out.append(f"[{i}/{len(steps)}] {s.id} ({s.kind}) timeout {s.timeout_s / 60:g} min [{state}]")
         if s.note:
             out.append(f"  about: {s.note}")
+        if s.env:
+            out.append(f"  env: {' '.join(f'{k}={v}' for k, v in s.env)}")
         out.append(f"  command: {shlex.join(s.argv)}")
         for c in s.checks:
             out.append(f"  check: {c}")
@@ -256,7 +329,7 @@ def run_step(step: Step, log_path: Path) -> StepResult:
 
     t0 = time.monotonic()
     proc = ManagedProcess(ProcessSpec(name=step.id.replace("/", "-"), argv=step.argv, log_path=log_path, cwd=REPO_ROOT,
-                                      stop_grace_s=STOP_GRACE_S))
+                                      env=dict(step.env), stop_grace_s=STOP_GRACE_S))
     with proc:
         while proc.returncode is None and time.monotonic() - t0 < step.timeout_s:
             time.sleep(1.0)
@@ -309,8 +382,10 @@ def _write(junit: Path, results: list[StepResult], out, s: Step) -> None:
     print(f"nightly: {s.id}: {r.status}" + (f" ({r.message.splitlines()[0]})" if r.message else ""), file=out, flush=True)
 
 
+
 def nvml_guard(step: Step) -> Callable[[], str | None] | str:
-    """Before a step: the plan's GPUs have the free memory it needs. After: our memory came back."""
+    """Before a step: the plan's GPUs (physical NVML ids, within the caller's CUDA_VISIBLE_DEVICES) have the free
+    memory its servers will be given. After: our memory came back."""
     from harness.gpu.nvml import GpuCheckFailed, check_free, discover, wait_released
 
     d = discover()
@@ -333,47 +408,75 @@ def nvml_guard(step: Step) -> Callable[[], str | None] | str:
     return after
 
 
-def gpus_present() -> tuple[int, str]:
-    from harness.gpu.nvml import discover
+def choose_hardware(d: Discovery, count: int | None, mem_gib: float | None, dry_run: bool) -> Hardware:
+    """The night's GPUs: NVML's (the caller's CUDA_VISIBLE_DEVICES applied), the first ``count`` of them when given.
+    A dry run may plan for a box it is not on (flags, else 8 x 80 GiB where NVML cannot be read); a real run
+    refuses (ConfigError, one line) GPUs it cannot read, too few GPUs, or a memory size NVML does not report."""
+    if not d.available or not d.gpus:
+        why = d.describe() if not d.available else f"{d.describe()}: no GPU to run on"
+        if not dry_run:
+            raise ConfigError(f"the nightly run cannot use the GPUs: {why}; --dry-run prints the plan anywhere")
+        n, mem = count or DEFAULT_GPUS, mem_gib or DEFAULT_GPU_MEM_GIB
+        given = "--gpus/--gpu-mem-gib" if count or mem_gib else "default"
+        return Hardware(uniform_gpus(n, mem), f"{n} x {mem:g} GiB assumed ({given}); {why}", assumed=True)
+    seen = d.plan_gpus()
+    if count is not None and count > len(seen):
+        if not dry_run:
+            raise ConfigError(f"the nightly run needs {count} GPUs, {len(seen)} present ({d.describe()}); "
+                              "--dry-run prints the plan anywhere")
+        mem = mem_gib or min(g.total_gib for g in seen)
+        return Hardware(uniform_gpus(count, mem), f"{count} x {mem:g} GiB assumed (--gpus {count}); {d.describe()}",
+                        assumed=True)
+    if mem_gib is not None and not dry_run:
+        # The steps' own runs plan with NVML's memory; a night planned otherwise would check the wrong shares.
+        raise ConfigError("--gpu-mem-gib only plans a dry run: a real run takes each GPU's memory from NVML, "
+                          "as its steps do")
+    chosen = seen[:count] if count else seen
+    how = d.describe() + (f"; the first {count} by --gpus" if count and count < len(seen) else "")
+    if mem_gib:
+        return Hardware(tuple(replace(g, total_gib=mem_gib) for g in chosen), f"{how}; planned as {mem_gib:g} GiB each "
+                        "(--gpu-mem-gib)", assumed=True)
+    return Hardware(chosen, how)
 
-    d = discover()
-    if d.available:
-        return d.count, f"NVML sees {d.count}"
-    from harness.cli import count_gpus
 
-    n = count_gpus()
-    return n, f"{d.reason}; /proc/driver/nvidia/gpus lists {n}"
+def given_util(env: Mapping[str, str]) -> float | None:
+    """GPU_MEMORY_UTILIZATION as an e2e run reads it (ConfigError naming the variable when it is not a share)."""
+    return env_defaults({UTIL_ENV: env.get(UTIL_ENV, "")}).get("gpu_memory_utilization")  # type: ignore[return-value]
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("nightly", help="the nightly GPU run: GPU matrix entries + GSM8K accuracy; --dry-run prints every step")
     p.add_argument("--dry-run", action="store_true", help="print every step, server command, GPU plan, check and timeout; run nothing")
-    p.add_argument("--gpus", type=int, default=DEFAULT_GPUS, help=f"GPUs to plan for and use (default {DEFAULT_GPUS})")
-    p.add_argument("--gpu-mem-gib", type=float, default=DEFAULT_GPU_MEM_GIB, help=f"memory per GPU (default {DEFAULT_GPU_MEM_GIB:g})")
-    p.add_argument("--vllm-version", help="passed to every step (default: the pinned version)")
+    p.add_argument("--gpus", type=int, help="use the first N of the GPUs NVML shows (default: all the caller's, "
+                   f"CUDA_VISIBLE_DEVICES applied; a dry run without NVML assumes {DEFAULT_GPUS})")
+    p.add_argument("--gpu-mem-gib", type=float, help="dry run only: plan for GPUs of this size (default: NVML's; "
+                   f"without NVML {DEFAULT_GPU_MEM_GIB:g})")
+    p.add_argument("--vllm-version", help="comma-separated: the matrix and accuracy steps run once per version "
+                                          "(default: $VLLM_VERSION, else the pinned version)")
     p.add_argument("--run-dir", type=Path, help="default: runs/<timestamp>-nightly")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs the harness steps")
 
 
 def main(a: argparse.Namespace) -> int:
-    if a.gpus < 1 or a.gpu_mem_gib <= 0:
+    from harness.envs.vllm_env import requested_versions
+    from harness.gpu.nvml import discover
+
+    if (a.gpus is not None and a.gpus < 1) or (a.gpu_mem_gib is not None and a.gpu_mem_gib <= 0):
         print("error: --gpus and --gpu-mem-gib must be > 0", file=sys.stderr)
         return 2
     run_dir = a.run_dir or REPO_ROOT / "runs" / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-nightly-{os.getpid()}"
     try:
-        steps = build_steps(a.gpus, a.gpu_mem_gib, a.python, run_dir, a.vllm_version)
+        versions = requested_versions(a.vllm_version)
+        util = given_util(os.environ)
+        hw = choose_hardware(discover(), a.gpus, a.gpu_mem_gib, a.dry_run)
+        steps = build_steps(hw.gpus, a.python, run_dir, versions, util=util)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if a.dry_run:
-        print(render_dry_run(steps, a.gpus, a.gpu_mem_gib))
+        print(render_dry_run(steps, hw))
         return 0
-    present, how = gpus_present()
-    if present < a.gpus:
-        print(f"error: the nightly run needs {a.gpus} GPUs, {present} present ({how}); --dry-run prints the plan anywhere",
-              file=sys.stderr)
-        return 2
-    print(f"nightly: run folder {run_dir}", flush=True)
+    print(f"nightly: run folder {run_dir}; GPUs: {hw.source}", flush=True)
     results = run_steps(steps, run_dir, gpu_guard=nvml_guard)
     bad = [r for r in results if r.status in ("failed", "timeout")]
     print(f"nightly: {len(results) - len(bad)} of {len(results)} steps passed or skipped; junit {run_dir / 'junit.xml'}")

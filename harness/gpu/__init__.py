@@ -1,1 +1,2 @@
-"""GPU runs: the placement plan (pure), NVML checks, applying the plan to a run, GPU detection, the plan command."""
+"""GPU runs: the placement plan (pure), NVML checks, the caller's CUDA_VISIBLE_DEVICES mapped onto NVML's GPUs,
+simulated GPU boxes (PD_HARNESS_SIMULATED_GPUS), applying the plan to a run, GPU detection, the plan command."""

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from harness.core.errors import ConfigError
 from harness.gpu.plan import MAX_UTIL, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
 
 DEFAULT_GPU_MEM_GIB = 80.0
+UTIL_ENV = "GPU_MEMORY_UTILIZATION"  # upstream's name, as e2e reads it (harness/run/config.py UPSTREAM_ENV)
 
 
 def add_parser(sub) -> None:
@@ -25,6 +27,9 @@ def add_parser(sub) -> None:
     p.add_argument("--weights-gib", help="weights size in GiB instead of --model's")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-util", default=str(MAX_UTIL), help="sum of gpu_memory_utilization allowed on one GPU")
+    p.add_argument("--gpu-memory-utilization",
+                   help=f"every server's share, given by hand as e2e takes it (default: ${UTIL_ENV}; "
+                        "unset: the plan's split)")
     p.add_argument("--json", action="store_true")
 
 
@@ -45,20 +50,36 @@ def _gpus(a: argparse.Namespace):
     mem = _number("gpu-mem-gib", a.gpu_mem_gib, float)
     if count is not None:
         return uniform_gpus(count, mem or DEFAULT_GPU_MEM_GIB)
-    from harness.gpu.plan import Gpu
+    from dataclasses import replace
+
     from harness.gpu.nvml import discover
 
-    d = discover()
+    d = discover()  # the caller's GPUs: CUDA_VISIBLE_DEVICES applied, physical NVML ids
     if not d.available or not d.gpus:
         raise PlanError(f"no GPUs found ({d.reason or 'NVML lists none'}): give --gpus N")
-    return tuple(Gpu(g.index, mem or g.total_gib) for g in d.gpus)
+    return tuple(replace(g, total_gib=mem) if mem else g for g in d.plan_gpus())
+
+
+def _util(a: argparse.Namespace) -> float | None:
+    raw = a.gpu_memory_utilization if a.gpu_memory_utilization is not None else os.environ.get(UTIL_ENV) or None
+    name = "--gpu-memory-utilization" if a.gpu_memory_utilization is not None else UTIL_ENV
+    if raw is None:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise PlanError(f"{name} {raw!r} is not a number") from None
+    if not 0 < v <= 1:
+        raise PlanError(f"{name} must be in (0, 1], got {raw}")
+    return v
 
 
 def build(a: argparse.Namespace):
     gpus = _gpus(a)
     memory = model_memory(a.model, a.dtype, _number("weights-gib", a.weights_gib, float, positive=False))
     return plan_gpus(gpus, _number("tp-p", a.tp_p), _number("tp-d", a.tp_d), memory,
-                     num_p=_number("num-p", a.num_p), num_d=_number("num-d", a.num_d), max_util=_number("max-util", a.max_util, float))
+                     num_p=_number("num-p", a.num_p), num_d=_number("num-d", a.num_d),
+                     max_util=_number("max-util", a.max_util, float), util=_util(a))
 
 
 def main(a: argparse.Namespace) -> int:

@@ -1,15 +1,58 @@
-"""Is there an NVIDIA GPU, and how many, without loading a driver library."""
+"""Is there an NVIDIA GPU, and how many may this process use, without loading a driver library.
+
+The count is the caller's: the GPUs of /proc/driver/nvidia/gpus (one folder per GPU, by PCI bus id, so in
+NVML's order) that its CUDA_VISIBLE_DEVICES names (visible.py; UUIDs are read from each GPU's
+``information`` file). PD_HARNESS_SIMULATED_GPUS, when set, answers from the simulated box instead.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
+
+from harness.gpu.simulate import simulated_box
+from harness.gpu.visible import VISIBLE_ENV, resolve_visible
 
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
-def has_nvidia_gpu() -> bool:
+def _box(env: Mapping[str, str]):
+    try:
+        return simulated_box(env)
+    except ValueError:
+        return None  # a bad value is reported by NVML discovery (nvml.py), where a reason can be given
+
+
+def has_nvidia_gpu(env: Mapping[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    box = _box(env)
+    if box is not None:
+        return box.unreadable or box.count > 0  # "unreadable": the driver's files are there, NVML fails
     return Path("/dev/nvidia0").exists() or PROC_GPUS.is_dir()
 
 
-def count_gpus() -> int:
-    return len(list(PROC_GPUS.iterdir())) if PROC_GPUS.is_dir() else 0
+def _proc_uuid(folder: Path) -> str:
+    try:
+        for line in (folder / "information").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "GPU UUID":
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def count_gpus(env: Mapping[str, str] | None = None) -> int:
+    """GPUs this process may use: as many as CUDA would show it (entries CUDA drops are not counted)."""
+    env = os.environ if env is None else env
+    box = _box(env)
+    if box is not None:
+        if box.unreadable:
+            return 0
+        uuids = [g.uuid for g in box.module().states[0]]
+        raw = box.visible if box.visible is not None else env.get(VISIBLE_ENV)
+    else:
+        folders = sorted(PROC_GPUS.iterdir()) if PROC_GPUS.is_dir() else []
+        uuids, raw = [_proc_uuid(f) for f in folders], env.get(VISIBLE_ENV)
+    return len(resolve_visible(raw, uuids).indices)

@@ -1,17 +1,22 @@
 """GPU discovery and pre-/post-run memory checks through NVML (nvidia-ml-py's ``pynvml``).
 
-The NVML module is a parameter (default: the real ``pynvml``), so every path is tested against a
-fake module. GPU indexes are NVML's (PCI bus order); the GPU plan sets CUDA_DEVICE_ORDER=PCI_BUS_ID
-so CUDA_VISIBLE_DEVICES means the same GPUs.
+The NVML module is a parameter (default: the real ``pynvml``, or the simulated box that
+PD_HARNESS_SIMULATED_GPUS describes, see simulate.py), so every path is tested against a fake module.
+Discovery lists the GPUs the caller may use: NVML's, restricted to and ordered by the caller's
+CUDA_VISIBLE_DEVICES (visible.py). GPU indexes are NVML's (PCI bus order, absolute on the host); the GPU
+plan sets CUDA_DEVICE_ORDER=PCI_BUS_ID so that a server's CUDA_VISIBLE_DEVICES means the same GPUs.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from harness.gpu.plan import GIB, GpuPlan
+from harness.gpu.plan import GIB, Gpu, GpuPlan
+from harness.gpu.simulate import SIMULATED_ENV, simulated_box
+from harness.gpu.visible import ORDER_ENV, VISIBLE_ENV, resolve_visible
 
 # Free memory may come back a little short of what it was (driver caches, another user's context).
 RELEASE_TOLERANCE_GIB = 1.0
@@ -28,16 +33,21 @@ class GpuInfo:
     total_gib: float
     free_gib: float
     pids: tuple[int, ...] = ()  # compute processes on this GPU
+    uuid: str = ""
 
 
 @dataclass(frozen=True)
 class Discovery:
-    """What NVML sees; ``available`` is False (with a reason) when there is no driver, never an exception."""
+    """The GPUs the caller may use, as NVML sees them; ``available`` is False (with a one-line reason) when
+    NVML cannot be read or the caller's CUDA_VISIBLE_DEVICES names no GPU of the host, never an exception."""
 
     available: bool
-    gpus: tuple[GpuInfo, ...] = ()
+    gpus: tuple[GpuInfo, ...] = ()  # the visible ones, in the caller's CUDA_VISIBLE_DEVICES order
     reason: str | None = None
     driver: str | None = None
+    host_count: int = 0  # every GPU NVML lists on the host
+    visible: str | None = None  # the caller's CUDA_VISIBLE_DEVICES (None: unset)
+    simulated: str | None = None  # the PD_HARNESS_SIMULATED_GPUS value it came from
 
     @property
     def count(self) -> int:
@@ -45,6 +55,22 @@ class Discovery:
 
     def by_index(self) -> dict[int, GpuInfo]:
         return {g.index: g for g in self.gpus}
+
+    def plan_gpus(self) -> tuple[Gpu, ...]:
+        """The planner's view: physical NVML ids, total memory and model name."""
+        return tuple(Gpu(g.index, g.total_gib, g.name) for g in self.gpus)
+
+    def describe(self) -> str:
+        """One line: what was read and how."""
+        sim = f" [simulated: {SIMULATED_ENV}={self.simulated}]" if self.simulated else ""
+        if not self.available:
+            return f"NVML cannot be read: {self.reason}{sim}"
+        seen = f"{self.count} GPUs"
+        if self.visible is not None:
+            seen = f"{self.count} of {self.host_count} GPUs visible ({VISIBLE_ENV}={self.visible})"
+        kinds = sorted({f"{g.name} {g.total_gib:.1f} GiB" for g in self.gpus})
+        ids = ",".join(str(g.index) for g in self.gpus)
+        return f"NVML: {seen}" + (f": ids {ids}, {'; '.join(kinds)}" if self.gpus else "") + sim
 
 
 def _real_nvml():
@@ -66,34 +92,64 @@ def _read(nvml) -> tuple[GpuInfo, ...]:
             pids = tuple(sorted(p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(h)))
         except nvml.NVMLError:
             pids = ()  # some drivers refuse this query in containers; memory still tells the story
-        out.append(GpuInfo(i, _text(nvml.nvmlDeviceGetName(h)), mem.total / GIB, mem.free / GIB, pids))
+        try:
+            uuid = _text(nvml.nvmlDeviceGetUUID(h))
+        except (nvml.NVMLError, AttributeError):
+            uuid = ""  # only needed to resolve UUIDs in CUDA_VISIBLE_DEVICES
+        out.append(GpuInfo(i, _text(nvml.nvmlDeviceGetName(h)), mem.total / GIB, mem.free / GIB, pids, uuid))
     return tuple(out)
 
 
-def discover(nvml=None) -> Discovery:
-    """Every GPU with its memory and compute PIDs; no driver or no pynvml gives an unavailable result."""
-    if nvml is None:
-        try:
-            nvml = _real_nvml()
-        except ImportError:
-            return Discovery(False, reason="nvidia-ml-py (pynvml) is not installed")
+def _host(nvml) -> tuple[tuple[GpuInfo, ...], str | None] | str:
+    """Every GPU of the host and the driver version, or why NVML cannot be read."""
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as e:
-        return Discovery(False, reason=f"no NVIDIA driver: {e}")
+        return f"no NVIDIA driver: {e}"
     try:
         try:
             driver = _text(nvml.nvmlSystemGetDriverVersion())
         except nvml.NVMLError:
             driver = None
-        return Discovery(True, _read(nvml), driver=driver)
+        return _read(nvml), driver
     except nvml.NVMLError as e:
-        return Discovery(False, reason=f"NVML query failed: {e}")
+        return f"NVML query failed: {e}"
     finally:
         try:
             nvml.nvmlShutdown()
         except nvml.NVMLError:
             pass
+
+
+def discover(nvml=None, env: Mapping[str, str] | None = None) -> Discovery:
+    """The GPUs the caller may use (``env``'s CUDA_VISIBLE_DEVICES; default os.environ) with memory and compute
+    PIDs. No driver, no pynvml or a CUDA_VISIBLE_DEVICES naming no GPU gives an unavailable result with the reason.
+    ``nvml``: a stand-in module; without one PD_HARNESS_SIMULATED_GPUS, when set, picks a simulated box."""
+    env = os.environ if env is None else env
+    raw, sim = env.get(VISIBLE_ENV), None
+    if nvml is None:
+        try:
+            box = simulated_box(env)
+        except ValueError as e:
+            return Discovery(False, reason=str(e), simulated=env.get(SIMULATED_ENV))
+        if box is not None:
+            nvml, sim = box.module(), box.spec
+            raw = box.visible if box.visible is not None else raw
+        else:
+            try:
+                nvml = _real_nvml()
+            except ImportError:
+                return Discovery(False, reason="nvidia-ml-py (pynvml) is not installed")
+    host = _host(nvml)
+    if isinstance(host, str):
+        return Discovery(False, reason=host, visible=raw, simulated=sim)
+    gpus, driver = host
+    v = resolve_visible(raw, [g.uuid for g in gpus], [g.name for g in gpus], env.get(ORDER_ENV))
+    if v.problem:
+        return Discovery(False, reason=v.problem, driver=driver, host_count=len(gpus), visible=raw, simulated=sim)
+    by_index = {g.index: g for g in gpus}
+    return Discovery(True, tuple(by_index[i] for i in v.indices), driver=driver, host_count=len(gpus), visible=raw,
+                     simulated=sim)
 
 
 def check_free(plan: GpuPlan, gpus: Sequence[GpuInfo], phase: str | None = None) -> None:
@@ -145,13 +201,13 @@ def still_held(gpus: Sequence[GpuInfo], pids: Iterable[int], gpu_ids: Iterable[i
 
 def wait_released(pids: Iterable[int], gpu_ids: Iterable[int], timeout_s: float, free_before: Mapping[int, float] | None = None,
                   nvml=None, poll_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                  sleep: Callable[[float], None] = time.sleep) -> None:
+                  sleep: Callable[[float], None] = time.sleep, env: Mapping[str, str] | None = None) -> None:
     """After teardown: wait until none of ``pids`` is on ``gpu_ids`` and each GPU's free memory is back to
     ``free_before`` (GiB, as recorded before launch); GpuCheckFailed naming what is still held after ``timeout_s``."""
     pids, gpu_ids = list(pids), list(gpu_ids)
     deadline = clock() + timeout_s
     while True:
-        d = discover(nvml)
+        d = discover(nvml, env)
         if not d.available:
             raise GpuCheckFailed(f"cannot check GPU release: {d.reason}")
         held = still_held(d.gpus, pids, gpu_ids, free_before)

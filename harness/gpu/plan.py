@@ -13,6 +13,12 @@ NCCL buffers, and a KV cache of at least a few full-length sequences of these sm
 A server's ``gpu_memory_utilization`` is its share of each of its GPUs; vLLM refuses to start when
 a GPU's free memory is below that share, so the shares on one GPU add up to at most ``max_util``
 (0.9: what is left holds the other processes' CUDA contexts).
+
+A utilization given by hand (--gpu-memory-utilization, GPU_MEMORY_UTILIZATION) keeps vLLM's meaning:
+each server's own share of each of its GPUs. Every server takes it as given, never scaled (a maintainer
+who asks for 0.4 gets 0.4 in every server's command line); where P/D servers share a GPU their shares
+must still add up to at most ``max_util``, else the plan is refused (``UtilizationError``) with the
+largest value that fits. A server alone on its GPUs may take any value vLLM accepts.
 """
 
 from __future__ import annotations
@@ -37,10 +43,15 @@ class PlanError(ValueError):
     """The requested layout cannot run here; the message says what would."""
 
 
+class UtilizationError(PlanError):
+    """The gpu_memory_utilization given by hand does not fit the layout (shared GPUs, or short of a rank's need)."""
+
+
 @dataclass(frozen=True)
 class Gpu:
-    id: int
+    id: int  # NVML's index (PCI bus order, absolute on the host): what the server's CUDA_VISIBLE_DEVICES names
     total_gib: float
+    name: str = ""  # model name as NVML gives it ("" when the inventory is assumed)
 
 
 def uniform_gpus(count: int, mem_gib: float) -> tuple[Gpu, ...]:
@@ -122,6 +133,7 @@ class GpuPlan:
     notes: tuple[str, ...] = ()
     max_util: float = MAX_UTIL
     baseline_alone: bool = True  # the harness never runs the baseline beside P/D
+    util_given: float | None = None  # a gpu_memory_utilization given by hand, taken by every server
 
     def server(self, role: str, index: int = 0) -> ServerPlacement:
         for s in self.servers:
@@ -156,6 +168,7 @@ class GpuPlan:
             "cuda_device_order": CUDA_DEVICE_ORDER,
             "gpus": [asdict(g) for g in self.gpus],
             "max_util_per_gpu": self.max_util,
+            "gpu_memory_utilization_given": self.util_given,
             "model_memory": {**asdict(self.model), "rule": f"per rank: weights/tp x {WEIGHT_OVERHEAD} + {HEADROOM_GIB} GiB headroom"},
             "required_free_gib": {str(k): round(v, 2) for k, v in self.required_free_gib().items()},
             "notes": list(self.notes),
@@ -187,9 +200,12 @@ def _check_inputs(gpus: Sequence[Gpu], tp_p: int, tp_d: int, num_p: int, num_d: 
 
 
 def plan_gpus(gpus: Sequence[Gpu], tp_p: int, tp_d: int, memory: ModelMemory, num_p: int = 1, num_d: int = 1,
-              max_util: float = MAX_UTIL, baseline_first: bool = True) -> GpuPlan:
-    """Placement of ``num_p`` prefill and ``num_d`` decode servers and the baseline; PlanError if it cannot run here."""
+              max_util: float = MAX_UTIL, baseline_first: bool = True, util: float | None = None) -> GpuPlan:
+    """Placement of ``num_p`` prefill and ``num_d`` decode servers and the baseline; PlanError if it cannot run here.
+    ``util``: a gpu_memory_utilization given by hand, every server's share (UtilizationError where it cannot be)."""
     _check_inputs(gpus, tp_p, tp_d, num_p, num_d, max_util)
+    if util is not None and not 0 < util <= 1:
+        raise UtilizationError(f"gpu_memory_utilization must be in (0, 1], got {util}")
     n = len(gpus)
     by_id = {g.id: g for g in gpus}
     wanted = [("prefill", i, tp_p) for i in range(num_p)] + [("decode", i, tp_d) for i in range(num_d)]
@@ -206,13 +222,16 @@ def plan_gpus(gpus: Sequence[Gpu], tp_p: int, tp_d: int, memory: ModelMemory, nu
         for g in ids:
             load[g] += 1
 
+    if util is not None:
+        _check_given_sum(util, layout, load, max_util)
     servers = []
     for role, idx, tp, ids in layout:
-        util = floor_util(max_util / max(load[g] for g in ids))
-        servers.append(_placed(role, idx, tp, ids, util, memory, by_id, n, ranks, max_util, load))
+        share = floor_util(max_util / max(load[g] for g in ids)) if util is None else util
+        servers.append(_placed(role, idx, tp, ids, share, memory, by_id, n, ranks, max_util, load, util is not None))
     dec0 = next(s for s in servers if s.role == "decode")
     # Alone on D's GPUs at D's TP, so both sides compute on the same devices and rank layout.
-    baseline = _placed("baseline", 0, tp_d, dec0.gpus, floor_util(max_util), memory, by_id, n, ranks, max_util, None)
+    baseline = _placed("baseline", 0, tp_d, dec0.gpus, floor_util(max_util) if util is None else util, memory, by_id, n,
+                       ranks, max_util, None, util is not None)
     servers = [baseline, *servers] if baseline_first else [*servers, baseline]
     order = ("baseline", "pd") if baseline_first else ("pd", "baseline")
 
@@ -223,14 +242,36 @@ def plan_gpus(gpus: Sequence[Gpu], tp_p: int, tp_d: int, memory: ModelMemory, nu
                      f"{max_util} / (servers on its busiest GPU)")
         notes.append("start colocated servers one after another: vLLM sizes its KV cache from the drop in free device "
                      "memory during its profile run, which a neighbour loading at the same time would inflate")
-    return GpuPlan(tuple(gpus), tuple(servers), colocated, memory, order, stagger_start=colocated, notes=tuple(notes), max_util=max_util)
+    if util is not None:
+        notes.append(f"gpu_memory_utilization {util:g} given: every server takes it as its share of each of its GPUs")
+    return GpuPlan(tuple(gpus), tuple(servers), colocated, memory, order, stagger_start=colocated, notes=tuple(notes),
+                   max_util=max_util, util_given=util)
+
+
+def _check_given_sum(util: float, layout: list[tuple[str, int, int, tuple[int, ...]]], load: dict[int, int],
+                     max_util: float) -> None:
+    """A given share, taken by every P/D server, must fit the GPUs they share (the plan's per-GPU cap)."""
+    busiest = max(load.values())
+    if busiest < 2 or util * busiest <= max_util + 1e-9:
+        return
+    shared = sorted(g for g, c in load.items() if c == busiest)
+    names = [f"{role}{idx}" for role, idx, _, ids in layout if set(ids) & set(shared)]
+    gpus = f"GPUs {','.join(map(str, shared))} are" if len(shared) > 1 else f"GPU {shared[0]} is"
+    raise UtilizationError(
+        f"{gpus} shared by {' and '.join(names)}: {busiest} x {util:g} = {util * busiest:.2f} > {max_util:g} per GPU; "
+        f"give at most {floor_util(max_util / busiest):g}, or leave it unset "
+        f"(the plan then splits {max_util:g} between them)")
 
 
 def _placed(role: str, idx: int, tp: int, ids: tuple[int, ...], util: float, memory: ModelMemory, by_id: dict[int, Gpu],
-            n: int, ranks: int, max_util: float, load: dict[int, int] | None) -> ServerPlacement:
+            n: int, ranks: int, max_util: float, load: dict[int, int] | None, given: bool = False) -> ServerPlacement:
     need = memory.need_per_rank_gib(tp)
     smallest = min(by_id[g].total_gib for g in ids)
     if util * smallest < need:
+        if given:  # the user's value is short, not the GPUs: say which value would do
+            least = math.ceil(need / smallest / UTIL_STEP) * UTIL_STEP
+            raise UtilizationError(f"{role}{idx} (TP {tp}) needs {need:.1f} GiB per GPU, {util:g} x {smallest:g} GiB = "
+                                   f"{util * smallest:.1f} GiB; give at least {least:.2f}, or leave it unset")
         raise PlanError(_too_small(role, idx, tp, need, util, smallest, n, ranks, max_util, load, ids))
     return ServerPlacement(role, idx, tp, ids, util, round(need, 2), "baseline" if role == "baseline" else "pd")
 
@@ -244,14 +285,22 @@ def _too_small(role: str, idx: int, tp: int, need: float, util: float, smallest:
     return f"{head}: it needs GPUs of >= {math.ceil(alone_gib)} GiB, or a larger TP"
 
 
+def describe_gpus(gpus: Sequence[Gpu]) -> str:
+    """``8 GPUs x 40 GiB (NVIDIA A100-SXM4-40GB)``, with the ids when they are not 0..n-1 (CUDA_VISIBLE_DEVICES)."""
+    mems = sorted({g.total_gib for g in gpus})
+    mem = f"{mems[0]:g} GiB" if len(mems) == 1 else f"{mems[0]:g}-{mems[-1]:g} GiB"
+    ids = [g.id for g in gpus]
+    at = f" (ids {','.join(map(str, ids))})" if ids != list(range(len(ids))) else ""
+    names = sorted({g.name for g in gpus if g.name})
+    return f"{len(gpus)} GPUs{at} x {mem}" + (f" ({', '.join(names)})" if names else "")
+
+
 def render_plan(plan: GpuPlan) -> str:
     """A readable table with each server's CUDA_VISIBLE_DEVICES."""
-    mems = sorted({g.total_gib for g in plan.gpus})
-    mem = f"{mems[0]:g} GiB" if len(mems) == 1 else f"{mems[0]:g}-{mems[-1]:g} GiB"
     pd = plan.phase("pd")
     how = (f"P/D colocated ({sum(s.tp for s in pd)} ranks on {len(plan.gpus)} GPUs)" if plan.colocated
            else "P/D on disjoint GPUs")
-    lines = [f"GPU plan: {len(plan.gpus)} GPUs x {mem}; {how}",
+    lines = [f"GPU plan: {describe_gpus(plan.gpus)}; {how}",
              f"model weights {plan.model.weights_gib:.2f} GiB ({plan.model.source}); per rank: weights/TP x {WEIGHT_OVERHEAD} + {HEADROOM_GIB:g} GiB headroom",
              "order: " + ", then ".join("baseline alone" if p == "baseline" else "prefill + decode" + (" (started one after another)" if plan.stagger_start else "")
                                         for p in plan.order),

@@ -59,7 +59,7 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
 
     ``label`` names the process and its log (default: the role); ``kv_load_failure_policy`` other than
     "fail" is for tests that must see the harness refuse a silently recomputed transfer. ``placement``
-    (GPU): the server's GPUs and memory share from the run's GPU plan; a given --gpu-memory-utilization wins."""
+    (GPU): the server's GPUs and memory share from the run's GPU plan (which holds a given --gpu-memory-utilization)."""
     spec = ServerSpec(
         role=role,  # type: ignore[arg-type]
         model=model,
@@ -70,7 +70,8 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
         kv_layout=kv_layout,
         cpu_bind=cpu_bind,
         kv_lease_s=cfg.lease_s,
-        gpu_memory_utilization=cfg.gpu_memory_utilization or (placement.gpu_memory_utilization if placement else None),
+        # the plan's share: the run's own value where one was given, checked against colocation by the plan
+        gpu_memory_utilization=placement.gpu_memory_utilization if placement else cfg.gpu_memory_utilization,
         gpus=placement.gpus if placement else (),
         # CUDA_VISIBLE_DEVICES comes from ``gpus``; the plan's ids are NVML's, so CUDA must count in the same order
         extra_env=(("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else (),

@@ -122,7 +122,7 @@ class PDRun:
             if pf.problems:
                 raise ConfigError(pf.message())
             if cfg.device == "gpu":
-                ctx.gpu = GpuRun(cfg.tp_p, cfg.tp_d, ctx.model)
+                ctx.gpu = GpuRun(cfg.tp_p, cfg.tp_d, ctx.model, gpu_memory_utilization=cfg.gpu_memory_utilization)
                 config["gpu_plan"] = ctx.gpu.plan.to_dict()
         config["attach"] = self.attach.to_dict() if self.attach else None
         ctx.accuracy = resolve_accuracy(cfg.accuracy, ctx.model, ctx.served_name) if cfg.accuracy is not None else None

@@ -186,4 +186,5 @@ def check_gpus(cfg: E2EConfig, nvml=None) -> None:
     line) otherwise, so the run stops before it makes a run folder. ``nvml``: a stand-in module for tests."""
     from harness.gpu.run import GpuRun
 
-    GpuRun(cfg.tp_p, cfg.tp_d, cfg.model, nvml=nvml)  # raises ConfigError: unreadable, no GPU, or no placement
+    # raises ConfigError: unreadable, no GPU, no placement, or a hand-given share the colocation cannot hold
+    GpuRun(cfg.tp_p, cfg.tp_d, cfg.model, nvml=nvml, gpu_memory_utilization=cfg.gpu_memory_utilization)

@@ -9,17 +9,25 @@ from harness import nightly
 from harness.cli import main
 from harness.core.paths import REPO_ROOT
 from harness.envs.vllm_env import pinned
-from harness.gpu.plan import render_plan
+from harness.gpu.plan import render_plan, uniform_gpus
 from harness.matrix.config import load_matrix
-from harness.nightly import (ACCURACY_CHECKS, ACCURACY_RUNS, E2E_CHECKS, Step, StepResult, build_steps, junit_xml, render_dry_run,
-                             run_step, run_steps)
+from harness.nightly import (ACCURACY_CHECKS, ACCURACY_RUNS, E2E_CHECKS, Hardware, Step, StepResult, build_steps,
+                             junit_xml, render_dry_run, run_step, run_steps)
+from harness.gpu.simulate import SIMULATED_ENV
 
 PY = "/opt/py/bin/python"
 
 
 @pytest.fixture(scope="module")
 def steps():
-    return build_steps(8, 80.0, PY, Path("/runs/n"))
+    return build_steps(uniform_gpus(8, 80.0), PY, Path("/runs/n"))
+
+
+@pytest.fixture(autouse=True)
+def no_caller_settings(monkeypatch):
+    """The nightly reads these from its environment; a test sets what it needs."""
+    for name in (SIMULATED_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "VLLM_VERSION", "GPU_MEMORY_UTILIZATION"):
+        monkeypatch.delenv(name, raising=False)
 
 
 def gpu_entries():
@@ -92,7 +100,7 @@ def test_check_names_are_the_harness_check_names():
 
 
 def test_dry_run_mentions_every_step_server_command_and_gpu_plan(steps):
-    text = render_dry_run(steps, 8, 80.0)
+    text = render_dry_run(steps, Hardware(uniform_gpus(8, 80.0), "assumed"))
     for s in steps:
         assert s.id in text
         for c in s.checks:
@@ -108,14 +116,16 @@ def test_dry_run_mentions_every_step_server_command_and_gpu_plan(steps):
     assert "vllm.entrypoints.openai.api_server" in text
 
 
-def test_dry_run_through_the_cli_works_without_gpus(capsys, tmp_path):
+def test_dry_run_through_the_cli_works_without_gpus(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv(SIMULATED_ENV, "unreadable")
     rc = main(["nightly", "--dry-run", "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "matrix/tinyllama-p2-d8" in out and "accuracy/qwen3-0.6b-p2-d4" in out
     assert not any(tmp_path.iterdir())  # a dry run writes nothing
 
 
-def test_dry_run_for_fewer_gpus_skips_more(capsys, tmp_path):
+def test_dry_run_for_fewer_gpus_skips_more(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv(SIMULATED_ENV, "unreadable")
     rc = main(["nightly", "--dry-run", "--gpus", "4", "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and "SKIPPED: needs 8 GPUs, 4 present" in out
@@ -123,10 +133,10 @@ def test_dry_run_for_fewer_gpus_skips_more(capsys, tmp_path):
 
 
 def test_a_real_run_refuses_with_too_few_gpus(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(nightly, "gpus_present", lambda: (2, "NVML sees 2"))
-    rc = main(["nightly", "--run-dir", str(tmp_path)])
+    monkeypatch.setenv(SIMULATED_ENV, "2x80")
+    rc = main(["nightly", "--gpus", "8", "--run-dir", str(tmp_path)])
     err = capsys.readouterr().err
-    assert rc == 2 and "needs 8 GPUs, 2 present (NVML sees 2)" in err and err.count("\n") == 1
+    assert rc == 2 and "needs 8 GPUs, 2 present (NVML: 2 GPUs: ids 0,1" in err and err.count("\n") == 1
     assert not any(tmp_path.iterdir())
 
 
@@ -240,3 +250,151 @@ def test_every_gpu_edge_entry_is_a_step_whose_servers_carry_its_axes(steps):
     prefix = by_id["edge/gpu-prefix-tinyllama-p2-d8"]
     flags = {name: "--enable-prefix-caching" in cmd for name, cmd in prefix.servers if name != "proxy"}
     assert flags == {"prefill0": False, "decode0": True, "baseline0": False}
+
+
+# The GPU inventory (issue 23): NVML's GPUs, the caller's CUDA_VISIBLE_DEVICES, simulated boxes
+# (PD_HARNESS_SIMULATED_GPUS), one step per vLLM version, GPU_MEMORY_UTILIZATION within the plan.
+
+TINY_P2_D8 = "matrix/tinyllama-p2-d8"
+
+
+def dry_run(capsys, monkeypatch, tmp_path, box: str, *argv: str) -> tuple[int, str, str]:
+    monkeypatch.setenv(SIMULATED_ENV, box)
+    rc = main(["nightly", "--dry-run", "--run-dir", str(tmp_path), *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def step_block(text: str, sid: str) -> str:
+    """The dry run's lines of one step."""
+    return text.split(f"] {sid} (")[1].split("\n\n")[0]
+
+
+@pytest.mark.parametrize("box, head, p2d8", [
+    ("8x40", "on 8 GPUs x 40 GiB (NVIDIA A100-SXM4-40GB)", "CUDA_VISIBLE_DEVICES=0,1 "),
+    ("8x80", "on 8 GPUs x 80 GiB (NVIDIA H100 80GB HBM3)", "CUDA_VISIBLE_DEVICES=0,1 "),
+    ("8x80:visible=4,5,6,7", "on 4 GPUs (ids 4,5,6,7) x 80 GiB", None),
+    ("unreadable", "on 8 GPUs x 80 GiB:", "CUDA_VISIBLE_DEVICES=0,1 "),
+])
+def test_dry_run_under_each_simulated_box(capsys, monkeypatch, tmp_path, box, head, p2d8):
+    rc, out, err = dry_run(capsys, monkeypatch, tmp_path, box)
+    assert rc == 0 and err == "" and head in out.splitlines()[0]
+    block = step_block(out, TINY_P2_D8)
+    if p2d8 is None:  # 4 GPUs: the 8-GPU entry is skipped, the 4-GPU ones run on the caller's GPUs 4-7
+        assert "SKIPPED: needs 8 GPUs, 4 present" in block
+        assert "--gpus 4" in step_block(out, "matrix/tinyllama-p2-d4")
+        p2d4 = step_block(out, "accuracy/qwen3-0.6b-p2-d4")
+        assert "env: CUDA_VISIBLE_DEVICES=4,5,6,7 CUDA_DEVICE_ORDER=PCI_BUS_ID" in p2d4 and "[to run]" in p2d4
+        assert "server prefill0: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=4,5 " in p2d4
+        assert "server decode0: CUDA_DEVICE_ORDER=PCI_BUS_ID CUDA_VISIBLE_DEVICES=6,7,4,5 " in p2d4
+        assert not any(f"CUDA_VISIBLE_DEVICES={g}" in out for g in "0123")
+    else:
+        assert "[to run]" in out.split(TINY_P2_D8)[1].splitlines()[0] and p2d8 in block
+    if box == "unreadable":
+        assert "assumed" in out.splitlines()[1] and "NVML cannot be read" in out.splitlines()[1]
+
+
+def test_8x40_is_planned_and_checked_as_40_gib_gpus(capsys, monkeypatch, tmp_path):
+    """The issue: planned as 80 GiB, each step wanted 72 GiB free per GPU and failed as 'GPUs not ready'."""
+    monkeypatch.setenv(SIMULATED_ENV, "8x40")
+    from harness.gpu.nvml import discover
+
+    hw = nightly.choose_hardware(discover(), None, None, dry_run=False)
+    assert [g.total_gib for g in hw.gpus] == [40.0] * 8 and {g.name for g in hw.gpus} == {"NVIDIA A100-SXM4-40GB"}
+    steps = {s.id: s for s in build_steps(hw.gpus, PY, tmp_path)}
+    plan = steps[TINY_P2_D8].gpu_plan
+    assert max(plan.required_free_gib().values()) == pytest.approx(0.9 * 40)
+    assert callable(nightly.nvml_guard(steps[TINY_P2_D8]))  # 39.5 GiB free of 40 is enough: not "GPUs not ready"
+
+
+def test_4_of_8_runs_and_checks_only_the_callers_gpus(monkeypatch, tmp_path):
+    from harness.gpu.nvml import discover
+    from tests.unit.gpu.fake_nvml import FakeGpu, FakeNvml
+
+    # GPUs 0-3 belong to someone else (full); the caller was given 4-7.
+    box = [FakeGpu(80, 2.0, [777]) for _ in range(4)] + [FakeGpu(80, 79.5) for _ in range(4)]
+    monkeypatch.setattr("harness.gpu.nvml._real_nvml", lambda: FakeNvml([box]))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    hw = nightly.choose_hardware(discover(), None, None, dry_run=False)
+    assert [g.id for g in hw.gpus] == [4, 5, 6, 7]
+    steps = [s for s in build_steps(hw.gpus, PY, tmp_path) if s.gpu_plan is not None]
+    assert steps and all({g for sv in s.gpu_plan.servers for g in sv.gpus} <= {4, 5, 6, 7} for s in steps)
+    assert all(dict(s.env)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" for s in steps)
+    assert all(callable(nightly.nvml_guard(s)) for s in steps)  # GPUs 0-3 being full does not matter
+    box[5].free_gib, box[5].pids = 3.0, [4242]
+    assert "GPU 5 " in nightly.nvml_guard(steps[0]) and "4242" in nightly.nvml_guard(steps[0])
+
+
+def test_unreadable_nvml_real_run_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv(SIMULATED_ENV, "unreadable")
+    rc = main(["nightly", "--run-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1
+    assert err.startswith("error: the nightly run cannot use the GPUs: NVML cannot be read: no NVIDIA driver")
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_cli_in_a_subprocess_under_the_switch(tmp_path):
+    import os
+    import subprocess
+
+    def run(box: str, *argv: str):
+        caller = ("CUDA_VISIBLE_DEVICES", "VLLM_VERSION", "GPU_MEMORY_UTILIZATION")
+        env = {k: v for k, v in os.environ.items() if k not in caller}
+        return subprocess.run([sys.executable, "-m", "harness", "nightly", "--run-dir", str(tmp_path), *argv],
+                              env={**env, SIMULATED_ENV: box}, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=120)
+
+    bad = run("unreadable")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
+    assert "NVML cannot be read" in bad.stderr
+    ok = run("8x80:visible=4,5,6,7", "--dry-run")
+    assert ok.returncode == 0 and "4 of 8 GPUs visible (CUDA_VISIBLE_DEVICES=4,5,6,7)" in ok.stdout
+
+
+def test_gpu_mem_and_count_flags_override_only_a_dry_run_or_by_choice(capsys, monkeypatch, tmp_path):
+    rc, out, _ = dry_run(capsys, monkeypatch, tmp_path, "8x80", "--gpu-mem-gib", "40")
+    assert rc == 0 and "on 8 GPUs x 40 GiB" in out and "planned as 40 GiB each" in out
+    monkeypatch.setenv(SIMULATED_ENV, "8x80")
+    assert main(["nightly", "--gpu-mem-gib", "40", "--run-dir", str(tmp_path)]) == 2
+    assert "--gpu-mem-gib only plans a dry run" in capsys.readouterr().err
+    rc, out, _ = dry_run(capsys, monkeypatch, tmp_path, "8x80", "--gpus", "4")
+    assert rc == 0 and "the first 4 by --gpus" in out and "SKIPPED: needs 8 GPUs, 4 present" in out
+
+
+def test_each_step_runs_one_version_with_that_versions_prediction(tmp_path):
+    steps = build_steps(uniform_gpus(8, 80.0), PY, tmp_path, ["0.21.0", "0.26.0"])  # 0.26.0: the measured fix
+    by_id = {s.id: s for s in steps}
+    for s in steps:
+        if s.kind in ("matrix", "accuracy"):
+            assert s.argv.count("--vllm-version") == 1 and s.argv[s.argv.index("--vllm-version") + 1] == s.version
+            assert s.id.endswith(f"@{s.version}") and s.argv[s.argv.index("--run-dir") + 1] == str(tmp_path / s.id)
+    assert "expects of vLLM 0.21.0: assert-45330" in by_id[f"{TINY_P2_D8}@0.21.0"].checks[0]
+    assert "expects of vLLM 0.26.0: ok" in by_id[f"{TINY_P2_D8}@0.26.0"].checks[0]
+    h = steps[-1].argv
+    assert h[h.index("--versions") + 1] == "0.21.0,0.26.0"
+    assert len(h[h.index("--only") + 1].split(",")) == len(gpu_entries())
+    assert steps[0].argv[2].count("TinyLlama/TinyLlama-1.1B-Chat-v1.0") == 1  # prefetched once
+
+
+def test_vllm_version_from_the_environment_is_split_too(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_VERSION", "0.21.0, 0.26.0")
+    rc, out, _ = dry_run(capsys, monkeypatch, tmp_path, "8x80")
+    assert rc == 0 and f"] {TINY_P2_D8}@0.21.0 (" in out and f"] {TINY_P2_D8}@0.26.0 (" in out
+    assert "--vllm-version 0.21.0," not in out and "--vllm-version '0.21.0, 0.26.0'" not in out
+    monkeypatch.setenv("VLLM_VERSION", "0.21.0,latest")
+    rc, _, err = dry_run(capsys, monkeypatch, tmp_path, "8x80")
+    assert rc == 2 and "'latest' is not a version number" in err
+
+
+def test_gpu_memory_utilization_applies_per_server_or_stops_the_night(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.8")
+    rc, out, err = dry_run(capsys, monkeypatch, tmp_path, "8x80")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: GPU_MEMORY_UTILIZATION=0.8 does not fit {TINY_P2_D8}: GPUs 0,1 are shared by "
+                          "prefill0 and decode0: 2 x 0.8 = 1.60 > 0.9 per GPU; give at most 0.45")
+    steps = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path, util=0.4)}
+    s = steps[TINY_P2_D8]
+    assert {sv.gpu_memory_utilization for sv in s.gpu_plan.servers} == {0.4}
+    assert all("--gpu-memory-utilization 0.4 " in f"{cmd} " for name, cmd in s.servers if name != "proxy")
+    assert s.gpu_plan.required_free_gib()[0] == pytest.approx(0.8 * 80)  # what the guard checks: the servers' shares

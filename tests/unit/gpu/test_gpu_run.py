@@ -39,8 +39,10 @@ def test_the_placement_reaches_the_server_command(tmp_path):
     assert argv[argv.index("--gpu-memory-utilization") + 1] == str(run.placement("prefill").gpu_memory_utilization)
 
 
-def test_a_given_memory_utilization_wins_over_the_plan(tmp_path):
-    run = GpuRun(1, 1, TINYLLAMA, nvml=FakeNvml([gpus(2)]))
+def test_a_given_memory_utilization_reaches_the_server_through_the_plan(tmp_path):
+    # the plan holds the run's value (checked against colocation there), so the server and the checks agree
+    run = GpuRun(1, 1, TINYLLAMA, nvml=FakeNvml([gpus(2)]), gpu_memory_utilization=0.3)
+    assert run.placement("decode").gpu_memory_utilization == 0.3
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3", gpu_memory_utilization=0.3)
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
         srv = make_server(cfg, alloc, "decode", 1, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode"))

@@ -67,3 +67,14 @@ def test_no_pynvml_is_a_preflight_error_too(monkeypatch):
     cfg = config_from_args(build_parser().parse_args(["e2e", "--device", "gpu"]), env={})
     with pytest.raises(ConfigError, match="pynvml"):
         check_gpus(cfg)
+
+
+def test_a_hand_given_share_the_colocated_pair_cannot_hold_stops_the_run_at_preflight(monkeypatch, capsys, tmp_path):
+    # P2+D8 on 8 GPUs: P shares GPUs 0 and 1 with D, so 0.8 each would ask for 1.6 of those GPUs
+    use_nvml(monkeypatch, FakeNvml([gpus(8)]))
+    run_dir = tmp_path / "run"
+    rc = main(["e2e", "--device", "gpu", "--tp-p", "2", "--tp-d", "8", "--model", "Qwen/Qwen3-0.6B",
+               "--gpu-memory-utilization", "0.8", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert rc == 2 and not run_dir.exists()
+    assert "0.8" in err and "shared" in err and len(err.strip().splitlines()) == 1, err

@@ -1,0 +1,166 @@
+"""Simulated GPU boxes: a stand-in ``pynvml`` module, and the test switch that makes NVML answer from it.
+
+``PD_HARNESS_SIMULATED_GPUS`` is off unless set (never a default). Its value describes the box:
+
+  8x80                        eight 80 GiB GPUs (named as H100s), nothing running on them
+  8x40                        eight 40 GiB GPUs (named as A100-SXM4-40GB)
+  8x80:visible=4,5,6,7        the same box, the caller's CUDA_VISIBLE_DEVICES being 4,5,6,7 (indices or UUIDs)
+  8x80:free=30                every GPU with only 30 GiB free (someone else holds the rest)
+  8x80:name=NVIDIA H200       another model name
+  unreadable                  NVML cannot be read (nvmlInit fails, as with no driver loaded)
+
+Without ``visible=`` the real environment's CUDA_VISIBLE_DEVICES applies. Simulated UUIDs are
+``GPU-00000000-0000-4000-8000-<index as 12 hex digits>``. ``FakeNvml`` is also what the unit tests
+script changing GPU states with (tests/unit/gpu/fake_nvml.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+SIMULATED_ENV = "PD_HARNESS_SIMULATED_GPUS"
+UNREADABLE = "unreadable"
+GIB = 2**30
+# Names nvidia-smi prints for the usual sizes, so dry runs read like the real box.
+NAMES = {80: "NVIDIA H100 80GB HBM3", 40: "NVIDIA A100-SXM4-40GB", 141: "NVIDIA H200", 24: "NVIDIA L4"}
+_BOX = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)$")
+EXAMPLES = "8x80, 8x40, 8x80:visible=4,5,6,7, 8x80:free=30, unreadable"
+
+
+class NVMLError(Exception):
+    pass
+
+
+def sim_uuid(index: int) -> str:
+    return f"GPU-00000000-0000-4000-8000-{index:012x}"
+
+
+@dataclass
+class FakeGpu:
+    total_gib: float = 80.0
+    free_gib: float = 79.0
+    pids: list[int] = field(default_factory=list)
+    name: str = "NVIDIA H100 80GB HBM3"
+    procs_error: bool = False  # nvmlDeviceGetComputeRunningProcesses raises (as in some containers)
+    uuid: str = ""  # empty: sim_uuid(index)
+
+
+class FakeNvml:
+    """``FakeNvml([state0, state1, ...])``: each state is a list of ``FakeGpu``; every nvmlInit moves to the
+    next state and the last one stays, so a test scripts what a poller sees over time."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, states: list[list[FakeGpu]] | None = None, init_error: str | None = None,
+                 bytes_names: bool = False):
+        self.states = states or [[]]
+        self.init_error = init_error
+        self.bytes_names = bytes_names
+        self.sessions = 0  # nvmlInit calls that succeeded
+        self.open = 0  # sessions not yet shut down
+
+    @property
+    def _gpus(self) -> list[FakeGpu]:
+        return self.states[min(self.sessions, len(self.states)) - 1]
+
+    def _need_init(self) -> None:
+        if self.open < 1:
+            raise NVMLError("Uninitialized")
+
+    def nvmlInit(self) -> None:
+        if self.init_error:
+            raise NVMLError(self.init_error)
+        self.sessions += 1
+        self.open += 1
+
+    def nvmlShutdown(self) -> None:
+        self._need_init()
+        self.open -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        self._need_init()
+        return "580.65.06"
+
+    def nvmlDeviceGetCount(self) -> int:
+        self._need_init()
+        return len(self._gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> FakeGpu:
+        self._need_init()
+        return self._gpus[i]
+
+    def nvmlDeviceGetName(self, h: FakeGpu):
+        return h.name.encode() if self.bytes_names else h.name
+
+    def nvmlDeviceGetUUID(self, h: FakeGpu):
+        uuid = h.uuid or sim_uuid(next(i for i, g in enumerate(self._gpus) if g is h))
+        return uuid.encode() if self.bytes_names else uuid
+
+    def nvmlDeviceGetMemoryInfo(self, h: FakeGpu):
+        total, free = int(h.total_gib * GIB), int(h.free_gib * GIB)
+        return SimpleNamespace(total=total, free=free, used=total - free)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h: FakeGpu):
+        if h.procs_error:
+            raise NVMLError("Not Supported")
+        return [SimpleNamespace(pid=p, usedGpuMemory=GIB) for p in h.pids]
+
+
+@dataclass(frozen=True)
+class SimulatedBox:
+    """One value of PD_HARNESS_SIMULATED_GPUS, parsed."""
+
+    spec: str
+    count: int = 0
+    mem_gib: float = 0.0
+    free_gib: float | None = None  # None: all but 0.5 GiB (a driver's own use)
+    name: str | None = None  # None: NAMES by size
+    visible: str | None = None  # the caller's CUDA_VISIBLE_DEVICES on that box; None: the real environment's
+    unreadable: bool = False
+
+    def module(self) -> FakeNvml:
+        if self.unreadable:
+            return FakeNvml(init_error="Driver Not Loaded (simulated)")
+        name = self.name or NAMES.get(round(self.mem_gib), f"Simulated GPU {self.mem_gib:g}GB")
+        free = self.mem_gib - 0.5 if self.free_gib is None else self.free_gib
+        return FakeNvml([[FakeGpu(self.mem_gib, free, name=name, uuid=sim_uuid(i)) for i in range(self.count)]])
+
+
+def parse_box(spec: str) -> SimulatedBox:
+    """``8x80[:visible=...][:free=G][:name=...]`` or ``unreadable``; ValueError saying what is wrong."""
+    head, *opts = spec.strip().split(":")
+    if head == UNREADABLE and not opts:
+        return SimulatedBox(spec, unreadable=True)
+    m = _BOX.match(head)
+    if not m or int(m.group(1)) < 1 or float(m.group(2)) <= 0:
+        raise ValueError(f"{SIMULATED_ENV}={spec!r} is not a GPU box (e.g. {EXAMPLES})")
+    kw: dict = {}
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key == "visible":
+            kw["visible"] = value
+        elif key == "free" and _is_number(value) and 0 <= float(value) <= float(m.group(2)):
+            kw["free_gib"] = float(value)
+        elif key == "name" and value:
+            kw["name"] = value
+        else:
+            raise ValueError(f"{SIMULATED_ENV}={spec!r}: {opt!r} is not visible=IDS, free=GIB (<= the GPU's) "
+                             "or name=NAME")
+    return SimulatedBox(spec, int(m.group(1)), float(m.group(2)), **kw)
+
+
+def _is_number(v: str) -> bool:
+    try:
+        float(v)
+    except ValueError:
+        return False
+    return True
+
+
+def simulated_box(env: Mapping[str, str]) -> SimulatedBox | None:
+    """The box the switch describes, None when it is not set; ValueError for a value that describes none."""
+    spec = env.get(SIMULATED_ENV, "").strip()
+    return parse_box(spec) if spec else None
