@@ -12,18 +12,25 @@ CHECK_NAME = "no_usage_reporting"
 
 
 def check_no_usage_reporting(environs: Mapping[str, Mapping[str, str] | None]) -> Check:
-    """``environs``: "server pid N" -> that process's environment (None: it could not be read)."""
+    """``environs``: "<server> pid N" -> that process's environment (None: it could not be read from outside).
+
+    Every server's launched process (its API server) must be read and carry the variables; its children (engine
+    core, workers) inherit them, and where vLLM's process titles overwrote what /proc shows of theirs they are
+    listed as unreadable, not as passed."""
     unread = sorted(name for name, env in environs.items() if env is None)
     lacking = {name: missing_no_track(env) for name, env in environs.items() if env is not None}
     lacking = {name: miss for name, miss in lacking.items() if miss}
-    read = len(environs) - len(unread)
-    data = {"processes": sorted(environs), "unreadable": unread, "lacking": lacking, "variables": NO_TRACK_ENV}
+    read = sorted(name for name, env in environs.items() if env is not None)
+    servers = {name.split(" pid ")[0] for name in environs}
+    unchecked = sorted(srv for srv in servers if not any(n.split(" pid ")[0] == srv for n in read))
+    data = {"read": read, "unreadable": unread, "lacking": lacking, "variables": NO_TRACK_ENV}
     if lacking:
         worst = "; ".join(f"{name} lacks {', '.join(miss)}" for name, miss in sorted(lacking.items())[:4])
-        return Check(CHECK_NAME, False, f"{len(lacking)} of {read} server processes may report usage: {worst}", data)
-    if not read:
-        return Check(CHECK_NAME, False, "no server process environment could be read"
-                     + (f" ({', '.join(unread)})" if unread else ""), data)
-    return Check(CHECK_NAME, True, f"{read} server processes (API servers, engine cores, workers) run with "
+        return Check(CHECK_NAME, False, f"{len(lacking)} of {len(read)} server processes may report usage: {worst}", data)
+    if not environs or unchecked:
+        return Check(CHECK_NAME, False, "no process environment could be read for "
+                     + (", ".join(unchecked) if unchecked else "any server"), data)
+    return Check(CHECK_NAME, True, f"{len(read)} server processes read ({', '.join(read)}) run with "
                  f"{', '.join(f'{k}={v}' for k, v in NO_TRACK_ENV.items())}"
-                 + (f"; {len(unread)} exited before they could be read" if unread else ""), data)
+                 + (f"; {len(unread)} children inherit them but show no environment from outside "
+                    f"(vLLM's process titles overwrite it): {', '.join(unread)}" if unread else ""), data)

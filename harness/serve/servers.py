@@ -99,11 +99,14 @@ class LocalServers:
                 continue
             for p in tree:
                 try:
-                    out[f"{name} pid {p.pid}"] = dict(p.environ())
+                    env = dict(p.environ())
                 except psutil.NoSuchProcess:  # it exited meanwhile: nothing left to report
                     continue
                 except psutil.Error:
-                    out[f"{name} pid {p.pid}"] = None
+                    env = None
+                # vLLM names its engine and worker processes with setproctitle, which may reuse the memory that
+                # /proc/<pid>/environ shows: without PATH it is no environment, so it counts as unreadable.
+                out[f"{name} pid {p.pid}"] = env if env and "PATH" in env else None
         return out
 
 

@@ -22,3 +22,11 @@ def test_one_process_without_them_fails_and_is_named():
 def test_nothing_readable_is_not_a_pass():
     assert not check_no_usage_reporting({}).passed
     assert not check_no_usage_reporting({"decode pid 3": None}).passed
+    # a server none of whose processes could be read fails, though another server's could
+    c = check_no_usage_reporting({"prefill pid 1": dict(NO_TRACK_ENV), "decode pid 3": None})
+    assert not c.passed and "decode" in c.detail
+
+
+def test_children_that_show_no_environment_are_listed_not_passed():
+    c = check_no_usage_reporting({"decode pid 2": dict(NO_TRACK_ENV), "decode pid 5": None})
+    assert c.passed and c.data["unreadable"] == ["decode pid 5"] and "decode pid 5" in c.detail
