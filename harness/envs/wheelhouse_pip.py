@@ -23,6 +23,8 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 
 from harness.core.files import sha256_of
+from harness.core.notrack import with_no_track
+from harness.envs.pip_limits import SubprocessTimedOut, log_name, pip_network_args, run_bounded, wall_timeout_s
 from harness.envs.pypi import (Index, IndexFile, expand_platform, min_glibc, platform_machine, target_tags, wheel_rank,
                                wheel_version)
 
@@ -88,7 +90,7 @@ def interpreter_version(python: str) -> str | None:
     """``3.12`` for an interpreter that runs and has pip, else None."""
     try:
         got = subprocess.run([python, "-c", "import sys, pip; print('%d.%d' % sys.version_info[:2])"],
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, env=with_no_track(os.environ))
     except (OSError, subprocess.SubprocessError):
         return None
     return got.stdout.strip() if got.returncode == 0 else None
@@ -109,11 +111,23 @@ def find_python(version: str, given: str | None = None) -> str | None:
     return None
 
 
+def pip_command(python: str, args: list[str], env: dict[str, str]) -> list[str]:
+    """``python -m pip`` with the network bounds (pip_limits.py; ``env``'s PIP_DEFAULT_TIMEOUT / PIP_RETRIES win)."""
+    return [python, "-m", "pip", *pip_network_args(env), *args]
+
+
 def run_pip(python: str, args: list[str], log, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [python, "-m", "pip", *args]
+    # isolated_env() (or the caller's), with usage reporting off on top: a caller cannot turn it back on.
+    env = with_no_track(env or isolated_env())
+    cmd = pip_command(python, args, env)
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
-    got = subprocess.run(cmd, capture_output=True, text=True, env=env or isolated_env())
+    try:
+        got = run_bounded(cmd, wall_timeout_s(), log_name(log), capture_output=True, text=True, env=env)
+    except SubprocessTimedOut as e:
+        log.write(f"# {e}\n")
+        log.flush()
+        raise PipFailed(str(e)) from None
     log.write(got.stdout + got.stderr)
     log.flush()
     if check and got.returncode:

@@ -13,6 +13,22 @@ starved a peer server's rank bound to the same core for tens of seconds (the
 first-request stall of decode TP 2 on CPU: 9 of 13 start-ups in separate
 sessions, 0 of 5 in one session, measured side by side). Terminal signals still
 reach only the harness: a server's group is never the foreground group.
+
+Servers die with the harness, however it dies (SIGKILL by the OOM killer or a CI
+timeout included), so that none keeps holding GPUs and ports:
+
+- every server has a watchdog: a tiny process (its own group, so a signal to the
+  harness's group spares it) that waits on a pipe only the harness holds. The
+  kernel closes the pipe when the harness dies; the watchdog then sends SIGTERM
+  and, after the grace period, SIGKILL to the server's group and to every process
+  tagged with the dead harness. A normal stop tells it "done" first. (Not
+  PR_SET_PDEATHSIG: it reaches only the server's leader, not vLLM's engine core
+  and workers, and fires when the spawning *thread* exits.)
+- every process started here carries ``PD_HARNESS_OWNER=<pid>:<start time>:<pid
+  namespace>`` of its harness, inherited by its children; before its first
+  start, a harness stops the tagged processes whose harness is gone (a watchdog
+  that died too, or a harness killed between its server's start and its
+  watchdog's). Only a tag naming a dead harness of this PID namespace counts.
 """
 
 from __future__ import annotations
@@ -22,10 +38,12 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +52,7 @@ import psutil
 from harness.core import progress
 
 LOG_TAIL_LINES = 40
+OWNER_ENV = "PD_HARNESS_OWNER"  # <pid>:<start time>:<pid namespace> of the harness that started the process
 
 
 class ProcessFailed(RuntimeError):
@@ -88,6 +107,205 @@ def http_ok(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+# -- servers die with the harness (see the module docstring) ----------------------------------------------------------
+_STAT_STATE, _STAT_PGRP, _STAT_SESSION, _STAT_START = 0, 2, 3, 19  # /proc/<pid>/stat fields after "(comm)"
+
+
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (which may hold spaces), or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw[raw.rfind(b")") + 2:].decode().split()
+
+
+def _pid_ns(pid: int | str = "self") -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid").strip("pid:[]")
+    except OSError:
+        return "?"
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``<pid>:<start time>:<pid namespace>`` of a process (this one by default): a PID that a later process
+    reuses has another start time, so the tag names one process for ever."""
+    pid = os.getpid() if pid is None else pid
+    st = _stat(pid)
+    if st is None:
+        raise ProcessLookupError(pid)
+    return f"{pid}:{st[_STAT_START]}:{_pid_ns(pid)}"
+
+
+def owner_alive(tag: str) -> bool:
+    """Whether the harness a tag names still runs. A tag from another PID namespace, or one that does not parse,
+    counts as alive: nothing is ever killed on a guess."""
+    parts = tag.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[2] != _pid_ns():
+        return True
+    st = _stat(parts[0])
+    return st is not None and st[_STAT_START] == parts[1] and st[_STAT_STATE] not in ("Z", "X")
+
+
+def _owner_of(pid: int | str) -> str | None:
+    """The OWNER_ENV value a process was started with (its environment at exec), or None."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read()
+    except OSError:  # gone, or another user's
+        return None
+    key = OWNER_ENV.encode() + b"="
+    for entry in env.split(b"\0"):
+        if entry.startswith(key):
+            return entry[len(key):].decode(errors="replace")
+    return None
+
+
+def _live_pids() -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            st = _stat(d)
+            if st is not None and st[_STAT_STATE] not in ("Z", "X"):
+                out.append(int(d))
+    return out
+
+
+def _ancestors() -> set[int]:
+    out, pid = set(), os.getpid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        st = _stat(pid)
+        pid = int(st[1]) if st else 0
+    return out
+
+
+def orphans() -> list[int]:
+    """Live processes tagged by a harness that is gone (never this process nor one of its ancestors)."""
+    mine = _ancestors()
+    found = []
+    for pid in _live_pids():
+        tag = _owner_of(pid)
+        if tag is not None and pid not in mine and not owner_alive(tag):
+            found.append(pid)
+    return found
+
+
+def _terminate(find: Callable[[], list[int]], grace_s: float) -> list[int]:
+    """SIGTERM to what ``find`` returns, SIGKILL to what it still returns after ``grace_s``; all it ever returned.
+    Processes are signalled by PID right after ``find`` saw them with the property that makes them targets."""
+    hit: set[int] = set()
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        pids = find()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        hit.update(pids)
+        deadline = time.monotonic() + wait_s
+        while find() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return sorted(hit)
+
+
+_swept = threading.Lock()
+_sweep_done = False
+
+
+def sweep_orphans(grace_s: float = 5.0) -> list[int]:
+    """Once per harness process, before its first start: stop what a harness that is gone left running."""
+    global _sweep_done
+    with _swept:
+        if _sweep_done:
+            return []
+        _sweep_done = True
+        found = orphans()
+        if not found:
+            return []
+        progress.current().phase(f"stopping {len(found)} processes left by a harness that is gone: "
+                                 f"PIDs {' '.join(map(str, found))}")
+        return _terminate(orphans, grace_s)
+
+
+def _watchdog_targets(tag: str, pgid: int, sid: str) -> list[int]:
+    """The server's group (in the harness's session) and every process tagged with the harness."""
+    out = []
+    for pid in _live_pids():
+        if pid == os.getpid():
+            continue
+        st = _stat(pid)
+        if st is not None and (int(st[_STAT_PGRP]) == pgid and st[_STAT_SESSION] == sid or _owner_of(pid) == tag):
+            out.append(pid)
+    return out
+
+
+def _watchdog_main(argv: list[str]) -> None:
+    """The watchdog of one server (``argv``: harness tag, server group, harness session, grace seconds)."""
+    import select
+
+    tag, pgid, sid, grace_s = argv[0], int(argv[1]), argv[2], float(argv[3])
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_IGN)  # the harness's terminal is not ours to obey: only the harness's end is
+    while True:
+        # The pipe's end is the signal; the poll is a backstop for a harness child that kept the write end.
+        if select.select([0], [], [], 1.0)[0]:
+            data = os.read(0, 64)
+            if data.startswith(b"done"):
+                return  # a normal stop
+            if not data:
+                break  # end of file: the harness is gone
+        elif not owner_alive(tag):
+            break
+    print(f"# watchdog: the harness ({tag}) is gone; stopping the server's group {pgid} and what it tagged",
+          flush=True)
+    hit = _terminate(lambda: _watchdog_targets(tag, pgid, sid), grace_s)
+    print(f"# watchdog: stopped PIDs {' '.join(map(str, hit)) or 'none (already gone)'}", flush=True)
+
+
+_WATCHDOG_CODE = ("import sys; sys.path.insert(0, sys.argv[1]); "
+                  "from harness.serve.procs import _watchdog_main; _watchdog_main(sys.argv[2:])")
+_REPO = str(Path(__file__).resolve().parents[2])
+
+
+@dataclass
+class Watchdog:
+    """The harness's side of a server's watchdog: the process and the pipe's write end, which only we hold."""
+
+    proc: subprocess.Popen[bytes]
+    fd: int | None
+
+    @classmethod
+    def start(cls, pgid: int, log, grace_s: float) -> Watchdog:
+        r, w = os.pipe()  # both ends close-on-exec: no other child of the harness keeps the write end open
+        try:
+            env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}  # not a target of an outer watchdog
+            proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG_CODE, _REPO, owner_tag(), str(pgid),
+                                     str(os.getsid(0)), str(grace_s)],
+                                    stdin=r, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    process_group=0)  # spared by a signal to the harness's group
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        return cls(proc, w)
+
+    def dismiss(self) -> None:
+        """The server was stopped here: the watchdog goes without touching anything. Idempotent."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(self.fd, b"done\n")  # told before the pipe closes, so it never takes the end for our death
+            os.close(self.fd)
+            self.fd = None
+        # Our own unreaped child, so its PID is still its own: no need to wait for it to read "done" (it may
+        # still be importing on a loaded machine).
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+        self.proc.wait()
+
+
 class ManagedProcess:
     def __init__(self, spec: ProcessSpec):
         self.spec = spec
@@ -97,6 +315,7 @@ class ManagedProcess:
         self._fatal = [re.compile(p) for p in spec.fatal_patterns]
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
+        self._watchdog: Watchdog | None = None
 
     # -- lifecycle -----------------------------------------------------------
     @property
@@ -118,7 +337,8 @@ class ManagedProcess:
         if self.proc is not None:
             raise RuntimeError(f"{self.name} already started")
         self.spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.spec.env}
+        sweep_orphans()
+        env = {**os.environ, **self.spec.env, OWNER_ENV: owner_tag()}
         with open(self.spec.log_path, "ab") as log:
             log.write(f"# {self.name}: {' '.join(self.spec.argv)}\n".encode())
             log.flush()
@@ -132,6 +352,12 @@ class ManagedProcess:
                 cwd=self.spec.cwd,
                 process_group=0,  # its own process group (killpg), in our session: see the module docstring
             )
+            try:
+                self._watchdog = Watchdog.start(self.proc.pid, log, self.spec.stop_grace_s)
+            except BaseException:
+                self._signal_group(signal.SIGKILL)  # no server runs without its watchdog
+                self.proc.wait()
+                raise
         self.started_at = time.monotonic()
         self.ready_after_s = None
         self._remember_descendants()
@@ -227,6 +453,12 @@ class ManagedProcess:
         if self.proc is not None:
             self._signal_group(signal.SIGKILL)
             self.proc.wait()
+            self._dismiss_watchdog()
+
+    def _dismiss_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.dismiss()
+            self._watchdog = None
 
     def terminate(self) -> None:
         """SIGTERM the group without waiting (``stop_all`` signals every process first, then waits once)."""
@@ -247,6 +479,7 @@ class ManagedProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)
         self._sweep()
+        self._dismiss_watchdog()  # only now: a harness killed during the stop still has its watchdog finish it
         return self.proc.returncode
 
     def _sweep(self) -> None:
