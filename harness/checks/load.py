@@ -92,8 +92,10 @@ def check_logprobs(results: list[ComparisonResult], threshold: float) -> Check:
     detail = (f"largest |Δ logprob| {worst:.2e} (threshold {threshold:g})" if worst is not None else "no position to compare")
     if over:
         detail += f"; over it: {', '.join(f'{i} ({d:.3g})' for i, d in over[:10])}"
-    return Check("logprobs_match_baseline", not over and worst is not None, detail,
-                 {"over_threshold": [i for i, _ in over]} if over else None)
+    data: dict = {"threshold": threshold, "largest": worst}
+    if over:
+        data["over_threshold"] = [i for i, _ in over]
+    return Check("logprobs_match_baseline", not over and worst is not None, detail, data)
 
 
 def landed_stages(run: LoadRun, stats_after: dict) -> dict[str, str]:
