@@ -10,11 +10,11 @@ from pathlib import Path
 
 from harness.accuracy.settings import AccuracySettings
 from harness.core.argtypes import non_negative_int, positive_int
-from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, E2EConfig, env_defaults
+from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, AttachSettings, E2EConfig, env_defaults
 from harness.workload.load import LoadSettings
 from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
-from harness.gpu.detect import has_nvidia_gpu
+from harness.gpu.detect import default_device, has_nvidia_gpu
 from harness.envs.vllm_env import requested_versions
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 from harness.serve.vllm_cmd import CpuTuning
@@ -122,9 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -> E2EConfig:
+def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False,
+                     attached: AttachSettings | None = None) -> E2EConfig:
     """The run's config from flags over env defaults. ``preflight``: also refuse a run that cannot work here
-    (harness/run/preflight.py: TP vs heads, block sizes, CPU cores), before any vLLM environment is installed."""
+    (harness/run/preflight.py: the model's files, TP vs heads, block sizes, CPU cores), before any vLLM environment is
+    installed. ``attached`` (attach mode, see ``attach_config``): the model, device, dtype and max_model_len taken from
+    the attached servers (this host's own device is then no default); its preflight is the local baseline's."""
     import os
     import sys as _sys
     from dataclasses import replace
@@ -135,7 +138,11 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
         v = getattr(a, name)
         return v if v is not None else defaults.get(name, fallback)
 
-    device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+    device = attached.device if attached else (a.device or default_device())
+    if attached is None:
+        model = a.model if a.model is not None else (GPU_DEFAULT_MODEL if device == "gpu" else None)
+    else:
+        model = attached.model
     python = a.python or _sys.executable
     version = requested_versions(a.vllm_version, env)
     if version:
@@ -153,7 +160,7 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
     cfg = E2EConfig(
         tp_p=pick("tp_p", 1),
         tp_d=pick("tp_d", 1),
-        model=a.model if a.model is not None else (GPU_DEFAULT_MODEL if device == "gpu" else None),
+        model=model,
         device=device,
         block_size_p=pick("block_size_p"),
         block_size_d=pick("block_size_d"),
@@ -170,10 +177,10 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
         proxy_fault=a.proxy_fault,
         proxy_fault_every=a.proxy_fault_every,
         load=LoadSettings(requests=a.load_requests, concurrency=a.load_concurrency, abort_every=a.load_abort_every),
-        max_model_len=a.max_model_len,
+        max_model_len=attached.max_model_len if attached else a.max_model_len,
         kv_pool_blocks=a.kv_pool_blocks,
         logprob_threshold=a.logprob_threshold,
-        dtype=a.dtype,
+        dtype=attached.dtype if attached else a.dtype,
         decode_kv_fault=a.decode_kv_fault,
         enforce_eager=a.enforce_eager,
         fresh_baseline=a.fresh_baseline,
@@ -182,7 +189,11 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False) -
                         permute_local_kv_d=a.permute_local_kv_d),
     )
     cfg.validate()
-    if preflight:
+    if preflight and attached is not None:
+        from harness.run.preflight import check_attached
+
+        check_attached(cfg, attached.baseline_here)  # P and D run elsewhere with their own TP sizes
+    elif preflight:
         from harness.run.preflight import check_config
 
         check_config(cfg, vllm_version=version[0] if version else None)
@@ -227,6 +238,19 @@ def attach_from_args(a: argparse.Namespace):
 
     baseline = urls(a.baseline_url, "--baseline-url")[0] if a.baseline_url else None
     return Attach(urls(a.prefill_url, "--prefill-url"), urls(a.decode_url, "--decode-url"), baseline)
+
+
+def attach_config(a: argparse.Namespace, attach, env=None):
+    """Attach mode: (config, attach) from the flags and what the attached servers said (``attach.served``, from
+    ``read_attached``): the model D serves unless --model, the device, dtype and max_model_len as they serve them
+    (``attach_settings``); a baseline launched here that this machine cannot run is refused. ConfigError."""
+    from dataclasses import replace
+
+    from harness.run.config import attach_settings
+
+    # this host's default device counts only where every attached server runs on this host (attach_settings)
+    settings = attach_settings(attach, a.model, a.device, a.dtype, a.max_model_len, default_device)
+    return config_from_args(a, env, preflight=True, attached=settings), replace(attach, sources=settings.sources)
 
 
 def topology_main(a: argparse.Namespace) -> int:
@@ -284,12 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         attach = attach_from_args(a)
-        # Attached servers already run with their own TP sizes: nothing here to check before launch.
-        cfg = config_from_args(a, preflight=attach is None)
+        if attach is None:
+            cfg = config_from_args(a, preflight=True)
+        else:  # the servers run with their own TP sizes; the run takes device, dtype and lengths from them
+            from harness.serve.servers import read_attached
+
+            cfg, attach = attach_config(a, read_attached(attach))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if a.model is None and cfg.device == "gpu":
+    if attach is None and a.model is None and cfg.device == "gpu":
         print(default_model_note(cfg), flush=True)
     catch_interrupts()
     from harness.run.pipeline import PDRun

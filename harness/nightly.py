@@ -10,6 +10,8 @@ With several vLLM versions (--vllm-version/VLLM_VERSION a,b) the matrix and accu
 their ids ending in @<version>. The GPUs are NVML's, restricted to the caller's CUDA_VISIBLE_DEVICES; every GPU
 step gets exactly those (physical ids, CUDA_DEVICE_ORDER=PCI_BUS_ID), so its servers land where the night planned.
 `--dry-run` prints every step (command, GPU plan, server command lines, checks, timeout) on any machine.
+On a simulated GPU box (PD_HARNESS_SIMULATED_GPUS, docs/gpu.md) a real night runs its steps against stand-in servers:
+no prefetch, no lm-eval, and a step passes when its runs got through (their data-path checks skipped, never passed).
 Exit codes: 0 every step passed or was skipped, 1 a step failed, 2 the night cannot start (bad input, GPUs that
 cannot be read, too few GPUs, a GPU_MEMORY_UTILIZATION that does not fit a step): one line on stderr.
 """
@@ -27,10 +29,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from harness.accuracy.settings import HUB_DATASET, HUB_TASK
+from harness.core.argtypes import non_negative_int
 from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
 from harness.run.config import E2EConfig, env_defaults
 from harness.gpu.nvml import Discovery
+from harness.gpu.simulate import SIMULATED_ENV, parse_box
 from harness.gpu.plan import (CUDA_DEVICE_ORDER, Gpu, GpuPlan, PlanError, UtilizationError, describe_gpus, model_memory,
                               plan_gpus, render_plan, uniform_gpus)
 from harness.serve.ports import PortBlock
@@ -44,6 +48,8 @@ UTIL_ENV = "GPU_MEMORY_UTILIZATION"  # upstream's name; the steps' e2e runs read
 # sends 18 prompts; an accuracy run adds full GSM8K (1319 questions) twice, baseline and P/D.
 TIMEOUTS_S = {"prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60, "history": 10 * 60}
 STOP_GRACE_S = 120.0  # a step's harness tears its servers down on SIGTERM; then SIGKILL and a sweep
+SIM_REASON = "simulated GPUs"
+STEP_POLL_S = 0.25  # how often a running step is looked at (a step that ended waits this long, at most)
 RELEASE_TIMEOUT_S = 180.0  # after a step, until its GPUs have their memory back
 # (hub id, P TP, D TP): TinyLlama P2->D8 is the #45330 case (colocated on 8 GPUs); Qwen3-0.6B has a
 # published GSM8K score (0.41), so its full run is also checked against that value.
@@ -95,6 +101,11 @@ class Step:
     env: tuple[tuple[str, str], ...] = ()  # added to the step's environment (its GPUs)
     version: str | None = None  # the vLLM version it runs (None: the pinned one)
 
+    @property
+    def run_dir(self) -> Path | None:
+        """Where the step's harness writes its run (its --run-dir), None for a step without one."""
+        return Path(self.argv[self.argv.index("--run-dir") + 1]) if "--run-dir" in self.argv else None
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -103,6 +114,7 @@ class StepResult:
     seconds: float = 0.0
     message: str = ""
     log: str | None = None
+    returncode: int | None = None  # the step's exit code (None: not run, or stopped at its timeout)
 
 
 @dataclass(frozen=True)
@@ -112,6 +124,7 @@ class Hardware:
     gpus: tuple[Gpu, ...]
     source: str  # one line
     assumed: bool = False  # not (all) read from NVML: a dry run's assumption or a flag's
+    simulated: str | None = None  # read from a simulated box (PD_HARNESS_SIMULATED_GPUS's value)
 
 
 @dataclass(frozen=True)
@@ -125,19 +138,24 @@ class Night:
     tagged: bool  # several versions: step ids end in @<version>
     util: float | None  # GPU_MEMORY_UTILIZATION given by hand
     hub_models: list[str] = field(default_factory=list)  # what the prefetch downloads, shared across versions
+    simulated: str | None = None  # a simulated box: its steps' servers are stand-ins
+    load_requests: int | None = None  # each run's load phase (--load-requests); None: the runs' default
 
     def sid(self, kind: str, name: str) -> str:
         return f"{kind}/{name}" + (f"@{self.version}" if self.tagged else "")
 
     @property
-    def version_args(self) -> tuple[str, ...]:
-        return ("--vllm-version", self.version) if self.version else ()
+    def run_args(self) -> tuple[str, ...]:
+        return (("--vllm-version", self.version) if self.version else ()) + (
+            ("--load-requests", str(self.load_requests)) if self.load_requests is not None else ())
 
     @property
     def env(self) -> tuple[tuple[str, str], ...]:
-        """A GPU step sees exactly the night's GPUs, by physical id, in NVML's order (harness/gpu/visible.py)."""
+        """A GPU step sees exactly the night's GPUs, by physical id, in NVML's order (harness/gpu/visible.py); on a
+        simulated box, the same box read through those ids (visible= left out, as CUDA reads a child's list)."""
         ids = ",".join(str(g.id) for g in self.gpus)
-        return (("CUDA_VISIBLE_DEVICES", ids), ("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER))
+        sim = ((SIMULATED_ENV, parse_box(self.simulated).for_child()),) if self.simulated else ()
+        return (("CUDA_VISIBLE_DEVICES", ids), ("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER), *sim)
 
 
 def _server_commands(plan: GpuPlan, model: str, python: str, base: E2EConfig | None = None,
@@ -186,17 +204,45 @@ def _plan(night: Night, sid: str, tp_p: int, tp_d: int, model: str, baseline_fir
 
 
 def build_steps(gpus: Sequence[Gpu], python: str, run_dir: Path, versions: Sequence[str] = (),
-                matrix_file: Path | None = None, util: float | None = None) -> list[Step]:
+                matrix_file: Path | None = None, util: float | None = None, simulated: str | None = None,
+                load_requests: int | None = None) -> list[Step]:
     """Every step of the nightly run on ``gpus`` (physical ids, memory, names), for each of ``versions`` (none: the
-    pinned one); pure apart from reading the configs. ``util``: GPU_MEMORY_UTILIZATION given by hand."""
+    pinned one); pure apart from reading the configs. ``util``: GPU_MEMORY_UTILIZATION given by hand; ``simulated``:
+    the simulated box the GPUs are on (nothing to prefetch, the history kept in the night's folder);
+    ``load_requests``: each run's load phase (None: the runs' default)."""
     steps: list[Step] = []
     hub_models: list[str] = []
     matrix_ids: list[str] = []
     for version in list(versions) or [None]:
-        night = Night(tuple(gpus), python, run_dir, version, len(versions) > 1, util, hub_models)
+        night = Night(tuple(gpus), python, run_dir, version, len(versions) > 1, util, hub_models, simulated,
+                      load_requests)
         steps += _matrix_steps(night, matrix_file, matrix_ids)
         steps += [_accuracy_step(night, *run) for run in ACCURACY_RUNS]
-    return [_prefetch_step(python, hub_models), *steps, history_step(python, run_dir, versions, matrix_ids)]
+    history = history_step(python, run_dir, versions, matrix_ids)
+    prefetch = _prefetch_step(python, hub_models)
+    if simulated:
+        prefetch = replace(prefetch, skip_reason=f"{SIM_REASON}: the stand-in servers load no weights and lm-eval "
+                                                 "does not run, so nothing is downloaded")
+        # simulated outcomes stay in the night's folder, never in the results store real runs are drawn from
+        history = replace(history, env=(("PD_HARNESS_RESULTS_DIR", str(run_dir / "history" / "results-simulated")),),
+                          note=f"{history.note}; {SIM_REASON}: the stand-ins' outcomes, kept in the night's folder")
+    return [prefetch, *steps, history]
+
+
+def select_steps(steps: Sequence[Step], patterns: Sequence[str]) -> list[Step]:
+    """``--only``: the steps whose id matches one of ``patterns`` (shell-style, e.g. ``accuracy/*``); the others are
+    skipped with the reason. No pattern: every step."""
+    from fnmatch import fnmatchcase
+
+    if not patterns:
+        return list(steps)
+    return [s if s.skip_reason is not None or any(fnmatchcase(s.id, p) for p in patterns)
+            else replace(s, skip_reason=f"not selected by --only {','.join(patterns)}") for s in steps]
+
+
+def scale_timeouts(steps: Sequence[Step], factor: float) -> list[Step]:
+    """``--timeout-scale``: every step's timeout times ``factor``."""
+    return [replace(s, timeout_s=s.timeout_s * factor) for s in steps]
 
 
 def _matrix_steps(night: Night, matrix_file: Path | None, matrix_ids: list[str]) -> list[Step]:
@@ -223,7 +269,7 @@ def _accuracy_step(night: Night, hub_id: str, tp_p: int, tp_d: int) -> Step:
     gplan, skip = _plan(night, sid, tp_p, tp_d, hub_id)
     argv = (night.python, "-m", "harness", "e2e", "--device", "gpu", "--model", hub_id, "--tp-p", str(tp_p), "--tp-d",
             str(tp_d), "--accuracy", "--accuracy-task", ACCURACY_TASK, "--run-dir", str(night.run_dir / sid),
-            *night.version_args)
+            *night.run_args)
     expected = entry.gsm8k_expected if entry else None
     checks = E2E_CHECKS + (ACCURACY_CHECKS if expected is not None else ACCURACY_CHECKS[:-1])
     if skip is None and hub_id not in night.hub_models:
@@ -253,7 +299,7 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
     model = models[p.model].hub_id or p.model
     sid = night.sid(kind, p.id)
     argv = (night.python, "-m", "harness", "matrix", str(file), "--only", p.id, "--device", "gpu", "--gpus",
-            str(len(night.gpus)), "--run-dir", str(night.run_dir / sid), *night.version_args)
+            str(len(night.gpus)), "--run-dir", str(night.run_dir / sid), *night.run_args)
     gplan, skip = None, p.skip_reason
     if skip is None:  # the matrix runs its baseline after P/D
         gplan, skip = _plan(night, sid, p.tp_p, p.tp_d, model, baseline_first=False)
@@ -306,20 +352,27 @@ def render_dry_run(steps: Sequence[Step], hw: Hardware) -> str:
     return "\n".join(out)
 
 
-def junit_xml(results: Sequence[StepResult], name: str = "nightly-gpu") -> str:
-    """One testcase per step: failure for failed/timed-out steps, skipped with its reason."""
+def junit_xml(results: Sequence[StepResult], name: str = "nightly-gpu", simulated: str | None = None) -> str:
+    """One testcase per step: failure for failed/timed-out steps, skipped with its reason; a passed step's note (a
+    simulated box's) in its output. ``simulated``: the box, as a property of the suite."""
     suite = ET.Element("testsuite", name=name, tests=str(len(results)),
                        failures=str(sum(r.status in ("failed", "timeout") for r in results)),
                        skipped=str(sum(r.status == "skipped" for r in results)), errors="0",
                        time=f"{sum(r.seconds for r in results):.1f}")
+    if simulated:
+        props = ET.SubElement(suite, "properties")
+        ET.SubElement(props, "property", name="simulated_gpus", value=f"{SIMULATED_ENV}={simulated}")
     for r in results:
         case = ET.SubElement(suite, "testcase", classname=f"nightly.{r.step.kind}", name=r.step.id, time=f"{r.seconds:.1f}")
         if r.status == "skipped":
             ET.SubElement(case, "skipped", message=r.message)
         elif r.status in ("failed", "timeout"):
             ET.SubElement(case, "failure", message=r.message, type=r.status).text = r.message
+        out = [r.message] if r.status == "passed" and r.message else []
         if r.log:
-            ET.SubElement(case, "system-out").text = f"log: {r.log}"
+            out.append(f"log: {r.log}")
+        if out:
+            ET.SubElement(case, "system-out").text = "\n".join(out)
     return ET.tostring(suite, encoding="unicode", xml_declaration=True)
 
 
@@ -332,25 +385,28 @@ def run_step(step: Step, log_path: Path) -> StepResult:
                                       env=dict(step.env), stop_grace_s=STOP_GRACE_S))
     with proc:
         while proc.returncode is None and time.monotonic() - t0 < step.timeout_s:
-            time.sleep(1.0)
+            time.sleep(STEP_POLL_S)
         rc = proc.returncode
     secs = time.monotonic() - t0
     if rc is None:
         return StepResult(step, "timeout", secs, f"no result within {step.timeout_s:g} s; stopped", str(log_path))
     if rc != 0:
-        return StepResult(step, "failed", secs, f"exit code {rc}; last lines:\n{tail(log_path, 15)}", str(log_path))
-    return StepResult(step, "passed", secs, "", str(log_path))
+        return StepResult(step, "failed", secs, f"exit code {rc}; last lines:\n{tail(log_path, 15)}", str(log_path), rc)
+    return StepResult(step, "passed", secs, "", str(log_path), rc)
 
 
 def run_steps(steps: Sequence[Step], run_dir: Path, runner: Callable[[Step, Path], StepResult] = run_step,
-              gpu_guard: Callable[[Step], Callable[[], str | None] | str] | None = None, out=sys.stdout) -> list[StepResult]:
+              gpu_guard: Callable[[Step], Callable[[], str | None] | str] | None = None, out=sys.stdout,
+              simulated: str | None = None) -> list[StepResult]:
     """Every step in order; JUnit XML rewritten after each, so an interrupted night keeps what ran.
 
     ``gpu_guard(step)`` checks the GPUs before a step (an error string fails the step unrun) and returns a
-    callable that checks after it that they were released (an error string fails the step).
+    callable that checks after it that they were released (an error string fails the step). ``simulated``: the
+    simulated box the night runs on; each step's result is then judged by ``judge_simulated``.
     """
     results: list[StepResult] = []
     junit = run_dir / "junit.xml"
+    judge = (lambda r: judge_simulated(r, simulated)) if simulated else (lambda r: r)
     for s in steps:
         if s.skip_reason is not None:
             results.append(StepResult(s, "skipped", 0.0, s.skip_reason))
@@ -361,22 +417,72 @@ def run_steps(steps: Sequence[Step], run_dir: Path, runner: Callable[[Step, Path
                 check = gpu_guard(s)
                 if isinstance(check, str):
                     results.append(StepResult(s, "failed", 0.0, f"GPUs not ready: {check}"))
-                    _write(junit, results, out, s)
+                    _write(junit, results, out, s, simulated)
                     continue
                 after = check
-            r = runner(s, run_dir / "steps" / f"{s.id.replace('/', '-')}.log")
+            r = judge(runner(s, run_dir / "steps" / f"{s.id.replace('/', '-')}.log"))
             leak = after() if after else None
             if leak and r.status == "passed":
                 r = StepResult(s, "failed", r.seconds, f"GPUs not released: {leak}", r.log)
             results.append(r)
-        _write(junit, results, out, s)
+        _write(junit, results, out, s, simulated)
     return results
 
 
-def _write(junit: Path, results: list[StepResult], out, s: Step) -> None:
+def judge_simulated(r: StepResult, box: str) -> StepResult:
+    """A matrix or accuracy step on a simulated box passes when every run it made got through with the stand-ins: each
+    run's report marked simulated, verdict pass (its data-path checks skipped). What vLLM would have done cannot be
+    shown by stand-ins and is not judged: a matrix entry that expects vLLM to refuse the pair makes the matrix exit 1
+    when the stand-ins serve it, which is accepted here. Timeouts and the other steps stay as they ran."""
+    if r.status not in ("passed", "failed") or r.step.kind not in ("matrix", "accuracy"):
+        return r
+    runs = simulated_runs(r.step)
+    bad = [f"{name}: {why}" for name, why in runs if why]
+    rc_ok = r.returncode == 0 or (r.step.kind == "matrix" and r.returncode == 1)
+    if not runs or bad or not rc_ok:
+        why = "; ".join(bad) or ("no run report" if not runs else f"exit code {r.returncode}")
+        return replace(r, status="failed", message=f"{SIM_REASON}: {why}\n{r.message}".strip())
+    note = (f"{SIM_REASON} ({SIMULATED_ENV}={box}): {len(runs)} run(s) got through with stand-in servers; their "
+            "data-path checks were skipped, not passed")
+    if r.returncode:
+        note += "; the matrix's expected outcomes of vLLM were not judged (exit code 1: stand-ins cannot show them)"
+    return replace(r, status="passed", message=note)
+
+
+def simulated_runs(step: Step) -> list[tuple[str, str | None]]:
+    """Each run a step made (its e2e run, or each pair its matrix ran) and what is wrong with it on a simulated box."""
+    import json
+
+    folder = step.run_dir
+    if folder is None:
+        return []
+    if step.kind == "accuracy":
+        return [(step.id, _simulated_problem(folder / "report.json"))]
+    try:
+        pairs = json.loads((folder / "report.json").read_text()).get("pairs") or []
+    except (OSError, ValueError):
+        return []
+    return [(p["id"], _simulated_problem(Path(p["run_dir"]) / "report.json")) for p in pairs if p.get("run_dir")]
+
+
+def _simulated_problem(report: Path) -> str | None:
+    import json
+
+    try:
+        d = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return f"no run report ({report})"
+    if not d.get("simulated"):
+        return f"{report} is not marked simulated"
+    if d.get("verdict") != "pass":
+        return f"verdict {d.get('verdict')}: {str(d.get('reason'))[:300]}"
+    return None
+
+
+def _write(junit: Path, results: list[StepResult], out, s: Step, simulated: str | None = None) -> None:
     junit.parent.mkdir(parents=True, exist_ok=True)
     tmp = junit.with_suffix(".xml.tmp")
-    tmp.write_text(junit_xml(results))
+    tmp.write_text(junit_xml(results, simulated=simulated))
     tmp.replace(junit)
     r = results[-1]
     print(f"nightly: {s.id}: {r.status}" + (f" ({r.message.splitlines()[0]})" if r.message else ""), file=out, flush=True)
@@ -419,14 +525,14 @@ def choose_hardware(d: Discovery, count: int | None, mem_gib: float | None, dry_
         n, mem = count or DEFAULT_GPUS, mem_gib or DEFAULT_GPU_MEM_GIB
         given = "--gpus/--gpu-mem-gib" if count or mem_gib else "default"
         return Hardware(uniform_gpus(n, mem), f"{n} x {mem:g} GiB assumed ({given}); {why}", assumed=True)
-    seen = d.plan_gpus()
+    seen, sim = d.plan_gpus(), d.simulated
     if count is not None and count > len(seen):
         if not dry_run:
             raise ConfigError(f"the nightly run needs {count} GPUs, {len(seen)} present ({d.describe()}); "
                               "--dry-run prints the plan anywhere")
         mem = mem_gib or min(g.total_gib for g in seen)
         return Hardware(uniform_gpus(count, mem), f"{count} x {mem:g} GiB assumed (--gpus {count}); {d.describe()}",
-                        assumed=True)
+                        assumed=True, simulated=sim)
     if mem_gib is not None and not dry_run:
         # The steps' own runs plan with NVML's memory; a night planned otherwise would check the wrong shares.
         raise ConfigError("--gpu-mem-gib only plans a dry run: a real run takes each GPU's memory from NVML, "
@@ -435,8 +541,8 @@ def choose_hardware(d: Discovery, count: int | None, mem_gib: float | None, dry_
     how = d.describe() + (f"; the first {count} by --gpus" if count and count < len(seen) else "")
     if mem_gib:
         return Hardware(tuple(replace(g, total_gib=mem_gib) for g in chosen), f"{how}; planned as {mem_gib:g} GiB each "
-                        "(--gpu-mem-gib)", assumed=True)
-    return Hardware(chosen, how)
+                        "(--gpu-mem-gib)", assumed=True, simulated=sim)
+    return Hardware(chosen, how, simulated=sim)
 
 
 def given_util(env: Mapping[str, str]) -> float | None:
@@ -455,29 +561,44 @@ def add_parser(sub) -> None:
                                           "(default: $VLLM_VERSION, else the pinned version)")
     p.add_argument("--run-dir", type=Path, help="default: runs/<timestamp>-nightly")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs the harness steps")
+    p.add_argument("--only", help="comma-separated step ids or shell patterns (e.g. 'accuracy/*'); the other steps are "
+                                  "skipped with the reason")
+    p.add_argument("--load-requests", type=non_negative_int,
+                   help="requests of each run's load phase (default: the runs' own; 0: none)")
+    p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every step's timeout (default 1)")
 
 
 def main(a: argparse.Namespace) -> int:
     from harness.envs.vllm_env import requested_versions
     from harness.gpu.nvml import discover
 
-    if (a.gpus is not None and a.gpus < 1) or (a.gpu_mem_gib is not None and a.gpu_mem_gib <= 0):
-        print("error: --gpus and --gpu-mem-gib must be > 0", file=sys.stderr)
+    if (a.gpus is not None and a.gpus < 1) or (a.gpu_mem_gib is not None and a.gpu_mem_gib <= 0) \
+            or a.timeout_scale <= 0:
+        print("error: --gpus, --gpu-mem-gib and --timeout-scale must be > 0", file=sys.stderr)
         return 2
     run_dir = a.run_dir or REPO_ROOT / "runs" / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-nightly-{os.getpid()}"
     try:
         versions = requested_versions(a.vllm_version)
         util = given_util(os.environ)
         hw = choose_hardware(discover(), a.gpus, a.gpu_mem_gib, a.dry_run)
-        steps = build_steps(hw.gpus, a.python, run_dir, versions, util=util)
+        steps = build_steps(hw.gpus, a.python, run_dir, versions, util=util, simulated=hw.simulated,
+                            load_requests=a.load_requests)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    steps = scale_timeouts(select_steps(steps, [p.strip() for p in (a.only or "").split(",") if p.strip()]),
+                           a.timeout_scale)
     if a.dry_run:
         print(render_dry_run(steps, hw))
         return 0
+    if hw.simulated:  # one box for the whole night: every step's stand-ins register in the same state folder
+        from harness.gpu.claims import box_state
+
+        box_state()
     print(f"nightly: run folder {run_dir}; GPUs: {hw.source}", flush=True)
-    results = run_steps(steps, run_dir, gpu_guard=nvml_guard)
+    results = run_steps(steps, run_dir, gpu_guard=nvml_guard, simulated=hw.simulated)
     bad = [r for r in results if r.status in ("failed", "timeout")]
-    print(f"nightly: {len(results) - len(bad)} of {len(results)} steps passed or skipped; junit {run_dir / 'junit.xml'}")
+    sim = f" [{SIM_REASON}: stand-in servers; data-path checks skipped, not passed]" if hw.simulated else ""
+    print(f"nightly: {len(results) - len(bad)} of {len(results)} steps passed or skipped{sim}; "
+          f"junit {run_dir / 'junit.xml'}")
     return 1 if bad else 0

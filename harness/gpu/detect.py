@@ -11,6 +11,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from harness.core.errors import ConfigError
 from harness.gpu.simulate import simulated_box
 from harness.gpu.visible import VISIBLE_ENV, resolve_visible
 
@@ -56,3 +57,17 @@ def count_gpus(env: Mapping[str, str] | None = None) -> int:
         folders = sorted(PROC_GPUS.iterdir()) if PROC_GPUS.is_dir() else []
         uuids, raw = [_proc_uuid(f) for f in folders], env.get(VISIBLE_ENV)
     return len(resolve_visible(raw, uuids).indices)
+
+
+DEVICE_ENV = "PD_HARNESS_DEVICE"  # the default --device: a test suite or a node pins it; unset, the host decides
+
+
+def default_device(env: Mapping[str, str] | None = None) -> str:
+    """``cpu`` or ``gpu`` for a command given no --device: $PD_HARNESS_DEVICE, else gpu where an NVIDIA GPU is."""
+    env = os.environ if env is None else env
+    pinned = env.get(DEVICE_ENV, "").strip()
+    if pinned:
+        if pinned not in ("cpu", "gpu"):
+            raise ConfigError(f"{DEVICE_ENV}={pinned!r}: give cpu or gpu")
+        return pinned
+    return "gpu" if has_nvidia_gpu(env) else "cpu"

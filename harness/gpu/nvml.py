@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from harness.gpu.claims import live_claims, state_dir
 from harness.gpu.plan import GIB, Gpu, GpuPlan
 from harness.gpu.simulate import SIMULATED_ENV, simulated_box
 from harness.gpu.visible import ORDER_ENV, VISIBLE_ENV, resolve_visible
@@ -124,7 +125,8 @@ def _host(nvml) -> tuple[tuple[GpuInfo, ...], str | None] | str:
 def discover(nvml=None, env: Mapping[str, str] | None = None) -> Discovery:
     """The GPUs the caller may use (``env``'s CUDA_VISIBLE_DEVICES; default os.environ) with memory and compute
     PIDs. No driver, no pynvml or a CUDA_VISIBLE_DEVICES naming no GPU gives an unavailable result with the reason.
-    ``nvml``: a stand-in module; without one PD_HARNESS_SIMULATED_GPUS, when set, picks a simulated box."""
+    ``nvml``: a stand-in module; without one PD_HARNESS_SIMULATED_GPUS, when set, picks a simulated box, with the
+    stand-in servers registered in its state folder (claims.py) running on it."""
     env = os.environ if env is None else env
     raw, sim = env.get(VISIBLE_ENV), None
     if nvml is None:
@@ -133,7 +135,7 @@ def discover(nvml=None, env: Mapping[str, str] | None = None) -> Discovery:
         except ValueError as e:
             return Discovery(False, reason=str(e), simulated=env.get(SIMULATED_ENV))
         if box is not None:
-            nvml, sim = box.module(), box.spec
+            nvml, sim = box.module(live_claims(state_dir(env))), box.spec
             raw = box.visible if box.visible is not None else raw
         else:
             try:

@@ -134,6 +134,7 @@ class GpuPlan:
     max_util: float = MAX_UTIL
     baseline_alone: bool = True  # the harness never runs the baseline beside P/D
     util_given: float | None = None  # a gpu_memory_utilization given by hand, taken by every server
+    simulated: str | None = None  # planned on a simulated box (PD_HARNESS_SIMULATED_GPUS's value): stand-ins serve
 
     def server(self, role: str, index: int = 0) -> ServerPlacement:
         for s in self.servers:
@@ -172,6 +173,7 @@ class GpuPlan:
             "model_memory": {**asdict(self.model), "rule": f"per rank: weights/tp x {WEIGHT_OVERHEAD} + {HEADROOM_GIB} GiB headroom"},
             "required_free_gib": {str(k): round(v, 2) for k, v in self.required_free_gib().items()},
             "notes": list(self.notes),
+            **({"simulated": self.simulated} if self.simulated else {}),
         }
 
 

@@ -2,7 +2,8 @@
 
 Glue between the pure planner (``gpu_plan``) and NVML (``nvml``), with NVML injectable so that it
 is tested here with a fake module. The pipeline asks it for each server's placement and calls
-``before(phase)`` / ``after(phase, pids)`` around the baseline and the P/D phase.
+``before(phase)`` / ``after(phase, pids)`` around the baseline and the P/D phase; each check that passed is
+kept in ``checks`` for the report (one that fails raises GpuCheckFailed: the run fails as gpu-check-failed).
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
+from dataclasses import replace
+
+from harness.checks.check import Check
 from harness.core.errors import ConfigError
 from harness.gpu.plan import GpuPlan, PlanError, ServerPlacement, UtilizationError, model_memory, plan_gpus
-from harness.gpu.nvml import GpuCheckFailed, check_free, discover, wait_released
+from harness.gpu.nvml import RELEASE_TOLERANCE_GIB, GpuCheckFailed, check_free, discover, wait_released
 
 RELEASE_TIMEOUT_S = 120.0  # a driver takes a few seconds to hand memory back after the processes exit
 
@@ -42,7 +46,10 @@ class GpuRun:
                               f"does not fit P TP{tp_p} + D TP{tp_d} here: {e}") from None
         except PlanError as e:
             raise ConfigError(f"no GPU placement for P TP{tp_p} + D TP{tp_d}: {e}") from None
+        self.simulated = d.simulated  # the PD_HARNESS_SIMULATED_GPUS value when the box is simulated
+        self.plan = replace(self.plan, simulated=d.simulated)
         self._free_before: dict[str, dict[int, float]] = {}
+        self.checks: list[Check] = []  # the NVML checks made so far, in order (all passed: a failure raises)
 
     def placement(self, role: str, index: int = 0) -> ServerPlacement:
         return self.plan.server(role, index)
@@ -57,8 +64,31 @@ class GpuRun:
             raise GpuCheckFailed(f"cannot check free GPU memory: {d.reason}")
         check_free(self.plan, d.gpus, phase)
         self._free_before[phase] = {g.index: g.free_gib for g in d.gpus}
+        need = self.plan.required_free_gib(phase)
+        free = {g.index: g.free_gib for g in d.gpus}
+        tight = min(need, key=lambda g: free[g] - need[g])  # the GPU with the least to spare
+        detail = (f"NVML: GPUs {_ids(need)} have the free memory the {phase} phase's servers will take (least to "
+                  f"spare: GPU {tight}, {free[tight]:.1f} GiB free, {need[tight]:.1f} needed){self._sim()}")
+        data = {"free_gib": _gib(free, need), "need_gib": _gib(need, need)}
+        self.checks.append(Check(f"gpu_free_before_{phase}", True, detail, data))
 
     def after(self, phase: str, pids: Iterable[int]) -> None:
         """Our processes have left the GPUs and the memory is back; otherwise this run fails, not the next one."""
-        wait_released(pids, self._gpu_ids(phase), self.release_timeout_s, self._free_before.get(phase), nvml=self.nvml,
+        pids, gpu_ids, t0 = sorted(pids), self._gpu_ids(phase), time.monotonic()
+        wait_released(pids, gpu_ids, self.release_timeout_s, self._free_before.get(phase), nvml=self.nvml,
                       sleep=self.sleep, env=self.env)
+        self.checks.append(Check(f"gpu_released_after_{phase}", True, f"NVML: none of the {phase} phase's {len(pids)} "
+                                 f"PIDs on GPUs {_ids(gpu_ids)} after teardown, free memory back to within "
+                                 f"{RELEASE_TOLERANCE_GIB:g} GiB of before, after {time.monotonic() - t0:.1f} s"
+                                 f"{self._sim()}", {"pids": pids}))
+
+    def _sim(self) -> str:
+        return f" [simulated box {self.simulated}]" if self.simulated else ""
+
+
+def _ids(gpus: Iterable[int]) -> str:
+    return ",".join(map(str, gpus))
+
+
+def _gib(values: Mapping[int, float], only: Iterable[int]) -> dict[str, float]:
+    return {str(g): round(values[g], 2) for g in only}

@@ -12,14 +12,19 @@
 Without ``visible=`` the real environment's CUDA_VISIBLE_DEVICES applies. Simulated UUIDs are
 ``GPU-00000000-0000-4000-8000-<index as 12 hex digits>``. ``FakeNvml`` is also what the unit tests
 script changing GPU states with (tests/unit/gpu/fake_nvml.py).
+
+What runs on the box is what the stand-in servers (standin.py) registered in its state folder (claims.py): each
+one's PID is listed on its GPUs and its memory is taken from their free memory while it lives.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+
+from harness.gpu.claims import Claim
 
 SIMULATED_ENV = "PD_HARNESS_SIMULATED_GPUS"
 UNREADABLE = "unreadable"
@@ -121,12 +126,24 @@ class SimulatedBox:
     visible: str | None = None  # the caller's CUDA_VISIBLE_DEVICES on that box; None: the real environment's
     unreadable: bool = False
 
-    def module(self) -> FakeNvml:
+    def module(self, claims: Sequence[Claim] = ()) -> FakeNvml:
+        """The box as NVML shows it with ``claims`` (live processes) running: their PIDs on their GPUs, their
+        memory taken from the free memory."""
         if self.unreadable:
             return FakeNvml(init_error="Driver Not Loaded (simulated)")
         name = self.name or NAMES.get(round(self.mem_gib), f"Simulated GPU {self.mem_gib:g}GB")
         free = self.mem_gib - 0.5 if self.free_gib is None else self.free_gib
-        return FakeNvml([[FakeGpu(self.mem_gib, free, name=name, uuid=sim_uuid(i)) for i in range(self.count)]])
+        gpus = []
+        for i in range(self.count):
+            on = [c for c in claims if i in c.gpus]
+            held = sum(c.gib_per_gpu for c in on)
+            gpus.append(FakeGpu(self.mem_gib, max(0.0, free - held), sorted(c.pid for c in on), name, uuid=sim_uuid(i)))
+        return FakeNvml([gpus])
+
+    def for_child(self) -> str:
+        """The switch's value for a process given its own CUDA_VISIBLE_DEVICES (a server, a nightly step): the same
+        box without ``visible=``, so that the child's CUDA_VISIBLE_DEVICES applies, as it does for CUDA."""
+        return ":".join(p for p in self.spec.strip().split(":") if not p.startswith("visible="))
 
 
 def parse_box(spec: str) -> SimulatedBox:

@@ -11,7 +11,7 @@ from harness.core.argtypes import non_negative_int, positive_int
 from harness.core.cpuinfo import cpu_flags
 from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
-from harness.gpu.detect import count_gpus, has_nvidia_gpu
+from harness.gpu.detect import count_gpus, default_device
 from harness.run.config import E2EConfig
 from harness.workload.load import LoadSettings
 from harness.envs.vllm_env import versions_from
@@ -46,7 +46,7 @@ def main(a: argparse.Namespace) -> int:
     try:
         matrix, models = load_matrix(a.file or MATRIX_YAML)
         only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
-        device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+        device = a.device or default_device()
         versions = versions_from(a.vllm_version, device)
         gpus = a.gpus if a.gpus is not None else count_gpus()
         flags = cpu_flags() if device == "cpu" else None

@@ -46,12 +46,35 @@ class ModelsFile(BaseModel):
         require_unique_ids([m.id for m in self.models], "model")
         return self
 
-    def find(self, name: str) -> ModelEntry | None:
-        """By id, hub id, or a local folder named like either."""
+    def find(self, name: str, files: bool = True) -> ModelEntry | None:
+        """By id, hub id, or a local folder named like either; else (``files``) a model of this machine's files
+        (``entry_from_files``), so that a hub model that is not listed can still be planned."""
         base = Path(name).name
         for m in self.models:
             if name in (m.id, m.hub_id) or base in (m.id, (m.hub_id or "").split("/")[-1]):
                 return m
+        return entry_from_files(name) if files else None
+
+
+def entry_from_files(model: str) -> ModelEntry | None:
+    """An entry for a model of a local folder or of the local Hugging Face cache: heads and shape from its config.json,
+    params_b from its safetensors headers (None when they cannot be read). ``hub_id`` stays None: it is no listed
+    model, so nothing that needs one (the "Paris" smoke check, a published GSM8K score) applies. None: not here."""
+    from harness.models.hub import config_shape, locate, read_config, weights
+
+    cfg = read_config(model)
+    loc = locate(model)
+    if cfg is None or loc is None:
+        return None
+    shape = config_shape(cfg)
+    w = weights(loc.folder)
+    where = "the local Hugging Face cache" if loc.from_cache else "a local folder"
+    try:
+        return ModelEntry(id=Path(model).name, description=f"read from {where}: {loc.folder}",
+                          attention_heads=shape["attention_heads"], kv_heads=shape["kv_heads"],
+                          params_b=w.params / 1e9 if w and w.params else None, family=shape["family"],
+                          head_dim=shape["head_dim"], sliding_window=shape["sliding_window"], mla=shape["mla"])
+    except ValidationError:  # a config without heads (or inconsistent ones): the preflight says what is wrong
         return None
 
 

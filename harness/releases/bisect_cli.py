@@ -54,7 +54,7 @@ def main(a: argparse.Namespace) -> int:
     from packaging.version import InvalidVersion, Version
 
     from harness.envs.vllm_env import DISTRIBUTION, check_version
-    from harness.gpu.detect import count_gpus, has_nvidia_gpu
+    from harness.gpu.detect import count_gpus, default_device
     from harness.matrix.config import MATRIX_YAML, load_matrix
     from harness.releases.index import between, list_releases
     from harness.releases.probe import Prober
@@ -73,7 +73,7 @@ def main(a: argparse.Namespace) -> int:
         entry = matrix.get(a.entry)
         if entry is None:
             raise ConfigError(f"unknown matrix entry {a.entry!r} (known: {', '.join(e.id for e in matrix.entries)})")
-        device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+        device = a.device or default_device()
         if entry.device != device:
             raise ConfigError(f"{a.entry} is a {entry.device} entry; this run is on {device}")
         lo, hi = sorted((good, bad), key=Version)

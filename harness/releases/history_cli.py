@@ -50,7 +50,7 @@ def import_runs(folder: Path, store, by: str) -> int:
 
 def main(a: argparse.Namespace) -> int:
     from harness.envs.vllm_env import DISTRIBUTION
-    from harness.gpu.detect import count_gpus, has_nvidia_gpu
+    from harness.gpu.detect import count_gpus, default_device
     from harness.matrix.config import MATRIX_YAML, load_matrix
     from harness.matrix.plan import plan
     from harness.releases.index import list_releases, parse_range
@@ -61,7 +61,7 @@ def main(a: argparse.Namespace) -> int:
         if a.keep_envs is not None and a.keep_envs < 1:
             raise ConfigError("--keep-envs must be >= 1 (the environment in use stays)")
         matrix, models = load_matrix(a.config or MATRIX_YAML)
-        device = a.device or ("gpu" if has_nvidia_gpu() else "cpu")
+        device = a.device or default_device()
         only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
         versions = parse_range(a.versions, list_releases(DISTRIBUTION[device]))
         ids = [e.id for e in matrix.entries if (only is None and e.device == device) or (only is not None and e.id in only)]

@@ -19,6 +19,7 @@ from harness.run.context import RunContext
 from harness.run.launch import Server
 from harness.run.load import baseline_load
 from harness.run.prefix import baseline_prefix
+from harness.run.simulated import simulated
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.servers import AttachedServers
@@ -193,7 +194,7 @@ def _launched(ctx: RunContext, base: Server, t0: float) -> BaselineResult:
         ctx.timed("baseline_requests", t1)
         result.load = baseline_load(ctx, base.url)
         result.prefix = baseline_prefix(ctx, base.url)
-        if ctx.accuracy is not None:
+        if ctx.accuracy is not None and not simulated(ctx):  # stand-ins would only be scored on their words
             result.eval = ctx.lm_eval(base.url, "baseline", [base.proc])
         t_stop = time.monotonic()
     ctx.report.timings_s["baseline_teardown"] = time.monotonic() - t_stop

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
 
 from harness.accuracy.settings import AccuracySettings
 from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
 from harness.serve.axes import ServerAxes
+from harness.serve.servers import Attach, Served
 from harness.serve.vllm_cmd import CpuTuning
 from harness.workload.load import LoadSettings
 
@@ -168,3 +170,91 @@ def env_defaults(env: Mapping[str, str] = os.environ) -> dict[str, object]:
             raise ConfigError(f"{var}={raw!r} must be a positive integer")
         out[key] = value
     return out
+
+
+DEVICES = ("cpu", "gpu")
+# Where vLLM 0.32.0 says its device and dtype: only /server_info, which it serves with VLLM_SERVER_DEV_MODE=1.
+SERVER_INFO_HINT = ("vLLM says them only at /server_info, served with VLLM_SERVER_DEV_MODE=1 (its /metrics and "
+                    "/v1/models do not)")
+
+
+@dataclass(frozen=True)
+class AttachSettings:
+    """What a run against attached servers takes from them: the model D serves, the device (thresholds, defaults, the
+    local baseline's placement), the model dtype and max_model_len (the local baseline's), each with its source."""
+
+    model: str
+    device: str
+    dtype: str | None  # None: unknown; a baseline launched here then uses the device's default
+    max_model_len: int | None  # None: unknown; the device's default
+    baseline_here: bool  # no --baseline-url: the harness launches the baseline on this host
+    sources: dict[str, str]
+
+
+def on_this_host(url: str) -> bool:
+    host = (urlparse(url).hostname or "").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _one(values: dict[str, str], what: str) -> str | None:
+    """The single value the servers report (url -> value), None if none does; ConfigError if they disagree."""
+    seen = sorted(set(values.values()))
+    if len(seen) > 1:
+        raise ConfigError(f"the attached servers report different {what}s: "
+                          + ", ".join(f"{u} {v}" for u, v in sorted(values.items())))
+    return seen[0] if seen else None
+
+
+def _attach_device(served: Sequence[Served], flag: str | None, host_device: Callable[[], str]) -> tuple[str, str]:
+    reported = _one({s.url: s.device for s in served if s.device}, "device")
+    if reported is not None and reported not in DEVICES:
+        raise ConfigError(f"the attached servers run on {reported}; this harness compares runs on cpu or gpu")
+    if flag is not None:
+        if reported is not None and reported != flag:
+            raise ConfigError(f"--device {flag}, but the attached servers report device {reported}")
+        return flag, "--device"
+    if reported is not None:
+        return reported, "the servers' /server_info"
+    # Servers on this host share its hardware: the host's default is the one a run launching them would take.
+    if served and all(on_this_host(s.url) for s in served):
+        return host_device(), "this host (every attached server is on it)"
+    raise ConfigError(f"attach mode: cannot tell which device the attached servers run on ({SERVER_INFO_HINT}); "
+                      "give --device cpu or --device gpu")
+
+
+def _attach_model(attach: Attach, flag: str | None) -> tuple[str, str]:
+    if flag is not None:
+        return flag, "--model"
+    url = attach.decode_urls[0].rstrip("/")
+    decode = next((s for s in attach.served if s.url == url), None)
+    if decode is None or decode.model is None:
+        why = "; ".join(u for u in (decode.unread if decode else ()) if "/v1/models" in u) or "not read"
+        raise ConfigError(f"attach mode: cannot tell which model {url} serves ({why})")
+    return decode.model, f"{url}/v1/models"
+
+
+def attach_settings(attach: Attach, model: str | None, device: str | None, dtype: str | None,
+                    max_model_len: int | None, host_device: Callable[[], str]) -> AttachSettings:
+    """The settings of a run against ``attach``'s servers from what each said (``attach.served``) and the flags given
+    (None: not given). A flag the servers contradict is a ConfigError; so is a device that cannot be told.
+    ``host_device``: this host's default device, taken only when every attached server runs on this host."""
+    served = attach.served
+    mod, mod_src = _attach_model(attach, model)
+    dev, dev_src = _attach_device(served, device, host_device)
+    reported_dtype = _one({s.url: s.dtype for s in served if s.dtype}, "dtype")
+    if dtype is not None and reported_dtype is not None and dtype != reported_dtype:
+        raise ConfigError(f"--dtype {dtype}, but the attached servers serve {reported_dtype}")
+    dt = dtype or reported_dtype
+    dt_src = "--dtype" if dtype else ("the servers' /server_info" if dt else
+                                      f"unknown ({SERVER_INFO_HINT}): a baseline launched here takes the device's "
+                                      "default; give --dtype to match the servers")
+    lengths = {s.url: s.max_model_len for s in served if s.max_model_len}
+    served_len = min(lengths.values()) if lengths else None
+    if max_model_len is not None and served_len is not None and max_model_len > served_len:
+        url = min(lengths, key=lambda u: lengths[u])
+        raise ConfigError(f"--max-model-len {max_model_len}, but {url} serves at most {served_len} tokens")
+    length = max_model_len or served_len
+    len_src = "--max-model-len" if max_model_len else ("the servers' /v1/models (the smallest)" if length else
+                                                       "unknown: the device's default")
+    return AttachSettings(mod, dev, dt, length, attach.baseline_url is None,
+                          {"model": mod_src, "device": dev_src, "dtype": dt_src, "max_model_len": len_src})

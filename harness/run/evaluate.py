@@ -16,6 +16,7 @@ from harness.run.baseline import BaselineResult
 from harness.run.context import RunContext
 from harness.run.pd import PDResult
 from harness.run.prefix import PDPrefix
+from harness.run import simulated
 from harness.workload.client import CompletionRun
 
 MIN_PROMPTS = 16
@@ -72,8 +73,11 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     if ctx.accuracy is not None and pd.eval is not None and baseline.eval is not None and pd.through is not None:
         acc_checks, ctx.report.accuracy = accuracy_checks(baseline.eval, pd.eval, ctx.accuracy)
         checks += [pd.through, *acc_checks]
+    if ctx.gpu is not None:  # NVML's free memory before each phase and its release after (harness/gpu/run.py)
+        checks += ctx.gpu.checks
     ctx.report.checks = checks
     ctx.report.config["cpu_tuning"] = ctx.cfg.cpu_tuning.to_dict() if ctx.cfg.device == "cpu" else None
+    simulated.apply(ctx)  # a simulated GPU box: the data-path checks become skipped ones (harness/run/simulated.py)
 
 
 def answered_check(baseline: CompletionRun, pd: CompletionRun, n: int) -> Check:

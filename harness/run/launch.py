@@ -10,15 +10,18 @@ from pathlib import Path
 from harness.checks.classify import FATAL_PATTERNS
 from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
+from harness.gpu.claims import STATE_ENV, box_state
 from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
+from harness.gpu.simulate import SIMULATED_ENV, simulated_box
 from harness.run.config import E2EConfig
 from harness.serve.ports import PortAllocator, server_ports
 from harness.serve.procs import ManagedProcess, ProcessSpec
-from harness.serve.vllm_cmd import FATAL_LOG_PATTERNS, ServerSpec, build_server_command
+from harness.serve.vllm_cmd import API_SERVER_MODULE, FATAL_LOG_PATTERNS, Command, ServerSpec, build_server_command
 
 PROXY_SCRIPT = REPO_ROOT / "toy_proxy_server.py"
 # Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
 RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
+STANDIN_MODULE = "harness.gpu.standin"  # what serves a simulated GPU box in vLLM's place
 
 
 @dataclass
@@ -94,18 +97,45 @@ def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model:
     ports = server_ports(alloc, tp)
     cmd = build_server_command(spec, ports, cfg.python, cfg.cpu_tuning)
     url = f"http://127.0.0.1:{ports.http}"
+    sim = simulated_spec(cfg)
+    argv, env, shown = (cmd.argv, cmd.env, cmd.shell()) if sim is None else standin(cmd, sim)
     proc = ManagedProcess(
         ProcessSpec(
             name=label or role,
-            argv=cmd.argv,
-            env={**cmd.env, RUN_TAG_ENV: str(logs_dir)},
+            argv=argv,
+            env={**env, RUN_TAG_ENV: str(logs_dir)},
             log_path=logs_dir / f"{label or role}.log",
             health_url=f"{url}/health",
             fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
             ready_timeout_s=cfg.ready_timeout_s,
         )
     )
-    return Server(spec, proc, url, cmd.shell())
+    return Server(spec, proc, url, shown)
+
+
+def simulated_spec(cfg: E2EConfig) -> str | None:
+    """The simulated GPU box a GPU run is on (PD_HARNESS_SIMULATED_GPUS), None on a real one or on CPU. A value that
+    names no box is None here: GPU discovery refuses it, with the reason, before anything is launched."""
+    if cfg.device != "gpu":
+        return None
+    try:
+        box = simulated_box(os.environ)
+    except ValueError:
+        return None
+    return None if box is None or box.unreadable else box.spec
+
+
+def standin(cmd: Command, spec: str) -> tuple[tuple[str, ...], dict[str, str], str]:
+    """(argv, env, command as the report shows it) of the stand-in that serves a simulated box in vLLM's place: vLLM's
+    own arguments and environment (its GPUs, its memory share), run by harness/gpu/standin.py. The report keeps
+    vLLM's command line, with a note saying who served it."""
+    python, flag, module, *args = cmd.argv
+    assert (flag, module) == ("-m", API_SERVER_MODULE), cmd.argv[:3]
+    path = cmd.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
+    env = {**cmd.env, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p),
+           STATE_ENV: str(box_state())}
+    note = f"  # served by a stand-in ({python} -m {STANDIN_MODULE}): simulated GPUs, {SIMULATED_ENV}={spec}"
+    return (python, "-m", STANDIN_MODULE, *args), env, cmd.shell() + note
 
 
 def make_proxy(python: str, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str], logs_dir: Path,

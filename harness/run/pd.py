@@ -19,6 +19,7 @@ from harness.models.config import load_models
 from harness.run.context import RunContext
 from harness.run.load import PDLoad, pd_load, server_metrics
 from harness.run.prefix import PDPrefix, pd_prefix
+from harness.run.simulated import simulated
 from harness.run.watch import run_watched
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
@@ -78,7 +79,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
             out.environs = servers.environs()
         out.prefix = pd_prefix(ctx, proxy_url, servers, watch)  # before the load churns D's cache
         out.load = pd_load(ctx, proxy_url, servers, watch)
-        if ctx.accuracy is not None:
+        if ctx.accuracy is not None and not simulated(ctx):  # stand-ins would only be scored on their words
             acc_before = decode_metrics(servers)
             stats_before = proxy_stats(proxy_url, servers)
             out.eval = ctx.lm_eval(proxy_url, "pd", watch)

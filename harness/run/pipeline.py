@@ -21,12 +21,12 @@ from harness.run.context import RunContext
 from harness.run.evaluate import evaluate
 from harness.run.launch import new_run_dir, resolve_model
 from harness.run.pd import local_servers, run_pd
-from harness.run.preflight import preflight
+from harness.run.preflight import attached_baseline_gpu, preflight, require_model
 from harness.run.report import Report, write_report
 from harness.run.timing import breakdown
 from harness.run.versions import installed_versions
 from harness.serve.ports import PortAllocator
-from harness.serve.servers import Attach, AttachedServers, served_model
+from harness.serve.servers import Attach, AttachedServers, card_max_model_len, model_card
 from harness.serve.vllm_cmd import plan_cpu_binding
 from harness.workload.client import GenerationSettings
 from harness.workload.prompts import prompt_set
@@ -100,16 +100,34 @@ class PDRun:
         add_token_spans(ctx, baseline, pd)
         self.report.failure = failures.from_checks(self.report.checks, ctx.read_logs(), [pd.completions, baseline.completions])
 
+    def _resolve_attached(self) -> None:
+        """The model the attached decode server serves, within its max_model_len; a baseline launched here (no
+        --baseline-url) needs the model on this machine and, on GPU, a placement of its own."""
+        ctx, cfg, attach = self.ctx, self.cfg, self.attach
+        assert attach is not None
+        card = model_card(attach.decode_urls[0])
+        ctx.served_name, root = str(card["id"]), str(card.get("root") or card["id"])
+        ctx.model = cfg.model or root
+        served_len = card_max_model_len(card)
+        if served_len is not None and cfg.model_len > served_len:
+            raise ConfigError(f"{attach.decode_urls[0]} serves at most {served_len} tokens, this run's prompts may "
+                              f"take {cfg.model_len} (--max-model-len)")
+        if attach.baseline_url is None:
+            require_model(ctx.model, "the baseline runs here (no --baseline-url), but ")
+            if cfg.device == "gpu":
+                ctx.gpu = attached_baseline_gpu(cfg, ctx.model)
+                ctx.report.config["gpu_plan"] = ctx.gpu.plan.to_dict()
+
     def _resolve(self) -> None:
         """The model, its heads and topology, the GPU plan and the accuracy settings; refuse what cannot run."""
         ctx, cfg = self.ctx, self.cfg
         progress.current().phase(f"run P TP{cfg.tp_p} -> D TP{cfg.tp_d} on {cfg.device}: resolving the model "
                                  f"{cfg.model or '(default)'}")
-        if self.attach is not None:  # the model the attached decode server serves
-            root, ctx.served_name = served_model(self.attach.decode_urls[0])
-            ctx.model = cfg.model or root
+        if self.attach is not None:
+            self._resolve_attached()
         else:
             ctx.model, ctx.served_name = resolve_model(cfg)
+            require_model(ctx.model)  # servers run offline: a model not on this machine is refused before any launch
         config = ctx.report.config
         config["resolved_model"] = ctx.model
         config["served_model_name"] = ctx.served_name

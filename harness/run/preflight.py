@@ -137,7 +137,8 @@ def config_heads(cfg: E2EConfig) -> tuple[int | None, int | None]:
     """(attention heads, KV heads) of the model ``cfg`` will serve, without building or downloading anything.
 
     No ``--model`` on CPU: the tiny local model's shape (the trained one for accuracy runs), from its spec.
-    A local folder: its config.json. Else configs/models.yaml; (None, None) when unknown there.
+    A local folder's config.json, or the hub id's in the local Hugging Face cache; else configs/models.yaml;
+    (None, None) when unknown there.
     """
     if cfg.model is None:
         if cfg.accuracy is not None:
@@ -166,11 +167,30 @@ def config_mla(cfg: E2EConfig) -> tuple[bool, int | None]:
     return (True, h.get("head_dim")) if h.get("mla") else (False, None)
 
 
+def model_problem(model: str | None) -> str | None:
+    """Why ``model`` cannot be served from this machine's files, one line naming how to fetch it (None: it can; no
+    model: the local tiny or trained one, built here)."""
+    if model is None:
+        return None
+    from harness.models.hub import availability
+
+    return availability(model)
+
+
+def require_model(model: str | None, why: str = "") -> None:
+    """``model_problem`` as a ``ConfigError`` (``why`` goes first: what needs the model here)."""
+    problem = model_problem(model)
+    if problem:
+        raise ConfigError(f"{why}{problem}")
+
+
 def preflight_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
     heads, kv = config_heads(cfg)
     mla, head_dim = config_mla(cfg)
-    return preflight(heads, kv, cfg.tp_p, cfg.tp_d, cfg.block_size_p, cfg.block_size_d, cfg.device, cpu_cores, vllm_version,
-                     mla, head_dim)
+    pf = preflight(heads, kv, cfg.tp_p, cfg.tp_d, cfg.block_size_p, cfg.block_size_d, cfg.device, cpu_cores,
+                   vllm_version, mla, head_dim)
+    missing = model_problem(cfg.model)  # first: without the model the head checks had nothing to check
+    return Preflight((missing, *pf.problems), pf.topology) if missing else pf
 
 
 def check_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
@@ -188,3 +208,59 @@ def check_gpus(cfg: E2EConfig, nvml=None) -> None:
 
     # raises ConfigError: unreadable, no GPU, no placement, or a hand-given share the colocation cannot hold
     GpuRun(cfg.tp_p, cfg.tp_d, cfg.model, nvml=nvml, gpu_memory_utilization=cfg.gpu_memory_utilization)
+
+
+ATTACH_NOTE = ("attach mode: only the baseline runs on this host (P and D run elsewhere); GpuRun plans a P/D pair with "
+               "its baseline, so a pair at the baseline's TP was planned to place it, then left out")
+
+
+def baseline_only(plan, util: float | None = None):
+    """``plan`` with its baseline alone (attach mode). ``util``: a share given by hand, which the baseline then takes
+    (ConfigError when it is short of the baseline's need)."""
+    from dataclasses import replace
+
+    base = plan.server("baseline")
+    if util is not None:
+        smallest = min(g.total_gib for g in plan.gpus if g.id in base.gpus)
+        if util * smallest < base.need_gib_per_gpu:
+            raise ConfigError(f"gpu_memory_utilization {util:g}: the baseline (TP {base.tp}) needs "
+                              f"{base.need_gib_per_gpu:.1f} GiB per GPU, {util:g} x {smallest:g} GiB is less")
+        base = replace(base, gpu_memory_utilization=util)
+    return replace(plan, servers=(base,), order=("baseline",), colocated=False, stagger_start=False,
+                   notes=(ATTACH_NOTE,), util_given=util)
+
+
+def attached_baseline_gpu(cfg: E2EConfig, model: str, nvml=None):
+    """Attach mode on GPU, the baseline launched here: a GpuRun whose plan holds only it, at D's TP (its free-memory and
+    release checks apply; the P/D phase has nothing here to check). ConfigError: no placement on this host's GPUs.
+
+    GpuRun has no one-server plan: the pair planned beside it (at the baseline's TP) only decides its GPUs, and where
+    the GPUs are too few to keep that pair apart, its halved shares may refuse a model the baseline alone would hold."""
+    from harness.gpu.run import GpuRun
+
+    class BaselineGpuRun(GpuRun):
+        # the P/D phase runs elsewhere: no server of it here, nothing to check before or after it
+        def before(self, phase: str) -> None:
+            if self.plan.phase(phase):
+                super().before(phase)
+
+        def after(self, phase: str, pids) -> None:
+            if self.plan.phase(phase):
+                super().after(phase, pids)
+
+    try:
+        gpu = BaselineGpuRun(cfg.tp_d, cfg.tp_d, model, nvml=nvml)
+        gpu.plan = baseline_only(gpu.plan, cfg.gpu_memory_utilization)
+    except ConfigError as e:
+        raise ConfigError(f"the baseline runs here (no --baseline-url): {e}") from None
+    return gpu
+
+
+def check_attached(cfg: E2EConfig, baseline_here: bool, nvml=None) -> None:
+    """Attach mode, before the run: a baseline launched here needs the model on this machine and, on GPU, a place on
+    this host's GPUs (ConfigError, one line). P and D run elsewhere with their own TP sizes: nothing of theirs here."""
+    if not baseline_here:
+        return
+    require_model(cfg.model, "the baseline runs here (no --baseline-url), but ")
+    if cfg.device == "gpu":
+        attached_baseline_gpu(cfg, str(cfg.model), nvml)

@@ -51,6 +51,9 @@ class Report:
         d: dict[str, Any] = {"verdict": self.verdict}
         if self.verdict != "pass":
             d["reason"] = self.reason
+        sim = simulated_note(self.config)
+        if sim:  # next to the verdict: a pass on a simulated GPU box proves the harness's path, not vLLM
+            d["simulated"] = sim
         d.update(
             config=self.config,
             versions=self.versions,
@@ -77,12 +80,25 @@ class Report:
         return d
 
 
+def simulated_note(config: dict[str, Any]) -> str | None:
+    """One line for a run on a simulated GPU box (harness/run/simulated.py), None for a real one."""
+    box = (config.get("gpu_plan") or {}).get("simulated")
+    if not box:
+        return None
+    sim = config.get("simulated_gpus")
+    made = (f"{len(sim.get('checks_skipped') or [])} data-path checks skipped, not passed" if sim
+            else "not evaluated: no data-path check made")
+    return f"SIMULATED GPUs (PD_HARNESS_SIMULATED_GPUS={box}): stand-in servers in vLLM's place; {made}"
+
+
 def render_markdown(d: dict[str, Any]) -> str:
     cfg = d.get("config", {})
     lines = [
         f"# P/D run: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} — **{d['verdict'].upper()}**",
         "",
     ]
+    if d.get("simulated"):
+        lines += [f"**{d['simulated']}**", ""]
     if d.get("reason"):
         lines += [f"Reason: {d['reason']}", ""]
     bc = cfg.get("baseline_cache") or {}
@@ -161,7 +177,8 @@ def print_summary(d: dict, run_dir: Path, out=sys.stdout) -> None:
     if d.get("failure"):
         print(f"  run failed [{d['failure'].get('class', 'unknown')}]: {d['failure']['reason']}", file=out)
         print("  " + str(d["failure"].get("excerpt", "")).replace("\n", "\n  "), file=out)
-    print(f"verdict: {d['verdict']}" + (f" ({d.get('reason')})" if d["verdict"] != "pass" else ""), file=out)
+    print(f"verdict: {d['verdict']}" + (f" ({d.get('reason')})" if d["verdict"] != "pass" else "")
+          + (f" [{d['simulated']}]" if d.get("simulated") else ""), file=out)
     print(f"report: {run_dir / 'report.md'}", file=out)
 
 

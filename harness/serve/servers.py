@@ -9,9 +9,10 @@ of transfer and the report the same way against either.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 import psutil
@@ -197,20 +198,118 @@ def decode_metrics(servers: ServerSet, timeout_s: float = 30.0) -> list[Sample]:
 
 
 @dataclass(frozen=True)
+class Served:
+    """What a running vLLM server says about itself. vLLM 0.32.0 exports neither its device nor its model dtype in
+    /metrics (``vllm:cache_config_info`` carries the CacheConfig only: block size, KV cache dtype, blocks, ...) nor in
+    /v1/models (model, served name, max_model_len); only ``/server_info``, served with VLLM_SERVER_DEV_MODE=1, has
+    both."""
+
+    url: str
+    model: str | None = None  # /v1/models root: the path or hub id it loaded
+    name: str | None = None  # the served model name
+    max_model_len: int | None = None
+    device: str | None = None  # cpu / gpu (another platform: its own name), from /server_info
+    dtype: str | None = None  # the model's dtype (bfloat16, float32, ...), from /server_info
+    cache: Mapping[str, str] = field(default_factory=dict)  # the labels of vllm:cache_config_info
+    unread: tuple[str, ...] = ()  # what could not be read, one line each
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "cache": dict(self.cache), "unread": list(self.unread)}
+
+
+@dataclass(frozen=True)
 class Attach:
     """Attach mode: the servers of the run were started elsewhere and are given by URL."""
 
     prefill_urls: tuple[str, ...]
     decode_urls: tuple[str, ...]
     baseline_url: str | None = None  # None: the harness launches the baseline here
+    served: tuple[Served, ...] = ()  # what the servers said before the run (read_attached)
+    sources: Mapping[str, str] = field(default_factory=dict)  # run setting (device, dtype, ...) -> where it came from
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self.prefill_urls + self.decode_urls + ((self.baseline_url,) if self.baseline_url else ())
 
     def to_dict(self) -> dict:
-        return {"prefill_urls": list(self.prefill_urls), "decode_urls": list(self.decode_urls), "baseline_url": self.baseline_url}
+        return {"prefill_urls": list(self.prefill_urls), "decode_urls": list(self.decode_urls),
+                "baseline_url": self.baseline_url, "served": [s.to_dict() for s in self.served],
+                "sources": dict(self.sources)}
+
+
+def model_card(url: str, timeout_s: float = 30.0) -> dict:
+    """The first model of a running vLLM server's /v1/models (id, root, max_model_len)."""
+    data = read_json(f"{url.rstrip('/')}/v1/models", url, timeout_s).get("data") or []
+    if not data:
+        raise MetricsUnavailable(url, "/v1/models lists no model")
+    return data[0]
 
 
 def served_model(url: str, timeout_s: float = 30.0) -> tuple[str, str]:
     """(model path or hub id, served name) of a running vLLM server, from its /v1/models."""
-    data = read_json(f"{url.rstrip('/')}/v1/models", url, timeout_s).get("data") or []
-    if not data:
-        raise MetricsUnavailable(url, "/v1/models lists no model")
-    return str(data[0].get("root") or data[0]["id"]), str(data[0]["id"])
+    card = model_card(url, timeout_s)
+    return str(card.get("root") or card["id"]), str(card["id"])
+
+
+def card_max_model_len(card: dict) -> int | None:
+    v = card.get("max_model_len")
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+
+_DEVICES = {"cuda": "gpu", "cpu": "cpu"}
+_TEXT_DTYPE = re.compile(r"\bdtype=(?:torch\.)?(\w+)")
+_TEXT_DEVICE = re.compile(r"\bdevice_config=(?:device\(type=')?(\w+)")
+
+
+def server_info_facts(info: dict) -> tuple[str | None, str | None]:
+    """(device, model dtype) from vLLM's /server_info answer (config_format json, or text from an older vLLM)."""
+    cfg = info.get("vllm_config")
+    if isinstance(cfg, dict):
+        device = (cfg.get("device_config") or {}).get("device")
+        dtype = (cfg.get("model_config") or {}).get("dtype")
+    elif isinstance(cfg, str):
+        dev_m, dtype_m = _TEXT_DEVICE.search(cfg), _TEXT_DTYPE.search(cfg)
+        device, dtype = dev_m and dev_m.group(1), dtype_m and dtype_m.group(1)
+    else:
+        return None, None
+    device = str(device).split(":")[0] if device and str(device) != "None" else None
+    dtype = str(dtype).removeprefix("torch.") if dtype and str(dtype) not in ("None", "auto") else None
+    return (_DEVICES.get(device, device) if device else None), dtype
+
+
+def cache_config_labels(samples: list[Sample]) -> dict[str, str]:
+    for s in samples:
+        if s.name == "vllm:cache_config_info":
+            return {k: v for k, v in s.labels.items() if k != "engine"}
+    return {}
+
+
+def read_served(url: str, timeout_s: float = 10.0) -> Served:
+    """What the server at ``url`` says about itself (never raises: what cannot be read is in ``unread``)."""
+    url = url.rstrip("/")
+    unread: list[str] = []
+    card: dict = {}
+    try:
+        card = model_card(url, timeout_s)
+    except MetricsUnavailable as e:
+        unread.append(e.detail)
+    cache: dict[str, str] = {}
+    try:
+        r = requests.get(f"{url}/metrics", timeout=timeout_s)
+        r.raise_for_status()
+        cache = cache_config_labels(parse_metrics(r.text))
+    except (requests.RequestException, ValueError) as e:
+        unread.append(f"GET {url}/metrics: {type(e).__name__}: {e}")
+    device = dtype = None
+    try:
+        device, dtype = server_info_facts(read_json(f"{url}/server_info?config_format=json", url, timeout_s))
+    except MetricsUnavailable as e:
+        unread.append(e.detail)
+    root = card.get("root") or card.get("id")
+    name = str(card["id"]) if card.get("id") else None
+    return Served(url, str(root) if root else None, name, card_max_model_len(card), device, dtype, cache, tuple(unread))
+
+
+def read_attached(attach: Attach, timeout_s: float = 10.0) -> Attach:
+    """``attach`` with what each of its servers (prefill, decode, then the baseline) says about itself."""
+    return replace(attach, served=tuple(read_served(u, timeout_s) for u in attach.urls))

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from harness.cli import build_parser, config_from_args, main
@@ -102,3 +104,19 @@ def test_edge_axis_flags_reach_the_run_and_only_d_gets_the_prefix_cache(tmp_path
     assert "--no-enable-prefix-caching" in cmds["prefill"] and "--no-enable-prefix-caching" in cmds["baseline"]
     with pytest.raises(SystemExit):
         cfg(["--device", "cpu", "--kv-cache-dtype", "fp9"])
+
+
+def test_attach_config_takes_the_servers_settings_not_this_hosts(monkeypatch):
+    from harness.cli import attach_config, attach_from_args
+    from harness.serve.servers import Served
+
+    monkeypatch.setattr("harness.gpu.detect.has_nvidia_gpu", lambda *a, **k: False)
+    a = build_parser().parse_args(["e2e", "--prefill-url", "http://10.0.0.5:8000",
+                                   "--decode-url", "http://10.0.0.6:8000", "--baseline-url", "http://10.0.0.7:8000"])
+    attach = attach_from_args(a)
+    said = tuple(Served(u, "/models/m", "m", 8192, "gpu", "bfloat16") for u in attach.urls)
+    c, attach = attach_config(a, replace(attach, served=said), env={})
+    assert (c.device, c.dtype, c.model_len, c.model, c.logprob_limit) == ("gpu", "bfloat16", 8192, "/models/m", 1.5)
+    assert attach.sources["model"] == "http://10.0.0.6:8000/v1/models"
+    with pytest.raises(ConfigError, match="give --device"):
+        attach_config(a, replace(attach, served=tuple(replace(s, device=None) for s in said)), env={})

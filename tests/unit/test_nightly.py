@@ -398,3 +398,96 @@ def test_gpu_memory_utilization_applies_per_server_or_stops_the_night(capsys, mo
     assert {sv.gpu_memory_utilization for sv in s.gpu_plan.servers} == {0.4}
     assert all("--gpu-memory-utilization 0.4 " in f"{cmd} " for name, cmd in s.servers if name != "proxy")
     assert s.gpu_plan.required_free_gib()[0] == pytest.approx(0.8 * 80)  # what the guard checks: the servers' shares
+
+
+# A real night on a simulated GPU box (issue 23): stand-in servers, no prefetch, each step judged by its runs' reports.
+
+def test_a_simulated_night_prefetches_nothing_and_keeps_its_history_apart(tmp_path):
+    steps = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path, simulated="8x80:visible=0,1,2,3,4,5,6,7",
+                                          load_requests=4)}
+    assert steps["prefetch"].skip_reason.startswith("simulated GPUs")
+    env = dict(steps[TINY_P2_D8].env)
+    # the step's own CUDA_VISIBLE_DEVICES applies, not the night's visible=
+    assert env[SIMULATED_ENV] == "8x80" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    assert dict(steps["history"].env)["PD_HARNESS_RESULTS_DIR"].startswith(str(tmp_path))
+    for sid in (TINY_P2_D8, "accuracy/qwen3-0.6b-p2-d4"):
+        argv = steps[sid].argv
+        assert argv[argv.index("--load-requests") + 1] == "4"
+        assert steps[sid].run_dir == tmp_path / sid
+    real = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path)}
+    assert real["prefetch"].skip_reason is None and "--load-requests" not in real[TINY_P2_D8].argv
+    assert SIMULATED_ENV not in dict(real[TINY_P2_D8].env) and real["history"].env == ()
+
+
+def test_only_and_timeout_scale_pick_and_shorten_steps(steps):
+    picked = nightly.scale_timeouts(nightly.select_steps(steps, ["accuracy/*", "history"]), 0.5)
+    run = [s.id for s in picked if s.skip_reason is None]
+    assert run == [s.id for s in steps if s.id.startswith("accuracy/")] + ["history"]
+    assert all("not selected by --only accuracy/*,history" in s.skip_reason for s in picked
+               if s.id.startswith("matrix/tinyllama"))
+    assert "needs 24 GPUs" in next(s for s in picked if s.id == "matrix/llama32-1b-p8-d16").skip_reason
+    assert [s.timeout_s for s in picked] == [s.timeout_s / 2 for s in steps]
+    assert nightly.select_steps(steps, []) == list(steps)
+
+
+def write_report(path: Path, verdict: str = "pass", simulated: bool = True) -> None:
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    d = {"verdict": verdict, **({"simulated": "SIMULATED GPUs (...)"} if simulated else {})}
+    (path / "report.json").write_text(json.dumps(d if verdict == "pass" else {**d, "reason": "x: went wrong"}))
+
+
+def sim_step(tmp_path: Path, kind: str) -> Step:
+    return Step(f"{kind}/a", kind, ("py", "-m", "harness", "--run-dir", str(tmp_path / kind)), 60, ())
+
+
+def matrix_report(tmp_path: Path, pairs: dict[str, str | None]) -> None:
+    import json
+
+    rows = []
+    for pid, verdict in pairs.items():
+        run = tmp_path / "matrix" / "vllm-x" / pid
+        if verdict:
+            write_report(run, verdict)
+        rows.append({"id": pid, "run_dir": str(run) if verdict else None})
+    (tmp_path / "matrix" / "report.json").write_text(json.dumps({"pairs": rows}))
+
+
+def test_a_simulated_step_passes_when_its_runs_got_through(tmp_path):
+    acc = sim_step(tmp_path, "accuracy")
+    write_report(tmp_path / "accuracy")
+    ok = nightly.judge_simulated(StepResult(acc, "passed", 1.0, returncode=0), "8x80")
+    assert ok.status == "passed" and "simulated GPUs (PD_HARNESS_SIMULATED_GPUS=8x80): 1 run(s)" in ok.message
+    write_report(tmp_path / "accuracy", simulated=False)
+    assert nightly.judge_simulated(StepResult(acc, "passed", 1.0, returncode=0), "8x80").status == "failed"
+    mx = sim_step(tmp_path, "matrix")
+    matrix_report(tmp_path, {"p1": "pass", "skipped": None})
+    # exit 1: an entry expected vLLM to refuse the pair; stand-ins cannot show that, so it is not judged
+    r = nightly.judge_simulated(StepResult(mx, "failed", 1.0, "exit code 1", returncode=1), "8x80")
+    assert r.status == "passed" and "not judged" in r.message
+    assert nightly.judge_simulated(StepResult(mx, "failed", 1.0, returncode=2), "8x80").status == "failed"
+    matrix_report(tmp_path, {"p1": "pass", "p2": "fail"})
+    bad = nightly.judge_simulated(StepResult(mx, "failed", 1.0, returncode=1), "8x80")
+    assert bad.status == "failed" and "p2: verdict fail: x: went wrong" in bad.message
+    late = StepResult(mx, "timeout", 60.0, "no result within 60 s")
+    assert nightly.judge_simulated(late, "8x80") is late
+    hist = Step("history", "history", ("x",), 60, ())
+    assert nightly.judge_simulated(StepResult(hist, "passed", returncode=0), "8x80").message == ""
+
+
+def test_a_simulated_night_says_so_in_its_junit(tmp_path):
+    acc = sim_step(tmp_path, "accuracy")
+    write_report(tmp_path / "accuracy")
+    results = run_steps([acc], tmp_path, runner=lambda s, log: StepResult(s, "passed", 1.0, log=str(log), returncode=0),
+                        out=open("/dev/null", "w"), simulated="8x40")
+    assert results[0].status == "passed"
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suite.find("properties/property").get("value") == "PD_HARNESS_SIMULATED_GPUS=8x40"
+    out = suite.find("testcase/system-out").text
+    assert out.startswith("simulated GPUs (PD_HARNESS_SIMULATED_GPUS=8x40)") and "log: " in out
+
+
+def test_a_real_night_rejects_a_bad_timeout_scale(capsys, tmp_path):
+    assert main(["nightly", "--dry-run", "--timeout-scale", "0", "--run-dir", str(tmp_path)]) == 2
+    assert "--timeout-scale must be > 0" in capsys.readouterr().err

@@ -63,7 +63,7 @@ def test_each_family_builds_runs_and_reads_back(tmp_path, family, k, model_type,
     # Gemma 3 interleaves sliding and full layers, the hybrid Mamba2 and attention layers: two KV cache groups
     groups = 2 if family in ("gemma3", "granitemoehybrid") else 1
     assert model_heads(str(folder)) == {"attention_heads": 2, "kv_heads": k, "family": model_type, "head_dim": head_dim,
-                                        "sliding_window": window, "mla": mla, "kv_cache_groups": groups}
+                                        "sliding_window": window, "mla": mla, "kv_cache_groups": groups, "layers": 2}
     model = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         assert model(torch.tensor([[3, 4, 5]])).logits.shape[-1] == 300
@@ -96,9 +96,9 @@ def test_model_heads_config_rules():
     g = config_shape({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "num_attention_heads": 8,
                                                              "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024}})
     assert (g["attention_heads"], g["kv_heads"], g["head_dim"], g["sliding_window"], g["family"]) == (8, 4, 256, 1024, "gemma3_text")
-    assert config_shape({"num_attention_heads": 4, "hidden_size": 256}) == {
+    assert config_shape({"num_attention_heads": 4, "hidden_size": 256, "num_hidden_layers": 3}) == {
         "attention_heads": 4, "kv_heads": 4, "family": None, "head_dim": 64, "sliding_window": None, "mla": False,
-        "kv_cache_groups": 1}
+        "kv_cache_groups": 1, "layers": 3}
 
 
 def test_model_heads_from_models_yaml_keeps_the_old_keys():
