@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from harness.checks.check import Check
+from harness.checks.load import pool_from_metrics
 from harness.serve.prometheus import Sample, first_present, metric_sum
 
 RUNNING = "vllm:num_requests_running"
@@ -58,17 +59,7 @@ class ServerState:
 def state_of(samples: list[Sample]) -> ServerState:
     usage = first_present(samples, KV_USAGE)
     return ServerState(metric_sum(samples, RUNNING), metric_sum(samples, WAITING), usage[1] if usage else None,
-                       metric_sum(samples, EXPIRED), _pool_blocks(samples))
-
-
-def _pool_blocks(samples: list[Sample]) -> int | None:
-    for s in samples:
-        if s.name == "vllm:cache_config_info":
-            try:
-                return int(s.labels["num_gpu_blocks"])
-            except (KeyError, ValueError):
-                return None
-    return None
+                       metric_sum(samples, EXPIRED), (pool_from_metrics(samples) or (None, None))[0])
 
 
 def held_blocks(s: ServerState, idle: ServerState | None) -> float:
