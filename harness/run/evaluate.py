@@ -39,7 +39,8 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
         ctx.report.skipped_checks += [{"name": name, "reason": why} for name in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")]
     else:
         checks += transfer.check_decode_log("\n".join(t for name, t in pd.logs.items() if name.startswith("decode")))
-        checks.append(transfer.check_lease(pd.logs, pd.idle.cancels if pd.idle is not None else None))
+        checks.append(transfer.check_lease(pd.logs, pd.idle.cancels if pd.idle is not None else None,
+                                           pd.idle.faulted if pd.idle is not None else ()))
     if pd.environs is not None:
         checks.append(check_no_usage_reporting(pd.environs))
     else:

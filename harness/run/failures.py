@@ -75,9 +75,11 @@ def from_checks(checks: list[Check], logs: dict[str, str], request_runs: list[Co
         return None
     reason = "; ".join(f"{c.name}: {c.detail}" for c in failed)
     errors = {f"http-{f.prompt_id}": f.detail for f in [x for r in request_runs for x in r.failures][:5]}
-    f = classify({**logs, **errors})
+    names = {c.name for c in failed}
+    # lease expiries the checks explained (client cancels, the harness's own proxy fault) are no cause
+    explained = frozenset() if "no_kv_lease_expiry" in names else frozenset({"kv-lease-expired"})
+    f = classify({**logs, **errors}, explained)
     if f.cls == "unknown":
-        names = {c.name for c in failed}
         cls = ("output-mismatch" if names & {"outputs_match_baseline", "load_outputs_match_baseline"}
                else "no-transfer" if names & (transfer.TRANSFER_CHECKS | {"accuracy_through_pd"})
                else "logprob-mismatch" if "logprobs_match_baseline" in names

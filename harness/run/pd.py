@@ -92,6 +92,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
         lease = ctx.cfg.lease_s if ctx.cfg.lease_s is not None else VLLM_DEFAULT_LEASE_S
         out.idle = wait_idle(lambda: server_metrics(servers), idle, ctx.cfg.load.leak_deadline_s, lease)
         out.idle.cancels = dict((out.final_stats or {}).get("cancelled_ids") or {})
+        out.idle.faulted = list((out.final_stats or {}).get("faulted_ids") or [])
         ctx.timed("pd_idle_wait", t_idle)
         t_stop = time.monotonic()
     if ctx.gpu is not None and isinstance(servers, LocalServers):

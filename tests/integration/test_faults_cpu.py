@@ -7,6 +7,7 @@ sessions of their own, so the harness alone must tear them down.
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from harness.models.tiny import ensure_tiny_model
 from tests.helpers import processes_tagged
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,8 +70,12 @@ def run_cli(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, flo
 
 def test_a_real_server_that_exits_during_start_up(tmp_path):
     """A model folder vLLM cannot load: the server exits, and the run ends at once with the log tail."""
-    model = tmp_path / "not-a-model"
-    model.mkdir()
+    # the tiny model's files with an architecture vLLM does not know: the harness's own checks (config.json,
+    # weights) pass, so the refusal is vLLM's
+    model = tmp_path / "unknown-architecture"
+    shutil.copytree(ensure_tiny_model(), model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     run_dir = tmp_path / "run"
     cp, ended, report = run_cli(run_dir, "--model", str(model))
     assert cp.returncode == 1, cp.stdout[-3000:]
@@ -82,6 +88,16 @@ def test_a_real_server_that_exits_during_start_up(tmp_path):
     # the server's last log line is its exit; the run noticed, tore down and wrote its report right after
     assert ended - log.stat().st_mtime < 5, f"the run ended {ended - log.stat().st_mtime:.1f} s after the server's last words"
     assert processes_tagged(run_dir / "logs") == []
+
+
+def test_a_model_folder_without_config_is_refused_before_any_launch(tmp_path):
+    model = tmp_path / "not-a-model"
+    model.mkdir()
+    run_dir = tmp_path / "run"
+    cp = subprocess.run([sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), "--model", str(model)],
+                        cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert cp.returncode == 2 and f"model folder {model} has no config.json" in cp.stderr, cp.stderr[-2000:]
+    assert not (run_dir / "logs").exists() or processes_tagged(run_dir / "logs") == []
 
 
 def test_a_real_server_not_ready_by_its_deadline(tmp_path):

