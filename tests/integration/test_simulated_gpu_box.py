@@ -57,9 +57,12 @@ def hf_home(tmp_path_factory) -> Path:
     return home
 
 
-def harness(box: str, argv: list[str], hf: Path, state: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def harness(box: str, argv: list[str], hf: Path, state: Path, timeout: float = 300,
+            visible: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in CALLER}
     env.update({SIMULATED_ENV: box, STATE_ENV: str(state), "HF_HOME": str(hf), "PD_HARNESS_NO_BASELINE_CACHE": "1"})
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
     return subprocess.run([sys.executable, "-m", "harness", *argv], env=env, cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -153,29 +156,56 @@ def test_a_gpu_someone_else_holds_fails_the_check_before_launch(tmp_path, hf_hom
     assert not (run / "logs" / "baseline.log").exists()  # refused before any server started
 
 
-@pytest.mark.slow
-def test_the_night_runs_every_step_on_a_simulated_8x80(tmp_path, hf_home):
-    night, state = tmp_path / "night", tmp_path / "box"
-    p = harness("8x80", ["nightly", "--run-dir", str(night), "--load-requests", "4"], hf_home, state, timeout=900)
+def night(box: str, tmp_path: Path, hf_home: Path, visible: str | None = None) -> tuple[subprocess.CompletedProcess,
+                                                                                      Path, dict]:
+    run, state = tmp_path / "night", tmp_path / "box"
+    p = harness(box, ["nightly", "--run-dir", str(run), "--load-requests", "4"], hf_home, state, timeout=900,
+                visible=visible)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "steps passed or skipped [simulated GPUs" in p.stdout
-    suite = ET.parse(night / "junit.xml").getroot()
-    assert suite.get("failures") == "0" and int(suite.get("tests")) >= 20
-    assert suite.find("properties/property").get("value") == f"{SIMULATED_ENV}=8x80"
-    cases = {c.get("name"): c for c in suite.iter("testcase")}
+    suite = ET.parse(run / "junit.xml").getroot()
+    assert suite.get("failures") == "0" and suite.get("errors", "0") == "0"
+    assert suite.find("properties/property").get("value") == f"{SIMULATED_ENV}={box}"
+    assert live_claims(state) == []
+    return p, run, {c.get("name"): c for c in suite.iter("testcase")}
+
+
+@pytest.mark.slow
+def test_the_night_runs_every_step_on_a_simulated_8x80(tmp_path, hf_home):
+    p, run, cases = night("8x80", tmp_path, hf_home)
+    assert len(cases) >= 20
     assert cases["prefetch"].find("skipped").get("message").startswith("simulated GPUs")
     ran = [n for n, c in cases.items() if c.find("skipped") is None]
     assert "accuracy/tinyllama-1.1b-chat-p2-d8" in ran and "matrix/tinyllama-p2-d8" in ran and "history" in ran
     for n in ran:
         if n != "history":
             assert cases[n].find("system-out").text.startswith("simulated GPUs (PD_HARNESS_SIMULATED_GPUS=8x80)"), n
-    acc = json.loads((night / "accuracy" / "tinyllama-1.1b-chat-p2-d8" / "report.json").read_text())
+    acc = json.loads((run / "accuracy" / "tinyllama-1.1b-chat-p2-d8" / "report.json").read_text())
     skipped = {s["name"] for s in acc["skipped_checks"]}
     assert acc["verdict"] == "pass" and "accuracy_pd_within_tolerance" in skipped and acc["config"]["simulated_gpus"]
-    assert not (night / "accuracy" / "tinyllama-1.1b-chat-p2-d8" / "lm_eval").exists()
+    assert not (run / "accuracy" / "tinyllama-1.1b-chat-p2-d8" / "lm_eval").exists()
     assert "decode" in acc["commands"] and "CUDA_VISIBLE_DEVICES=2,3,4,5,6,7,0,1 " in acc["commands"]["decode"]
-    assert (night / "history" / "results-simulated").is_dir()  # the stand-ins' outcomes stay out of the store
-    assert live_claims(state) == []
+    assert (run / "history" / "results-simulated").is_dir()  # the stand-ins' outcomes stay out of the store
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("box, visible", [("8x40", None), ("8x80", "4,5,6,7")], ids=["8x40", "4-of-8"])
+def test_the_night_on_a_smaller_box_plans_for_what_it_has(tmp_path, hf_home, box, visible):
+    """A100-40GB: the same steps on half the memory; 4 of 8 GPUs given by CUDA_VISIBLE_DEVICES: only those."""
+    p, run, cases = night(box, tmp_path, hf_home, visible)
+    ran = [n for n, c in cases.items() if c.find("skipped") is None and n != "history"]
+    assert "accuracy/qwen3-0.6b-p2-d4" in ran, p.stdout[-3000:]
+    acc = json.loads((run / "accuracy" / "qwen3-0.6b-p2-d4" / "report.json").read_text())
+    plan = acc["config"]["gpu_plan"]
+    used = {g for s in plan["servers"] for g in s["gpus"]}
+    assert acc["verdict"] == "pass" and {g["id"] for g in plan["gpus"]} >= used, plan
+    if visible is not None:  # only the caller's GPUs; an 8-GPU step cannot run on 4: skipped, saying so
+        assert used == {int(g) for g in visible.split(",")}, plan
+        tp8 = cases["accuracy/tinyllama-1.1b-chat-p2-d8"].find("skipped")
+        assert tp8 is not None and "4 present" in tp8.get("message")
+    else:  # 40 GiB each: every step still runs, planned and checked against the 40 GiB a GPU has
+        assert "accuracy/tinyllama-1.1b-chat-p2-d8" in ran and {g["total_gib"] for g in plan["gpus"]} == {40.0}
+        assert max(plan["required_free_gib"].values()) <= 40.0, plan
 
 
 def test_a_step_past_its_timeout_is_stopped_and_its_gpus_come_back(tmp_path, hf_home):
