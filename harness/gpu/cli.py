@@ -33,21 +33,22 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _number(name: str, raw: str | None, kind=int, positive: bool = True):
+def _number(flag: str, raw: str | None, kind=int, positive: bool = True):
+    """``raw`` (from ``flag``: an option or a variable's name) as ``kind``; None stays None; PlanError, one line."""
     if raw is None:
         return None
     try:
         v = kind(raw)
     except ValueError:
-        raise PlanError(f"--{name} {raw!r} is not {'an integer' if kind is int else 'a number'}") from None
+        raise PlanError(f"{flag} {raw!r} is not {'an integer' if kind is int else 'a number'}") from None
     if positive and not v > 0:
-        raise PlanError(f"--{name} must be > 0, got {raw}")
+        raise PlanError(f"{flag} must be > 0, got {raw}")
     return v
 
 
 def _gpus(a: argparse.Namespace):
-    count = _number("gpus", a.gpus)
-    mem = _number("gpu-mem-gib", a.gpu_mem_gib, float)
+    count = _number("--gpus", a.gpus)
+    mem = _number("--gpu-mem-gib", a.gpu_mem_gib, float)
     if count is not None:
         return uniform_gpus(count, mem or DEFAULT_GPU_MEM_GIB)
     from dataclasses import replace
@@ -61,25 +62,20 @@ def _gpus(a: argparse.Namespace):
 
 
 def _util(a: argparse.Namespace) -> float | None:
-    raw = a.gpu_memory_utilization if a.gpu_memory_utilization is not None else os.environ.get(UTIL_ENV) or None
-    name = "--gpu-memory-utilization" if a.gpu_memory_utilization is not None else UTIL_ENV
-    if raw is None:
-        return None
-    try:
-        v = float(raw)
-    except ValueError:
-        raise PlanError(f"{name} {raw!r} is not a number") from None
-    if not 0 < v <= 1:
+    given = a.gpu_memory_utilization is not None
+    name, raw = ("--gpu-memory-utilization", a.gpu_memory_utilization) if given else (UTIL_ENV, os.environ.get(UTIL_ENV))
+    v = _number(name, raw or None, float, positive=False)
+    if v is not None and not 0 < v <= 1:
         raise PlanError(f"{name} must be in (0, 1], got {raw}")
     return v
 
 
 def build(a: argparse.Namespace):
     gpus = _gpus(a)
-    memory = model_memory(a.model, a.dtype, _number("weights-gib", a.weights_gib, float, positive=False))
-    return plan_gpus(gpus, _number("tp-p", a.tp_p), _number("tp-d", a.tp_d), memory,
-                     num_p=_number("num-p", a.num_p), num_d=_number("num-d", a.num_d),
-                     max_util=_number("max-util", a.max_util, float), util=_util(a))
+    memory = model_memory(a.model, a.dtype, _number("--weights-gib", a.weights_gib, float, positive=False))
+    return plan_gpus(gpus, _number("--tp-p", a.tp_p), _number("--tp-d", a.tp_d), memory,
+                     num_p=_number("--num-p", a.num_p), num_d=_number("--num-d", a.num_d),
+                     max_util=_number("--max-util", a.max_util, float), util=_util(a))
 
 
 def main(a: argparse.Namespace) -> int:

@@ -250,6 +250,24 @@ def plan_gpus(gpus: Sequence[Gpu], tp_p: int, tp_d: int, memory: ModelMemory, nu
                    max_util=max_util, util_given=util)
 
 
+def plan_baseline(gpus: Sequence[Gpu], tp: int, memory: ModelMemory, max_util: float = MAX_UTIL,
+                  util: float | None = None) -> GpuPlan:
+    """The baseline alone on the first ``tp`` GPUs (attach mode: P and D run elsewhere, so nothing shares them);
+    its share is ``max_util`` or the ``util`` given by hand. PlanError / UtilizationError where it cannot run here."""
+    _check_inputs(gpus, tp, tp, 1, 1, max_util)
+    if util is not None and not 0 < util <= 1:
+        raise UtilizationError(f"gpu_memory_utilization must be in (0, 1], got {util}")
+    ids = tuple(g.id for g in gpus[:tp])
+    share = floor_util(max_util) if util is None else util
+    base = _placed("baseline", 0, tp, ids, share, memory, {g.id: g for g in gpus}, len(gpus), tp, max_util, None,
+                   util is not None)
+    notes = ["attach mode: only the baseline runs on this host (P and D run elsewhere)"]
+    if util is not None:
+        notes.append(f"gpu_memory_utilization {util:g} given: the baseline takes it as its share of each of its GPUs")
+    return GpuPlan(tuple(gpus), (base,), False, memory, ("baseline",), stagger_start=False, notes=tuple(notes),
+                   max_util=max_util, util_given=util)
+
+
 def _check_given_sum(util: float, layout: list[tuple[str, int, int, tuple[int, ...]]], load: dict[int, int],
                      max_util: float) -> None:
     """A given share, taken by every P/D server, must fit the GPUs they share (the plan's per-GPU cap)."""

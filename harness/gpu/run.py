@@ -15,7 +15,8 @@ from dataclasses import replace
 
 from harness.checks.check import Check
 from harness.core.errors import ConfigError
-from harness.gpu.plan import GpuPlan, PlanError, ServerPlacement, UtilizationError, model_memory, plan_gpus
+from harness.gpu.plan import (GpuPlan, PlanError, ServerPlacement, UtilizationError, model_memory, plan_baseline,
+                              plan_gpus)
 from harness.gpu.nvml import RELEASE_TOLERANCE_GIB, GpuCheckFailed, check_free, discover, wait_released
 
 RELEASE_TIMEOUT_S = 120.0  # a driver takes a few seconds to hand memory back after the processes exit
@@ -24,10 +25,13 @@ RELEASE_TIMEOUT_S = 120.0  # a driver takes a few seconds to hand memory back af
 class GpuRun:
     """``gpu_memory_utilization``: the run's value given by hand (--gpu-memory-utilization, GPU_MEMORY_UTILIZATION),
     every server's share; the plan refuses one that does not fit its shared GPUs (see plan.py), and the free-memory
-    check then checks what the servers are given. ``env``: where CUDA_VISIBLE_DEVICES is read (default os.environ)."""
+    check then checks what the servers are given. ``env``: where CUDA_VISIBLE_DEVICES is read (default os.environ).
+    ``baseline_only``: only the baseline runs on this host (attach mode), at D's TP, alone on its GPUs; a phase with
+    no server here has nothing to check."""
 
     def __init__(self, tp_p: int, tp_d: int, model: str, nvml=None, release_timeout_s: float = RELEASE_TIMEOUT_S,
-                 sleep=time.sleep, gpu_memory_utilization: float | None = None, env: Mapping[str, str] | None = None):
+                 sleep=time.sleep, gpu_memory_utilization: float | None = None, env: Mapping[str, str] | None = None,
+                 baseline_only: bool = False):
         self.nvml = nvml
         self.env = env
         self.release_timeout_s = release_timeout_s
@@ -39,13 +43,16 @@ class GpuRun:
             seen = f" visible ({d.describe()})" if d.visible is not None else ""
             raise ConfigError(f"--device gpu, but NVML lists no GPU{seen}")
         util = gpu_memory_utilization
+        what = f"the baseline at TP{tp_d}" if baseline_only else f"P TP{tp_p} + D TP{tp_d}"
         try:
-            self.plan: GpuPlan = plan_gpus(d.plan_gpus(), tp_p, tp_d, model_memory(model), util=util)
+            memory = model_memory(model)
+            self.plan: GpuPlan = (plan_baseline(d.plan_gpus(), tp_d, memory, util=util) if baseline_only
+                                  else plan_gpus(d.plan_gpus(), tp_p, tp_d, memory, util=util))
         except UtilizationError as e:
             raise ConfigError(f"gpu_memory_utilization {util:g} (--gpu-memory-utilization or GPU_MEMORY_UTILIZATION) "
-                              f"does not fit P TP{tp_p} + D TP{tp_d} here: {e}") from None
+                              f"does not fit {what} here: {e}") from None
         except PlanError as e:
-            raise ConfigError(f"no GPU placement for P TP{tp_p} + D TP{tp_d}: {e}") from None
+            raise ConfigError(f"no GPU placement for {what}: {e}") from None
         self.simulated = d.simulated  # the PD_HARNESS_SIMULATED_GPUS value when the box is simulated
         self.plan = replace(self.plan, simulated=d.simulated)
         self._free_before: dict[str, dict[int, float]] = {}
@@ -59,6 +66,8 @@ class GpuRun:
 
     def before(self, phase: str) -> None:
         """Every GPU of ``phase`` has the memory its servers will claim (else GpuCheckFailed naming it)."""
+        if not self.plan.phase(phase):
+            return
         d = discover(self.nvml, self.env)
         if not d.available:
             raise GpuCheckFailed(f"cannot check free GPU memory: {d.reason}")
@@ -74,6 +83,8 @@ class GpuRun:
 
     def after(self, phase: str, pids: Iterable[int]) -> None:
         """Our processes have left the GPUs and the memory is back; otherwise this run fails, not the next one."""
+        if not self.plan.phase(phase):
+            return
         pids, gpu_ids, t0 = sorted(pids), self._gpu_ids(phase), time.monotonic()
         wait_released(pids, gpu_ids, self.release_timeout_s, self._free_before.get(phase), nvml=self.nvml,
                       sleep=self.sleep, env=self.env)

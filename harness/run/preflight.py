@@ -210,50 +210,17 @@ def check_gpus(cfg: E2EConfig, nvml=None) -> None:
     GpuRun(cfg.tp_p, cfg.tp_d, cfg.model, nvml=nvml, gpu_memory_utilization=cfg.gpu_memory_utilization)
 
 
-ATTACH_NOTE = ("attach mode: only the baseline runs on this host (P and D run elsewhere); GpuRun plans a P/D pair with "
-               "its baseline, so a pair at the baseline's TP was planned to place it, then left out")
-
-
-def baseline_only(plan, util: float | None = None):
-    """``plan`` with its baseline alone (attach mode). ``util``: a share given by hand, which the baseline then takes
-    (ConfigError when it is short of the baseline's need)."""
-    from dataclasses import replace
-
-    base = plan.server("baseline")
-    if util is not None:
-        smallest = min(g.total_gib for g in plan.gpus if g.id in base.gpus)
-        if util * smallest < base.need_gib_per_gpu:
-            raise ConfigError(f"gpu_memory_utilization {util:g}: the baseline (TP {base.tp}) needs "
-                              f"{base.need_gib_per_gpu:.1f} GiB per GPU, {util:g} x {smallest:g} GiB is less")
-        base = replace(base, gpu_memory_utilization=util)
-    return replace(plan, servers=(base,), order=("baseline",), colocated=False, stagger_start=False,
-                   notes=(ATTACH_NOTE,), util_given=util)
-
-
 def attached_baseline_gpu(cfg: E2EConfig, model: str, nvml=None):
-    """Attach mode on GPU, the baseline launched here: a GpuRun whose plan holds only it, at D's TP (its free-memory and
-    release checks apply; the P/D phase has nothing here to check). ConfigError: no placement on this host's GPUs.
-
-    GpuRun has no one-server plan: the pair planned beside it (at the baseline's TP) only decides its GPUs, and where
-    the GPUs are too few to keep that pair apart, its halved shares may refuse a model the baseline alone would hold."""
+    """Attach mode on GPU, the baseline launched here: a GpuRun whose plan holds only it, at D's TP, alone on this
+    host's GPUs (its free-memory and release checks apply; the P/D phase has nothing here to check). ConfigError: no
+    placement on this host's GPUs."""
     from harness.gpu.run import GpuRun
 
-    class BaselineGpuRun(GpuRun):
-        # the P/D phase runs elsewhere: no server of it here, nothing to check before or after it
-        def before(self, phase: str) -> None:
-            if self.plan.phase(phase):
-                super().before(phase)
-
-        def after(self, phase: str, pids) -> None:
-            if self.plan.phase(phase):
-                super().after(phase, pids)
-
     try:
-        gpu = BaselineGpuRun(cfg.tp_d, cfg.tp_d, model, nvml=nvml)
-        gpu.plan = baseline_only(gpu.plan, cfg.gpu_memory_utilization)
+        return GpuRun(cfg.tp_d, cfg.tp_d, model, nvml=nvml, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                      baseline_only=True)
     except ConfigError as e:
         raise ConfigError(f"the baseline runs here (no --baseline-url): {e}") from None
-    return gpu
 
 
 def check_attached(cfg: E2EConfig, baseline_here: bool, nvml=None) -> None:

@@ -202,3 +202,22 @@ def test_a_hand_given_share_is_the_local_baselines_alone():
     with pytest.raises(ConfigError, match="the baseline runs here .* needs"):
         attached_baseline_gpu(E2EConfig(device="gpu", model=TINYLLAMA, gpu_memory_utilization=0.01), TINYLLAMA,
                               nvml=FakeNvml([gpus(1)]))
+
+
+def test_a_local_baseline_takes_a_gpu_a_colocated_pair_could_not_share():
+    from harness.run.preflight import attached_baseline_gpu
+
+    # TinyLlama needs ~6.3 GiB per rank: 0.9 x 10 GiB holds the baseline alone; half of that (a pair's share) would not
+    cfg = E2EConfig(device="gpu", model=TINYLLAMA)
+    gpu = attached_baseline_gpu(cfg, TINYLLAMA, nvml=FakeNvml([gpus(1, total_gib=10.0, free_gib=9.8)]))
+    base = gpu.placement("baseline")
+    assert base.gpus == (0,) and base.gpu_memory_utilization == 0.9 and [s.role for s in gpu.plan.servers] == ["baseline"]
+    assert gpu.plan.order == ("baseline",) and not gpu.plan.colocated
+    gpu.before("pd")  # P and D run elsewhere: nothing of theirs to check here
+    gpu.after("pd", [])
+    assert gpu.checks == []
+    gpu.before("baseline")
+    assert [c.name for c in gpu.checks] == ["gpu_free_before_baseline"]
+    with pytest.raises(ConfigError, match=r"the baseline runs here .*no GPU placement for the baseline at TP1: "
+                                          r"baseline0 \(TP 1\) needs"):
+        attached_baseline_gpu(cfg, TINYLLAMA, nvml=FakeNvml([gpus(1, total_gib=6.0, free_gib=5.8)]))
