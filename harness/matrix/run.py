@@ -33,6 +33,7 @@ class PairResult:
     as_expected: bool | None  # None: not run
     run_dir: str | None = None
     detail: str = ""
+    simulated: bool = False  # stand-in servers answered (PD_HARNESS_SIMULATED_GPUS): no vLLM computed its outputs
 
     @property
     def intermittent(self) -> bool:
@@ -49,7 +50,7 @@ class PairResult:
 
     def to_dict(self) -> dict:
         return {**self.pair.to_dict(), "vllm_version": self.vllm_version, "observed": self.observed,
-                "verdict": self.verdict, "run_dir": self.run_dir, "detail": self.detail}
+                "verdict": self.verdict, "run_dir": self.run_dir, "detail": self.detail, "simulated": self.simulated}
 
 
 def observed_outcome(report: dict) -> str:
@@ -67,6 +68,9 @@ def judge(pair: PlannedPair, observed: str) -> bool:
 def version_line(version: str, results: list[PairResult]) -> str:
     """The one line a maintainer reads: did #45330 reproduce on this version?"""
     ran = [r for r in results if r.vllm_version == version and r.observed is not None]
+    if ran and all(r.simulated for r in ran):
+        return f"#45330 NOT TESTED on vLLM {version}: simulated GPUs (stand-in servers; no vLLM computed an output)"
+    ran = [r for r in ran if not r.simulated]
     hit = [r.pair.id for r in ran if r.observed == "assert-45330"]
     if hit:
         return f"#45330 REPRODUCED on vLLM {version} ({', '.join(hit)})"
@@ -87,7 +91,8 @@ def version_line(version: str, results: list[PairResult]) -> str:
 
 def pair_line(r: PairResult) -> str:
     p = r.pair
-    state = f"observed {r.observed:<18} {r.verdict}" if r.observed is not None else f"skipped: {p.skip_reason}"
+    sim = " [simulated GPUs]" if r.simulated else ""
+    state = f"observed {r.observed:<18} {r.verdict}{sim}" if r.observed is not None else f"skipped: {p.skip_reason}"
     return f"  {p.id:<20} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} {state}"
 
 
@@ -102,7 +107,7 @@ def render_markdown(results: list[PairResult], versions: list[str], run_dir: Pat
         p = r.pair
         run = os.path.relpath(r.run_dir, run_dir) if r.run_dir else (p.skip_reason or "")
         lines.append(f"| {r.vllm_version} | {p.id} | {p.kv_heads} | {p.tp_p}→{p.tp_d} | {p.regime} | {p.predicted} | "
-                     f"{p.expected}{f' (intermittent: {p.tolerated})' if p.tolerated else ''} | {r.observed or '-'} | {r.verdict} | {run} |")
+                     f"{p.expected}{f' (intermittent: {p.tolerated})' if p.tolerated else ''} | {r.observed or '-'}{' (simulated GPUs)' if r.simulated else ''} | {r.verdict} | {run} |")
     details = [r for r in results if r.detail]
     if details:
         lines += ["", "## Details", ""] + [f"- {r.vllm_version} {r.pair.id}: {r.detail}" for r in details]
@@ -178,7 +183,8 @@ def run_matrix(plans: dict[str, list[PlannedPair]], pythons: dict[str, str], mod
                 rep.phase(f"matrix pair {len(took)}/{total}: {p.id} done in {progress.duration(took[-1])}")
                 observed = observed_outcome(report)
                 detail = "" if observed == "ok" else str(report.get("reason") or "")[:300]
-                results.append(PairResult(p, version, observed, judge(p, observed), str(cfg.run_dir), detail))
+                results.append(PairResult(p, version, observed, judge(p, observed), str(cfg.run_dir), detail,
+                                          simulated=bool(report.get("simulated"))))
             rep.clear()
             print(pair_line(results[-1]), file=out, flush=True)
             write_matrix_report(results, versions, run_dir, complete=False)

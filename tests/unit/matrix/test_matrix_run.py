@@ -120,3 +120,15 @@ def test_a_different_failure_beside_a_known_intermittent_one_is_unexpected(tmp_p
     plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
     results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}, tmp_path, monkeypatch)
     assert results[0].verdict == "UNEXPECTED"
+
+
+def test_stand_in_answers_are_never_read_as_45330_not_reproduced(tmp_path, monkeypatch):
+    plans = {"0.32.0": [pair()]}
+    sim = {**report(), "simulated": "SIMULATED GPUs (PD_HARNESS_SIMULATED_GPUS=8x80): stand-in servers in vLLM's place"}
+    results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): sim}, tmp_path, monkeypatch)
+    assert results[0].observed == "ok" and results[0].simulated  # the night judges the step by it
+    assert version_line("0.32.0", results) == ("#45330 NOT TESTED on vLLM 0.32.0: simulated GPUs (stand-in servers; no "
+                                               "vLLM computed an output)")
+    md = (tmp_path / "report.md").read_text()
+    assert "| ok (simulated GPUs) | as expected |" in md and "NOT REPRODUCED" not in md
+    assert json.loads((tmp_path / "report.json").read_text())["pairs"][0]["simulated"] is True
