@@ -26,6 +26,7 @@ class PlannedPair:
     tolerated: str | None = None  # a known intermittent failure class, accepted beside `expected`
     settings: dict = field(default_factory=dict)  # what the entry sets beyond the TP pair (block sizes, layout, axes)
     family: str = "llama"  # the model's architecture family (configs/models.yaml)
+    upstream: list[str] = field(default_factory=list)  # threads that already describe the expected known failure
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -58,7 +59,8 @@ def plan(matrix: MatrixFile, models: dict[str, ModelEntry], vllm_version: str | 
         skip = skip_reason(e, device, gpus_present, cpu_flags)
         out.append(PlannedPair(e.id, e.model, e.device, e.tp_p, e.tp_d, shape.kv_heads, t.regime, t.expected,
                                e.expected_for(t.version_family), t.version_family, skip is None, skip,
-                               e.tolerated_for(t.version_family), e.settings(), models[e.model].family or "llama"))
+                               e.tolerated_for(t.version_family), e.settings(), models[e.model].family or "llama",
+                               e.known_upstream(t.version_family)))
     return out
 
 
@@ -94,5 +96,6 @@ def render_plan(pairs: list[PlannedPair], vllm_version: str | None) -> str:
         axes = " ".join(f"{k}={v}" for k, v in p.settings.items())
         family = "" if p.family == "llama" else f" {p.family}"
         lines.append(f"  {p.id:<20}{family} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} "
-                     f"expected {p.expected:<13} [{state}]{also}" + (f"\n  {'':<20} axes: {axes}" if axes else ""))
+                     f"expected {p.expected:<13} [{state}]{also}" + (f"\n  {'':<20} axes: {axes}" if axes else "")
+                     + (f"\n  {'':<20} known upstream: {'; '.join(p.upstream)}" if p.upstream else ""))
     return "\n".join(lines)

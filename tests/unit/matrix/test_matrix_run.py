@@ -4,7 +4,7 @@ import json
 
 from harness.run.config import E2EConfig
 from harness.matrix.plan import PlannedPair
-from harness.matrix.run import observed_outcome, run_matrix, summary, version_line
+from harness.matrix.run import observed_outcome, pair_line, run_matrix, summary, version_line
 
 
 def pair(id_="tiny-k1-p1-d2", regime="B", predicted="ok", expected="ok", run=True, tp=(1, 2), tolerated=None):
@@ -132,3 +132,14 @@ def test_stand_in_answers_are_never_read_as_45330_not_reproduced(tmp_path, monke
     md = (tmp_path / "report.md").read_text()
     assert "| ok (simulated GPUs) | as expected |" in md and "NOT REPRODUCED" not in md
     assert json.loads((tmp_path / "report.json").read_text())["pairs"][0]["simulated"] is True
+
+
+def test_a_known_failure_already_reported_upstream_says_so(tmp_path, monkeypatch):
+    known = pair("edge-conv", expected="output-mismatch")
+    known.upstream.append("#55208 (open): the same offsets; fix PR #55306 (open)")
+    results, _ = run({"0.32.0": [known]}, {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}, tmp_path,
+                     monkeypatch)
+    assert results[0].verdict == "as expected"
+    md = (tmp_path / "report.md").read_text()
+    assert "- 0.32.0 edge-conv: output-mismatch in the decode log — known upstream: #55208 (open)" in md
+    assert "known upstream: #55208" in pair_line(results[0])
