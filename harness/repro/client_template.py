@@ -4,6 +4,10 @@
   wait URL PID LOG          until URL/health answers 200 (or the process exits, or the timeout)
   send P_URL D_URL FILE     each request of FILE to P (prefill, max_tokens 1), then to D with P's kv_transfer_params
   verdict PATTERN LOG...    REPRODUCED with the first matching log line, else NOT REPRODUCED / INCONCLUSIVE
+  baseline URL FILE         each request of FILE to a plain server, text prompts first turned into token ids by its
+                            /tokenize (--ids-out: the requests as sent, for P and D)
+  compare BASE ANSWERS      D's answers against the plain server's with the run's rule (rule/compare.py, copied
+                            from the harness): REPRODUCED / NOT REPRODUCED / INCONCLUSIVE
 """
 
 import argparse
@@ -97,15 +101,40 @@ def wait(url, pid, log, timeout, pattern):
     return 1
 
 
+def items(path):
+    """(id, body) of each request of FILE: a bare body (id: its position), or {"id": ..., "body": ...}."""
+    for i, item in enumerate(json.load(open(path))):
+        yield (item["id"], item["body"]) if "body" in item else (str(i), item)
+
+
+def baseline(url, path, timeout, out, ids_out):
+    sent, results = [], []
+    for pid, body in items(path):
+        if isinstance(body.get("prompt"), str):
+            status, text = post(url + "/tokenize", {"model": body["model"], "prompt": body["prompt"]}, f"tok-{pid}", timeout)
+            if status != 200:
+                print(f"  {pid}: /tokenize answered HTTP {status}: {text[:300]}")
+                return 3
+            body = dict(body, prompt=json.loads(text)["tokens"])
+        status, text = post(url + "/v1/completions", body, f"base-{pid}-{uuid.uuid4().hex[:8]}", timeout)
+        print(f"  {pid}: the plain server answered HTTP {status} ({len(body['prompt'])} prompt tokens)")
+        results.append({"id": pid, "status": status, "response": json.loads(text) if status == 200 else text})
+        sent.append({"id": pid, "body": body})
+    for path_out, data in ((out, results), (ids_out, sent)):
+        with open(path_out, "w") as f:
+            json.dump(data, f, indent=1)
+    return 0
+
+
 def send(p_url, d_url, path, timeout, out):
     results = []
-    for i, body in enumerate(json.load(open(path))):
+    for i, (pid, body) in enumerate(items(path)):
         rid = f"repro-{i}-{uuid.uuid4().hex[:8]}"
         p_body = dict(body, max_tokens=1, stream=False, kv_transfer_params=dict(PREFILL_KV_PARAMS))
         t0 = time.time()
         status, text = post(p_url + "/v1/completions", p_body, rid, timeout)
         print(f"  request {i}: P answered HTTP {status} in {time.time() - t0:.2f} s")
-        r = {"request": i, "prefill_status": status, "decode_status": None, "decode_text": None}
+        r = {"request": i, "id": pid, "prefill_status": status, "decode_status": None, "decode_text": None}
         kv = None
         if status == 200:
             kv = json.loads(text).get("kv_transfer_params")
@@ -119,7 +148,8 @@ def send(p_url, d_url, path, timeout, out):
             r["decode_status"] = status
             shown = text
             if status == 200:
-                shown = json.loads(text)["choices"][0]["text"]
+                r["decode_response"] = json.loads(text)
+                shown = r["decode_response"]["choices"][0]["text"]
                 r["decode_text"] = shown
             print(f"  request {i}: D answered HTTP {status} in {time.time() - t0:.2f} s: {shown[:300]!r}")
         results.append(r)
@@ -152,6 +182,53 @@ def verdict(pattern, logs, answers, wait_s):
     return 3
 
 
+def compare(base_path, answers_path, cls, threshold, top_k):
+    """The harness's rule on the replayed requests: a token outside the other side's top-k is a mismatch; a chosen
+    token's |Δlogprob| over the threshold fails logprob-mismatch (a mismatch counts for it too)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, os.path.join(here, "rule"))
+    from compare import compare_one  # the harness's own rule, copied into the bundle
+    from completion import parse_completion
+
+    base = {r["id"]: r for r in json.load(open(base_path))}
+    try:
+        answers = json.load(open(answers_path))
+    except (OSError, ValueError):
+        answers = []
+    got, failed = [], []
+    for r in answers:
+        b = base.get(r["id"])
+        if r.get("decode_status") != 200 or not b or b.get("status") != 200:
+            failed.append(r["id"])
+            continue
+        got.append(compare_one(parse_completion(r["id"], b["response"]), parse_completion(r["id"], r["decode_response"]),
+                               top_k))
+    hits = [c for c in got if c.status == "mismatch"]
+    if cls == "logprob-mismatch":
+        hits += [c for c in got if c.status != "mismatch" and (c.max_logprob_delta or 0) > threshold]
+    if hits:
+        c = hits[0]
+        d = c.divergence
+        at = (f"first divergence at token {d.position} (D {d.pd_token} vs baseline {d.baseline_token})"
+              if d is not None and c.status == "mismatch" else "tokens equal where compared")
+        delta = "n/a" if c.max_logprob_delta is None else f"{c.max_logprob_delta:.3g}"
+        print(f"REPRODUCED: prompt {c.prompt_id}, {at}, max |Δlogprob| {delta} ({len(hits)} of {len(got)} replayed "
+              f"request(s) fail as {cls}; top-{top_k}, threshold {threshold:g})")
+        return 0
+    if failed or not got:
+        print(f"INCONCLUSIVE: {len(failed)} of {len(answers)} request(s) were not answered by both sides "
+              f"({', '.join(failed) or 'none sent'}); see the logs")
+        return 3
+    worst = max((c.max_logprob_delta or 0.0) for c in got)
+    if worst > threshold:  # only for output-mismatch: the tokens agree, the logprobs do not
+        print(f"NOT REPRODUCED: no replayed request's tokens leave the other side's top-{top_k}, but max |Δlogprob| "
+              f"{worst:.3g} > {threshold:g} (that is logprob-mismatch, not {cls})")
+        return 1
+    print(f"NOT REPRODUCED: all {len(got)} replayed request(s) match the plain server (top-{top_k}, max |Δlogprob| "
+          f"{worst:.3g} <= {threshold:g})")
+    return 1
+
+
 def main(argv):
     ap = argparse.ArgumentParser(prog="repro_client.py")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -174,7 +251,23 @@ def main(argv):
     v.add_argument("logs", nargs="+")
     v.add_argument("--answers", required=True)
     v.add_argument("--wait", type=float, default=5)
+    b = sub.add_parser("baseline")
+    b.add_argument("url")
+    b.add_argument("requests")
+    b.add_argument("--timeout", type=float, default=180)
+    b.add_argument("--out", required=True)
+    b.add_argument("--ids-out", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("base")
+    c.add_argument("answers")
+    c.add_argument("--cls", required=True)
+    c.add_argument("--threshold", type=float, required=True)
+    c.add_argument("--top-k", type=int, required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "baseline":
+        return baseline(a.url, a.requests, a.timeout, a.out, a.ids_out)
+    if a.cmd == "compare":
+        return compare(a.base, a.answers, a.cls, a.threshold, a.top_k)
     if a.cmd == "ports":
         return ports(a.sizes)
     if a.cmd == "wait":

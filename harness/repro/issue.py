@@ -59,7 +59,14 @@ def harness_command(report: dict, run_dir: Path) -> str:
     return " ".join(parts)
 
 
-def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec, locked: bool) -> str:
+WRONG_ANSWER = {"output-mismatch": "P/D answers differ from a non-disaggregated server's (greedy tokens outside the top-k)",
+                "logprob-mismatch": "P/D logprobs differ from a non-disaggregated server's beyond numerical noise"}
+
+
+def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec, locked: bool, base=None,
+                   replayed: list[dict] | None = None) -> str:
+    """ISSUE.md. ``base`` and ``replayed``: a wrong answer, replayed against that plain server (its command and the
+    failing requests are shown); otherwise the log line of ``cls`` is the evidence."""
     cfg = report.get("config") or {}
     v = report.get("versions") or {}
     topo = cfg.get("topology") or {}
@@ -67,18 +74,18 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
     mc = model_config(report)
     k = mc.get("num_key_value_heads")
     dist = v.get("vllm_distribution") or "vllm"
-    meaning = next((s.meaning for s in SIGNATURES if s.cls == cls), cls)
+    meaning = WRONG_ANSWER.get(cls) or next((s.meaning for s in SIGNATURES if s.cls == cls), cls)
     observed_cls = failure.get("class")
     reproduced = observed_cls == cls or failure.get("signature") == cls
-    hit = matching_line(report, pattern)
+    hit = matching_line(report, pattern) if pattern else None
     if reproduced:
         # the error itself names the bug best: the exception text of the matching line, else the class's meaning
         said = re.search(r"(\w+(?:Error|Exception): .*)", hit[1]) if hit else None
         what = re.split(r" [\[({]", said.group(1))[0] if said else meaning  # the message without its shapes and values
         if len(what) > 110:
             what = what[:110].rsplit(" ", 1)[0] + " ..."
-        title = (f"[Bug]: NixlConnector heterogeneous TP: {what} at prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, "
-                 f"num_key_value_heads={k} ({dist} {v.get('vllm')})")
+        title = (f"[Bug]: NixlConnector{' heterogeneous TP' if cfg.get('tp_p') != cfg.get('tp_d') else ''}: {what} at "
+                 f"prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} ({dist} {v.get('vllm')})")
     else:
         title = (f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} on {dist} "
                  f"{v.get('vllm')}: {report.get('verdict')} ({observed_cls or 'no failure'}); {cls} not seen")
@@ -111,6 +118,12 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
              "Then one request to the prefill server with `max_tokens: 1` and `\"kv_transfer_params\": {\"do_remote_decode\": true, ...}`, "
              "and the same request to the decode server with the `kv_transfer_params` the prefill server returned "
              "(`repro_client.py send`, the body is in `requests.json`).", ""]
+    if base is not None:
+        lines += ["The reference is a plain server (no KV connector) started alone before P and D, with the run's baseline "
+                  "command:", "", "```bash", " ".join(f"{k}={v}" for k, v in sorted(base.env.items())) + " "
+                  + " ".join(base.argv), "```", "",
+                  "The failing request(s) replayed, as the run saw them (prompts sent as token ids to both sides):", ""]
+        lines += [f"- `{r['id']}`: {r['why']}" for r in replayed or []] + [""]
     if any("PD_HARNESS_" in k for k in {**pre.env, **dec.env}):
         lines += ["The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): on a small CPU "
                   "machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning and shortens idle "
@@ -133,6 +146,9 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
     lines += ["## Expected", "", expected, "", "## Observed", "", observed, "",
               "## How it was found", "",
               f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
-              "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching log line, "
-              "or NOT REPRODUCED.", ""]
+              ("`repro.sh` in this folder replays it without the harness: the plain server's answers, then P and D's, "
+               "compared by the run's rule; it prints REPRODUCED with the prompt and its first divergence, or NOT REPRODUCED."
+               if base is not None else
+               "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching log line, "
+               "or NOT REPRODUCED."), ""]
     return "\n".join(lines)

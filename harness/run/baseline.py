@@ -55,6 +55,8 @@ def run_baseline(ctx: RunContext, alloc: PortAllocator, block_size: int | None, 
         ctx.report.config["baseline_cache"] = {"used": False, "key": None, "reason": "attach mode: the baseline server was started elsewhere"}
         return _attached(ctx, attached_url, t0)
     base = ctx.server(alloc, "baseline", cfg.tp_d, block_size, cpu_bind)  # not started: its command is part of the keys
+    # the command whose answers the run compares with, launched or not (a repro bundle starts it again)
+    ctx.report.config["baseline_command"] = base.command
     server_id = disk.command_identity(base.proc.spec.argv, base.proc.spec.env)
     key = (ctx.model, cfg.tp_d, block_size, cfg.python, cfg.max_tokens, cfg.seed, cfg.device, ctx.accuracy, cfg.load,
            ctx.pool_blocks(block_size), cfg.model_len, disk.canonical(server_id), cfg.axes.prefix_caching_d)

@@ -21,6 +21,7 @@ from harness.run.context import RunContext
 from harness.run.evaluate import evaluate
 from harness.run.launch import new_run_dir, resolve_model
 from harness.run.pd import local_servers, run_pd
+from harness.run.prompts_file import write_prompts
 from harness.run.preflight import attached_baseline_gpu, preflight, require_model
 from harness.run.report import Report, write_report
 from harness.run.timing import breakdown
@@ -73,6 +74,7 @@ class PDRun:
             self.report.timing_breakdown = breakdown(self.report.timings_s, staggered).to_dict()
             self.report.events = rep.events_since(mark, wall)
             rep.clear()
+            write_prompts(self.ctx, self.run_dir)
             d = write_report(self.report, self.run_dir, self.cfg.runs_root if self.cfg.run_dir is None else None)
         return d
 

@@ -4,6 +4,7 @@ With ACCURACY=1 the run serves the tiny model trained on the offline GSM8K-forma
 real lm-eval run through the proxy and against the baseline.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,12 @@ def test_report_records_config_versions_timings_and_logs(e2e):
     assert 0 <= tb["harness_own_s"] <= tb["wall_s"] and {"launch_to_ready", "requests", "evaluation", "teardown"} <= set(tb["by_category_s"])
     md = (run_dir / "report.md").read_text()
     assert "**PASS**" in md and "outputs_match_baseline" in md
+    # what a repro bundle needs to replay any request: every prompt sent, and the baseline's command
+    sent = json.loads((run_dir / "prompts.json").read_text())
+    compared = {p["prompt_id"] for p in report["comparison"]["prompts"] + report["load"]["comparison"]["prompts"]}
+    assert compared <= set(sent["sequential"]) | set(sent["load"]) and all(isinstance(t, int) for t in
+                                                                         next(iter(sent["load"].values())))
+    assert report["config"]["baseline_command"] == report["commands"]["baseline"]
     # The CPU tuning really reached the servers (and is visible in their logs).
     decode_log = Path(report["logs"]["decode"]).read_text()
     assert "NIXL progress thread delay set to 1000 us" in decode_log

@@ -96,6 +96,8 @@ def test_bad_run_folders_are_refused(tmp_path):
         write_bundle(tmp_path / "m")
     run = fake_run(tmp_path, sys.executable, failed=True)
     with pytest.raises(ConfigError, match="has no log signature"):
+        write_bundle(run, tmp_path / "b", signature="accuracy-mismatch")
+    with pytest.raises(ConfigError, match="records no baseline command"):
         write_bundle(run, tmp_path / "b", signature="output-mismatch")
 
 
@@ -174,3 +176,72 @@ def test_repro_sh_turns_usage_reporting_off_for_everything_it_starts(tmp_path):
     env = subprocess.run(["bash", "-c", f"{lines[export]}; env"], capture_output=True, text=True, check=True,
                          env={"PATH": "/usr/bin:/bin"}).stdout.splitlines()
     assert {"VLLM_NO_USAGE_STATS=1", "VLLM_DO_NOT_TRACK=1", "DO_NOT_TRACK=1"} <= set(env)
+
+
+def wrong_answer_run(tmp_path: Path, python: str, cls: str) -> Path:
+    """A run that failed on its answers (no log line): two sequential prompts and one load prompt failed."""
+    run = fake_run(tmp_path, python, failed=False)
+    report = json.loads((run / "report.json").read_text())
+    spec = ServerSpec(role="baseline", model=str(ensure_tiny_model()), served_model_name="tiny-llama", tp=2, block_size=32,
+                      cpu_bind="0|1")
+    report["config"]["baseline_command"] = build_server_command(spec, ServerPorts(23000, 23010, 23020, 20), python,
+                                                                CpuTuning()).shell()
+    mismatch = {"prompt_id": "p03-w5", "status": "mismatch", "compared_tokens": 2, "max_logprob_delta": 0.0,
+                "divergence": {"position": 1, "baseline_token": 515, "pd_token": 372}}
+    report["comparison"] = {"top_k": 3, "prompts": [
+        {"prompt_id": "p00-w1", "status": "exact", "max_logprob_delta": 0.0, "divergence": None},
+        *([mismatch] if cls == "output-mismatch" else []),
+        {"prompt_id": "p05-w13", "status": "exact", "max_logprob_delta": 0.84, "divergence": None}]}
+    report["load"] = {"comparison": {"prompts": [{"prompt_id": "load007-t31", "status": "exact", "max_logprob_delta": 0.2}]}}
+    report["checks"] = [{"name": "logprobs_match_baseline", "passed": False, "data": {"threshold": 0.001}}]
+    report.update(verdict="fail", failure={"class": cls, "reason": "P/D answers differ"})
+    (run / "report.json").write_text(json.dumps(report))
+    (run / "prompts.json").write_text(json.dumps({"sequential": {"p00-w1": "a", "p03-w5": "one two three four five",
+                                                                "p05-w13": "a b c"},
+                                                 "load": {"load007-t31": [1, 5, 9]}, "prefix": {}}))
+    return run
+
+
+def test_a_wrong_answer_bundle_replays_the_failing_requests_against_a_plain_server(tmp_path):
+    run = wrong_answer_run(tmp_path, sys.executable, "output-mismatch")
+    out = write_bundle(run, tmp_path / "bundle")
+    assert sorted(p.name for p in (out / "rule").iterdir()) == ["compare.py", "completion.py"]
+    assert "from harness" not in (out / "rule" / "compare.py").read_text()
+    reqs = json.loads((out / "requests.json").read_text())
+    # the token mismatch first, then by Δlogprob; the passing prompt is not sent
+    assert [r["id"] for r in reqs] == ["p03-w5", "p05-w13", "load007-t31"]
+    assert reqs[0]["body"]["prompt"] == "one two three four five" and reqs[2]["body"]["prompt"] == [1, 5, 9]
+    assert reqs[0]["body"]["logprobs"] == 3 and reqs[0]["body"]["return_tokens_as_token_ids"]
+    assert "first divergence at token 1 (D 372 vs baseline 515)" in reqs[0]["why"]
+    sh = (out / "repro.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(out / "repro.sh")]).returncode == 0
+    assert "--cls output-mismatch --threshold 0.001 --top-k 3" in sh and '--port "$B_PORT"' in sh
+    assert "kv_transfer_config" not in sh.split("B_CMD=(")[1].split("\n")[0]  # the plain server has no connector
+    assert "23000" not in sh
+    md = (out / "ISSUE.md").read_text()
+    assert "non-disaggregated server" in md.splitlines()[0] and "`p03-w5`: first divergence at token 1" in md
+
+
+@pytest.mark.parametrize("cls, wrong, rc, said", [
+    ("output-mismatch", "token", 0, "REPRODUCED: prompt p03-w5, first divergence at token 1 (D 999 vs baseline "),
+    ("output-mismatch", "", 1, "NOT REPRODUCED: all 3 replayed request(s) match the plain server"),
+    ("output-mismatch", "logprob", 1, "(that is logprob-mismatch, not output-mismatch)"),
+    ("logprob-mismatch", "logprob", 0, "REPRODUCED: prompt p05-w13, tokens equal where compared, max |Δlogprob| 0.5"),
+])
+def test_a_wrong_answer_bundle_against_stand_in_servers(tmp_path, cls, wrong, rc, said):
+    """The plain server alone first, then P and D; the same token ids to both; the harness's rule decides."""
+    fake_python = str(FAKES / "python-fake-pd")
+    out = write_bundle(wrong_answer_run(tmp_path, fake_python, cls), tmp_path / "bundle")
+    record, work = tmp_path / "servers.jsonl", tmp_path / "clean"
+    work.mkdir()
+    env = {**os.environ, "REPRO_PYTHON": fake_python, "FAKE_PD_REAL_PYTHON": sys.executable, "FAKE_PD_RECORD": str(record),
+           "FAKE_PD_WRONG": wrong, "MODEL_DIR": str(ensure_tiny_model()), "READY_TIMEOUT": "60", "REQUEST_TIMEOUT": "30"}
+    cp = subprocess.run(["bash", str(out / "repro.sh")], cwd=work, env=env, capture_output=True, text=True, timeout=180)
+    assert cp.returncode == rc, cp.stdout + cp.stderr
+    assert said in cp.stdout, cp.stdout
+    servers = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [s["role"] for s in servers][0] == "baseline" and {s["role"] for s in servers} == {"baseline", "producer",
+                                                                                             "consumer"}
+    sent = {r["id"]: r["body"]["prompt"] for r in json.loads((work / "repro-work" / "sent.json").read_text())}
+    assert sent["p05-w13"] == [1, 1, 1, 1] and sent["load007-t31"] == [1, 5, 9]  # text through the plain /tokenize
+    assert group_alive([s["pid"] for s in servers] + [s["child"] for s in servers]) == []

