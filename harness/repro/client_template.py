@@ -118,12 +118,47 @@ def baseline(url, path, timeout, out, ids_out):
             body = dict(body, prompt=json.loads(text)["tokens"])
         status, text = post(url + "/v1/completions", body, f"base-{pid}-{uuid.uuid4().hex[:8]}", timeout)
         print(f"  {pid}: the plain server answered HTTP {status} ({len(body['prompt'])} prompt tokens)")
-        results.append({"id": pid, "status": status, "response": json.loads(text) if status == 200 else text})
+        r = {"id": pid, "status": status, "response": json.loads(text) if status == 200 else text}
+        if status == 200:
+            r["control"] = no_pd_control(url, pid, body, r["response"], timeout)
+        results.append(r)
         sent.append({"id": pid, "body": body})
     for path_out, data in ((out, results), (ids_out, sent)):
         with open(path_out, "w") as f:
             json.dump(data, f, indent=1)
     return 0
+
+
+def no_pd_control(url, pid, body, answer, timeout):
+    """The plain server alone, two paths to one position: its decode step after the prompt (the answer's 2nd token)
+    and a fresh prefill of prompt + the answer's 1st token. D's first token is computed over KV it did not compute
+    itself; when the backend's own two paths disagree, P/D need not be to blame."""
+    toks = answer["choices"][0]["logprobs"]["tokens"]
+    if len(toks) < 2:
+        return None
+    first = int(toks[0].split(":", 1)[1])
+    status, text = post(url + "/v1/completions", dict(body, prompt=body["prompt"] + [first], max_tokens=1),
+                        f"ctl-{pid}-{uuid.uuid4().hex[:8]}", timeout)
+    return {"status": status, "response": json.loads(text) if status == 200 else text}
+
+
+def control_line(base, top_k, threshold):
+    """What the no-P/D control says of one replayed prompt (None: not run)."""
+    from completion import parse_completion
+
+    ctl = base.get("control")
+    if not ctl or ctl.get("status") != 200:
+        return None
+    whole = parse_completion(base["id"], base["response"])
+    fresh = parse_completion(base["id"], ctl["response"])
+    decode_tok, prefill_tok = whole.token_ids[1], fresh.token_ids[0]
+    lp_d, lp_p = whole.top_logprobs[1].get(decode_tok), fresh.top_logprobs[0].get(decode_tok)
+    delta = abs(lp_d - lp_p) if lp_d is not None and lp_p is not None else None
+    shown = "n/a" if delta is None else f"{delta:.3g}"
+    if decode_tok == prefill_tok and delta is not None and delta <= threshold:
+        return True, f"passes: decode step and fresh prefill agree (token {decode_tok}, |Δlogprob| {shown})"
+    return False, (f"FAILS: decode step {decode_tok} vs fresh prefill {prefill_tok}, |Δlogprob| {shown} > {threshold:g}: "
+                   "the backend disagrees with itself without P/D")
 
 
 def send(p_url, d_url, path, timeout, out):
@@ -206,6 +241,9 @@ def compare(base_path, answers_path, cls, threshold, top_k):
     hits = [c for c in got if c.status == "mismatch"]
     if cls == "logprob-mismatch":
         hits += [c for c in got if c.status != "mismatch" and (c.max_logprob_delta or 0) > threshold]
+    for pid, b in base.items():
+        ctl = control_line(b, top_k, threshold)
+        print(f"  no-P/D control, {pid}: " + (ctl[1] if ctl else "not run (the plain server gave fewer than 2 tokens)"))
     if hits:
         c = hits[0]
         d = c.divergence

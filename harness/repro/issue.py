@@ -124,6 +124,10 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
                   + " ".join(base.argv), "```", "",
                   "The failing request(s) replayed, as the run saw them (prompts sent as token ids to both sides):", ""]
         lines += [f"- `{r['id']}`: {r['why']}" for r in replayed or []] + [""]
+        lines += ["Control without P/D (run by `repro.sh` for each replayed prompt, printed as `no-P/D control, <id>: ...`): "
+                  "the plain server's own decode step after the prompt against its fresh prefill of prompt + its first "
+                  "token. D's first token is computed over KV it did not compute itself; if the backend's two paths "
+                  "already disagree without P/D, the divergence need not be P/D's.", ""]
     if any("PD_HARNESS_" in k for k in {**pre.env, **dec.env}):
         lines += ["The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): on a small CPU "
                   "machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning and shortens idle "

