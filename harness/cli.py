@@ -21,7 +21,7 @@ from harness.serve.vllm_cmd import CpuTuning
 
 
 # Subcommands that live in their own modules; each has add_parser(subparsers) and main(args) -> exit code.
-SUBCOMMAND_MODULES = {"plan": "harness.gpu.cli", "bench": "harness.bench.cli", "nightly": "harness.nightly", "matrix": "harness.matrix.cli", "envs": "harness.envs.envs_cli", "bisect": "harness.releases.bisect_cli", "history": "harness.releases.history_cli", "repro": "harness.repro.cli", "wheelhouse": "harness.envs.wheelhouse_cli", "calibrate": "harness.calibrate.cli"}
+SUBCOMMAND_MODULES = {"plan": "harness.gpu.cli", "bench": "harness.bench.cli", "nightly": "harness.nightly", "matrix": "harness.matrix.cli", "envs": "harness.envs.envs_cli", "bisect": "harness.releases.bisect_cli", "history": "harness.releases.history_cli", "repro": "harness.repro.cli", "shrink": "harness.shrink.cli", "wheelhouse": "harness.envs.wheelhouse_cli", "calibrate": "harness.calibrate.cli"}
 
 
 def _subcommand(name: str):

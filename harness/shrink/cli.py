@@ -1,0 +1,125 @@
+"""python -m harness shrink RUN_DIR: the smallest configuration that still fails as the run did, each probe a real run.
+
+The run folder may be a matrix pair's (runs/<matrix>/vllm-<version>/<entry>). Probes are `python -m harness e2e`
+runs in <out>/probe-NN with the run's model, device, interpreter and every setting the search does not move; they
+share the baseline cache (a probe whose baseline was computed before reads it from disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from harness.core.errors import ConfigError
+from harness.core.paths import REPO_ROOT
+from harness.shrink.search import Probe, Settings, ShrinkResult, shrink
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("shrink", help="search for the smallest configuration that still fails with a run's class "
+                                      "(each probe a real run)")
+    s.add_argument("run_dir", type=Path, help="a failing run folder (holding report.json), e.g. a matrix pair's folder")
+    s.add_argument("--out", type=Path, help="where probes and shrink.json/.md go (default: <run_dir>/shrink)")
+    s.add_argument("--max-probes", type=int, default=8, help="at most this many probe runs (default 8)")
+    s.add_argument("--max-minutes", type=float, default=60.0, help="stop starting probes after this long (default 60)")
+
+
+def start_of(report: dict) -> tuple[str, Settings, list[str]]:
+    """(the failure class, the settings the search moves, the e2e flags it carries unchanged); ConfigError when the
+    run cannot be shrunk."""
+    cfg = report.get("config") or {}
+    failure = report.get("failure") or {}
+    if report.get("verdict") == "pass" or not failure.get("class"):
+        raise ConfigError("the run passed: nothing to shrink")
+    if cfg.get("attach"):
+        raise ConfigError("an attach-mode run: its servers were started elsewhere, so no probe can change them")
+    if (cfg.get("proxy_fault") or "none") != "none" or cfg.get("decode_kv_fault"):
+        raise ConfigError("the run failed under an injected fault (--proxy-fault / --decode-kv-fault): "
+                          "there is no vLLM configuration to shrink")
+    if report.get("simulated"):
+        raise ConfigError("a run on simulated GPUs: stand-ins served it")
+    axes, load = cfg.get("axes") or {}, cfg.get("load") or {}
+    start = Settings(int(cfg.get("tp_p") or 1), int(cfg.get("tp_d") or 1), cfg.get("block_size_p"), cfg.get("block_size_d"),
+                     bool(axes.get("prefix_caching_d")), int(load.get("requests") or 0), axes.get("kv_cache_dtype"))
+    model = cfg.get("resolved_model") if cfg.get("resolved_model") and Path(cfg["resolved_model"]).is_dir() else cfg.get("model")
+    carried = ["--device", str(cfg.get("device") or "cpu")]
+    for flag, value in (("--model", model), ("--python", cfg.get("python")), ("--max-tokens", cfg.get("max_tokens")),
+                        ("--dtype", cfg.get("dtype")), ("--kv-layout-d", cfg.get("kv_layout_d")),
+                        ("--logprob-threshold", cfg.get("logprob_threshold")), ("--max-model-len", cfg.get("max_model_len")),
+                        ("--attention-backend", axes.get("attention_backend")),
+                        ("--kv-buffer-device", axes.get("kv_buffer_device"))):
+        if value is not None:
+            carried += [flag, str(value)]
+    if axes.get("async_scheduling") is not None:
+        carried.append("--async-scheduling" if axes["async_scheduling"] else "--no-async-scheduling")
+    if axes.get("permute_local_kv_d"):
+        carried.append("--permute-local-kv-d")
+    return str(failure["class"]), start, carried
+
+
+def real_probe(carried: list[str], out: Path, timeout_s: float):
+    """A probe that runs `python -m harness e2e` for real; its outcome is the run's failure class, or ok."""
+    count = [0]
+
+    def run(s: Settings) -> Probe:
+        count[0] += 1
+        run_dir = out / f"probe-{count[0]:02d}"
+        argv = [sys.executable, "-m", "harness", "e2e", *carried, *s.flags(), "--run-dir", str(run_dir)]
+        print(f"shrink: probe {count[0]}: {s.describe()}", flush=True)
+        t0 = time.monotonic()
+        try:
+            subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return Probe(s, "probe-timeout", time.monotonic() - t0, str(run_dir))
+        try:
+            rep = json.loads((run_dir / "report.json").read_text())
+        except (OSError, ValueError):
+            return Probe(s, "harness-error", time.monotonic() - t0, str(run_dir))
+        outcome = "ok" if rep.get("verdict") == "pass" else str((rep.get("failure") or {}).get("class") or "checks-failed")
+        print(f"shrink: probe {count[0]}: {outcome} ({time.monotonic() - t0:.0f} s)", flush=True)
+        return Probe(s, outcome, time.monotonic() - t0, str(run_dir))
+
+    return run
+
+
+def render(result: ShrinkResult, carried: list[str], run_dir: Path) -> str:
+    cmd = shlex.join(["python", "-m", "harness", "e2e", *carried, *result.minimal.flags()])
+    lines = [f"# Shrink of {run_dir}", "", f"- failure class: `{result.cls}`",
+             f"- started from: {result.start.describe()}", f"- smallest still failing: {result.minimal.describe()}",
+             f"- its command: `{cmd}`", ""]
+    if result.cut:
+        lines += [f"**Cut short**: {result.cut}; the axes marked undecided were not decided.", ""]
+    lines += ["## Per axis", ""] + [f"- **{a.axis}** ({a.verdict}): {a.words}" for a in result.axes]
+    lines += ["", "## Probes", "", "| # | configuration | outcome | s | run |", "|---|---|---|---|---|"]
+    lines += [f"| {i} | {p.settings.describe()} | {p.outcome} | {p.seconds:.0f} | {p.run_dir} |"
+              for i, p in enumerate(result.probes, 1)]
+    lines += ["", "Not shrunk here: the prompts (a repro bundle of the smallest run replays only its failing requests: "
+              "`python -m harness repro <probe folder>`) and the model's shape."]
+    return "\n".join(lines) + "\n"
+
+
+def main(a: argparse.Namespace) -> int:
+    try:
+        if a.max_probes < 1 or a.max_minutes <= 0:
+            raise ConfigError("--max-probes must be >= 1 and --max-minutes > 0")
+        p = Path(a.run_dir) / "report.json"
+        if not p.exists():
+            raise ConfigError(f"{a.run_dir} holds no report.json (give a run folder, e.g. a matrix pair's folder)")
+        cls, start, carried = start_of(json.loads(p.read_text()))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out) if a.out else Path(a.run_dir) / "shrink"
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"shrink: {cls} from {start.describe()}; at most {a.max_probes} probes, {a.max_minutes:g} min", flush=True)
+    result = shrink(start, cls, real_probe(carried, out, a.max_minutes * 60), a.max_probes, a.max_minutes * 60)
+    (out / "shrink.json").write_text(json.dumps({**result.to_dict(), "carried_flags": carried}, indent=2) + "\n")
+    (out / "shrink.md").write_text(render(result, carried, Path(a.run_dir)))
+    print(result.summary())
+    print(f"shrink: {out / 'shrink.md'}")
+    return 0
