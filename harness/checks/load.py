@@ -84,15 +84,26 @@ def check_match(result: ComparisonResult) -> Check:
                  + (f"; mismatched: {', '.join(bad)}" if bad else ""), {"mismatched": bad} if bad else None)
 
 
+def logprob_coverage(results: list[ComparisonResult]) -> tuple[int, int]:
+    """(requests with at least one position where both sides chose the same token, requests compared): a request
+    that diverged at its first token gives the logprob check nothing to look at."""
+    prompts = [p for r in results for p in r.prompts]
+    return sum(p.max_logprob_delta is not None for p in prompts), len(prompts)
+
+
 def check_logprobs(results: list[ComparisonResult], threshold: float) -> Check:
-    """Per compared request, the largest |Δ logprob| of the chosen tokens must stay within measured noise."""
+    """Per compared request, the largest |Δ logprob| of the chosen tokens must stay within measured noise. Make it
+    only where ``logprob_coverage`` finds a request with a position to compare (else it is skipped, said why)."""
     over = [(p.prompt_id, p.max_logprob_delta) for r in results for p in r.over_logprob_threshold(threshold)]
     deltas = [r.max_logprob_delta for r in results if r.max_logprob_delta is not None]
     worst = max(deltas) if deltas else None
-    detail = (f"largest |Δ logprob| {worst:.2e} (threshold {threshold:g})" if worst is not None else "no position to compare")
+    looked, total = logprob_coverage(results)
+    skipped = f"; {total - looked} diverged at their first token: nothing to compare there" if looked < total else ""
+    detail = (f"largest |Δ logprob| {worst:.2e} (threshold {threshold:g}) over {looked} of {total} requests{skipped}"
+              if worst is not None else "no position to compare")
     if over:
         detail += f"; over it: {', '.join(f'{i} ({d:.3g})' for i, d in over[:10])}"
-    data: dict = {"threshold": threshold, "largest": worst}
+    data: dict = {"threshold": threshold, "largest": worst, "requests_with_positions": looked, "requests": total}
     if over:
         data["over_threshold"] = [i for i, _ in over]
     return Check("logprobs_match_baseline", not over and worst is not None, detail, data)

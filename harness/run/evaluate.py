@@ -11,7 +11,8 @@ from harness.checks.prefix_cache import check_sources
 from harness.checks.usage_stats import CHECK_NAME as USAGE_CHECK
 from harness.checks.usage_stats import check_no_usage_reporting
 from harness.checks.load import (Pool, blocks_needed, check_aborts, check_answers, check_logprobs, check_match, check_reuse,
-                                 compare_load, landed_stages, latency_summary, pool_blocks_from_log, pool_from_metrics)
+                                 compare_load, landed_stages, latency_summary, logprob_coverage, pool_blocks_from_log,
+                                 pool_from_metrics)
 from harness.run.baseline import BaselineResult
 from harness.run.context import RunContext
 from harness.run.pd import PDResult
@@ -57,7 +58,11 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
         prefix_checks, prefix_cmp = evaluate_prefix(ctx, baseline.prefix, pd.prefix)
         checks += prefix_checks
         compared.append(prefix_cmp)
-    checks.append(check_logprobs(compared, ctx.cfg.logprob_limit))
+    if logprob_coverage(compared)[0]:
+        checks.append(check_logprobs(compared, ctx.cfg.logprob_limit))
+    else:  # decided before its result: every answer left the baseline's at its first token
+        ctx.report.skipped_checks.append({"name": "logprobs_match_baseline", "reason": "no request had a position "
+                                          "to compare: every answer diverged at its first token (see the comparison)"})
     if ctx.cfg.proxy_fault != "none" and pd.final_stats is not None:  # which requests the proxy changed: the mismatches
         faulted = list(pd.final_stats.get("faulted_ids", []))
         ctx.report.faults = {"proxy": {"fault": ctx.cfg.proxy_fault, "every": ctx.cfg.proxy_fault_every, "requests": faulted}}

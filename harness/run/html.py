@@ -94,10 +94,31 @@ def _header(d: dict) -> str:
     verdict = str(d.get("verdict", "fail"))
     fail = d.get("failure") or {}
     cls = f'<div>failure class: <b id="failure-class">{esc(fail.get("class"))}</b></div>' if fail else ""
-    reason = f'<div class="reason" id="reason">{esc(d.get("reason"))}</div>' if d.get("reason") else ""
+    reason = _reason(d)
     return (f'<header class="top {VERDICT_CLASS.get(verdict, "v-fail")}"><div class="inner">'
             f'<h1>P/D run: P TP{esc(cfg.get("tp_p"))} &rarr; D TP{esc(cfg.get("tp_d"))} '
             f'<span class="badge" id="verdict">{esc(verdict.upper())}</span></h1>{cls}{reason}</div></header>')
+
+
+HEADLINE_CUT = ("; mismatched: ", "; over it: ")  # where a failed check's detail turns into a list of request ids
+
+
+def _reason(d: dict) -> str:
+    """The banner leads with each failed check's counts and first divergence; the request ids stay folded."""
+    if not d.get("reason"):
+        return ""
+    failed = [c for c in d.get("checks") or [] if not c.get("passed")]
+    heads = []
+    for c in failed:
+        detail = str(c.get("detail") or "")
+        for cut in HEADLINE_CUT:
+            detail = detail.split(cut)[0]
+        heads.append(f"{c.get('name')}: {detail}")
+    short = "\n".join(heads) if heads else str(d["reason"])
+    if short == d["reason"] or len(str(d["reason"])) <= 300:
+        return f'<div class="reason" id="reason">{esc(d["reason"])}</div>'
+    return (f'<div class="reason" id="reason">{esc(short)}</div><details class="reason"><summary>the whole reason, '
+            f'with every request id ({len(str(d["reason"]))} characters)</summary>{esc(d["reason"])}</details>')
 
 
 def _meta(d: dict) -> str:

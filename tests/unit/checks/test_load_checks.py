@@ -2,7 +2,8 @@
 the logprob threshold catches a slightly wrong KV that flips no token."""
 
 from harness.checks.compare import compare_completions
-from harness.checks.load import (Pool, aborted_in_log, blocks_needed, check_aborts, check_logprobs, check_reuse, pool_blocks_from_log,
+from harness.checks.load import (Pool, aborted_in_log, blocks_needed, check_aborts, check_logprobs, check_reuse,
+                                 logprob_coverage, pool_blocks_from_log,
                                  pool_from_metrics)
 from harness.serve.prometheus import parse_metrics
 from harness.workload.completion import Completion
@@ -98,3 +99,15 @@ def test_a_logprob_shift_that_flips_no_token_fails_the_threshold():
     assert check_logprobs([ok], 0.05).passed
     c = check_logprobs([ok, bad], 0.05)
     assert not c.passed and "x (0.35)" in c.detail
+
+
+def test_the_logprob_check_says_how_many_requests_it_could_look_at():
+    base = [Completion("x", (5, 6), ({5: -0.2}, {6: -0.1}), ""), Completion("y", (8, 9), ({8: -0.1, 3: -0.2}, {9: -0.1}), "")]
+    pd = [Completion("x", (5, 6), ({5: -0.2}, {6: -0.1}), ""), Completion("y", (3, 9), ({3: -0.1, 8: -0.2}, {9: -0.1}), "")]
+    r = compare_completions(base, pd)
+    assert logprob_coverage([r]) == (1, 2)  # y diverged at its first token: no position to compare
+    c = check_logprobs([r], 0.05)
+    assert c.passed and "over 1 of 2 requests; 1 diverged at their first token: nothing to compare there" in c.detail
+    assert c.data["requests_with_positions"] == 1
+    only_y = compare_completions(base[1:], pd[1:])
+    assert logprob_coverage([only_y]) == (0, 1)  # then the run skips the check (run/evaluate.py), never passes it

@@ -161,3 +161,18 @@ def test_report_json_and_md_are_unchanged_by_the_page(tmp_path):
     assert "events" not in d  # nothing recorded, nothing added
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["report.html", "report.json", "report.md"]
     assert 'id="verdict">PASS<' in (tmp_path / "run" / "report.html").read_text()
+
+
+def test_a_long_failure_leads_with_counts_and_folds_the_request_ids(tmp_path):
+    from harness.run.html import _reason
+
+    ids = ", ".join(f"load{i:03d}-t{i}" for i in range(84))
+    detail = "102 prompts: 18 exact, 0 tolerated (top-5), 84 mismatched; first divergence p01-w2 at token 0"
+    d = {"reason": f"load_outputs_match_baseline: {detail}; mismatched: {ids}",
+         "checks": [{"name": "load_outputs_match_baseline", "passed": False, "detail": f"{detail}; mismatched: {ids}"},
+                    {"name": "no_kv_leak", "passed": True, "detail": "idle"}]}
+    html = _reason(d)
+    banner, folded = html.split("<details", 1)
+    assert detail in banner and "load083-t83" not in banner
+    assert "<summary>the whole reason, with every request id" in folded and "load083-t83" in folded
+    assert "<details" not in _reason({"reason": "short", "checks": []})
