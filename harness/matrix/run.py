@@ -93,14 +93,14 @@ def pair_line(r: PairResult) -> str:
     p = r.pair
     sim = " [simulated GPUs]" if r.simulated else ""
     if r.pair.upstream and r.observed == r.pair.expected:
-        sim += f" [known upstream: {'; '.join(r.pair.upstream)}]"
+        sim += f" [{r.pair.upstream}]"
     state = f"observed {r.observed:<18} {r.verdict}{sim}" if r.observed is not None else f"skipped: {p.skip_reason}"
     return f"  {p.id:<20} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} {state}"
 
 
 def _detail(r: PairResult) -> str:
     """The run's reason, and where its known failure is already described upstream (never presented as new)."""
-    known = f"known upstream: {'; '.join(r.pair.upstream)}" if r.pair.upstream and r.observed == r.pair.expected else ""
+    known = r.pair.upstream if r.pair.upstream and r.observed == r.pair.expected else ""
     return " — ".join(x for x in (r.detail, known) if x)
 
 

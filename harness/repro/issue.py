@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from harness.checks.classify import SIGNATURES
+from harness.run.report import known_upstream_line
 
 
 def model_config(report: dict) -> dict:
@@ -147,7 +148,10 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
         observed = "As expected: the handshake passed, KV moved over NIXL and the outputs matched the baseline."
     else:
         observed = f"{observed_cls}: {report.get('reason') or failure.get('reason')}"
+    known = (report.get("known_upstream") or known_upstream_line(failure, v.get("vllm"))) if failure else None
     lines += ["## Expected", "", expected, "", "## Observed", "", observed, "",
+              *(["## Known upstream reports", "", f"{known}. Read the threads' current state before filing.", ""]
+                if known else []),
               "## How it was found", "",
               f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
               ("`repro.sh` in this folder replays it without the harness: the plain server's answers, then P and D's, "

@@ -95,6 +95,8 @@ def _header(d: dict) -> str:
     fail = d.get("failure") or {}
     cls = f'<div>failure class: <b id="failure-class">{esc(fail.get("class"))}</b></div>' if fail else ""
     reason = _reason(d)
+    if d.get("known_upstream"):
+        reason += f'<div class="reason" id="known-upstream">{esc(d["known_upstream"])}</div>'
     return (f'<header class="top {VERDICT_CLASS.get(verdict, "v-fail")}"><div class="inner">'
             f'<h1>P/D run: P TP{esc(cfg.get("tp_p"))} &rarr; D TP{esc(cfg.get("tp_d"))} '
             f'<span class="badge" id="verdict">{esc(verdict.upper())}</span></h1>{cls}{reason}</div></header>')

@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.core.errors import ConfigError
 from harness.checks.check import Check
 from harness.core.files import write_atomic
 from harness.run import html as run_html
+from harness.upstream.known import load_known
 
 
 @dataclass
@@ -51,6 +53,8 @@ class Report:
         d: dict[str, Any] = {"verdict": self.verdict}
         if self.verdict != "pass":
             d["reason"] = self.reason
+            if self.failure is not None and self.failure.get("class") != "interrupted":
+                d["known_upstream"] = known_upstream_line(self.failure, self.versions.get("vllm"))
         sim = simulated_note(self.config)
         if sim:  # next to the verdict: a pass on a simulated GPU box proves the harness's path, not vLLM
             d["simulated"] = sim
@@ -101,6 +105,8 @@ def render_markdown(d: dict[str, Any]) -> str:
         lines += [f"**{d['simulated']}**", ""]
     if d.get("reason"):
         lines += [f"Reason: {d['reason']}", ""]
+    if d.get("known_upstream"):
+        lines += [f"Upstream: {d['known_upstream']}", ""]
     bc = cfg.get("baseline_cache") or {}
     if bc.get("used"):
         lines += [f"Baseline: cached answers ({bc.get('where', 'disk')}), computed by run `{bc.get('from_run')}`"
@@ -220,3 +226,14 @@ def prefix_markdown(prefix: dict[str, Any] | None) -> list[str]:
         lines.append(f"| {r['id']} | {r['scenario']} | {r['length']} | {e['local_cache_hit']} / {e['external_kv_transfer']} / "
                      f"{e['local_compute']} | {seen} | {'ok' if r['exact'] else 'DIFFERENT'} |")
     return lines
+
+
+def known_upstream_line(failure: dict[str, Any], version: str | None) -> str | None:
+    """configs/known_issues.yaml's line for a failure (its class, its log excerpt for a signature, the release); None
+    when the list cannot be read (the run's report never fails on it)."""
+    try:
+        known = load_known()
+    except ConfigError:  # a broken list costs the line, not the report
+        return None
+    text = f"{failure.get('excerpt') or ''}\n{failure.get('reason') or ''}"
+    return known.line(known.for_failure(failure.get("class"), text, version))

@@ -1,7 +1,5 @@
 """The GQA-replication matrix file: valid, and every expectation agrees with the topology math."""
 
-from pathlib import Path
-
 import pytest
 
 from harness.matrix.config import load_matrix, shape_of
@@ -44,8 +42,6 @@ GOOD = "entries:\n  - id: x-p1-d2\n    model: tiny-llama\n    device: cpu\n    t
     (GOOD.replace("model: tiny-llama", "model: qwen3-0.6b\n    kv_heads: 2"), "kv_heads"),
     (GOOD + GOOD.replace("entries:\n", ""), "duplicate"),
     (GOOD + "    known_failure: {family: fixed, class: slow-ish, evidence: seen once}\n", "entries.0.known_failure"),
-    (GOOD + "    known_failure: {family: fixed, class: kv-leak, evidence: e, upstream: [a thread]}\n",
-     "entries.0.known_failure.upstream.0"),
     ("entries: [\n", "gqa.yaml"),
 ])
 def test_bad_entry_is_one_line_naming_file_and_field(tmp_path, text, field):
@@ -69,14 +65,3 @@ def test_known_failures_steady_or_intermittent(tmp_path):
     p.write_text(GOOD + "    known_failure: {family: fixed, class: kv-lease-expired, intermittent: true, evidence: 1 in 3}\n")
     e = load_matrix(p)[0].get("x-p1-d2")
     assert (e.expected_for("fixed"), e.tolerated_for("fixed"), e.tolerated_for("pre-fix")) == ("ok", "kv-lease-expired", None)
-
-
-def test_a_known_failure_names_the_upstream_threads_that_already_describe_it(tmp_path):
-    p = tmp_path / "gqa.yaml"
-    p.write_text(GOOD + "    known_failure: {family: fixed, class: output-mismatch, evidence: e, upstream: ['#1 (open)']}\n")
-    e = load_matrix(p)[0].get("x-p1-d2")
-    assert e.known_upstream("fixed") == ["#1 (open)"] and e.known_upstream("pre-fix") == []
-    known = {x.id: x.known_failure.upstream for x in load_matrix(Path("configs/edge_cases.yaml"))[0].entries
-             if x.known_failure}
-    assert known["edge-granitemoehybrid-bs96-k1-p1-d2"][0].startswith("#55208")
-    assert known["edge-bs64-k1-p1-d1"] == []  # no upstream report found: presented as new

@@ -1,5 +1,6 @@
 """Judging a matrix run: outcomes, verdicts, the #45330 line per version, the report (no servers)."""
 
+import dataclasses
 import json
 
 from harness.run.config import E2EConfig
@@ -135,8 +136,8 @@ def test_stand_in_answers_are_never_read_as_45330_not_reproduced(tmp_path, monke
 
 
 def test_a_known_failure_already_reported_upstream_says_so(tmp_path, monkeypatch):
-    known = pair("edge-conv", expected="output-mismatch")
-    known.upstream.append("#55208 (open): the same offsets; fix PR #55306 (open)")
+    known = dataclasses.replace(pair("edge-conv", expected="output-mismatch"),
+                                upstream="known upstream: #55208 (open): the same offsets; PR #55306 (open)")
     results, _ = run({"0.32.0": [known]}, {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}, tmp_path,
                      monkeypatch)
     assert results[0].verdict == "as expected"

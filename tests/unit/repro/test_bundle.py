@@ -220,6 +220,7 @@ def test_a_wrong_answer_bundle_replays_the_failing_requests_against_a_plain_serv
     assert "23000" not in sh
     md = (out / "ISSUE.md").read_text()
     assert "non-disaggregated server" in md.splitlines()[0] and "`p03-w5`: first divergence at token 1" in md
+    assert "## Known upstream reports\n\nno known upstream report as of 2026-12-05" in md
 
 
 @pytest.mark.parametrize("cls, wrong, split, rc, said", [
