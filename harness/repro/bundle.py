@@ -175,6 +175,8 @@ def server_lines(cmd: ServerCommand, prefix: str, model: str | None) -> list[str
         a = argv[i]
         if i > 0 and argv[i - 1] == "--port":
             words.append(f'"${prefix}_PORT"')
+        elif i > 0 and argv[i - 1] == "--block-size":  # a control: e.g. D_BLOCK_SIZE=32 runs D at P's block size
+            words.append(f'"${{{prefix}_BLOCK_SIZE:-{a}}}"')
         elif i > 0 and argv[i - 1] == "--model" and model is not None:
             words.append('"$MODEL_DIR"')
         else:
@@ -342,7 +344,8 @@ def _header(b: Script) -> list[str]:
         "# torch builds; empty: none), READY_TIMEOUT (600 s), REQUEST_TIMEOUT (180 s), REPRO_SETUP_ONLY=1 (install and",
         "# build, start nothing), and the ports P_PORT, P_SIDE_PORT, P_VLLM_PORT, D_PORT, D_SIDE_PORT, D_VLLM_PORT"
         + (", B_PORT, B_SIDE_PORT, B_VLLM_PORT" if b.compared else ""),
-        "# (default: free ones).",
+        "# (default: free ones); P_BLOCK_SIZE, D_BLOCK_SIZE" + (", B_BLOCK_SIZE" if b.compared else "")
+        + " (default: the run's; a control such as D_BLOCK_SIZE=<P's> replays at equal block sizes).",
         "set -euo pipefail",
         "# Nothing leaves the machine: usage reporting off in everything this script starts (pip, the model build, servers).",
         "export " + " ".join(f"{k}={v}" for k, v in NO_TRACK_ENV.items()),

@@ -216,6 +216,7 @@ def test_a_wrong_answer_bundle_replays_the_failing_requests_against_a_plain_serv
     sh = (out / "repro.sh").read_text()
     assert subprocess.run(["bash", "-n", str(out / "repro.sh")]).returncode == 0
     assert "--cls output-mismatch --threshold 0.001 --top-k 3" in sh and '--port "$B_PORT"' in sh
+    assert '--block-size "${P_BLOCK_SIZE:-32}"' in sh and '--block-size "${D_BLOCK_SIZE:-32}"' in sh
     assert "kv_transfer_config" not in sh.split("B_CMD=(")[1].split("\n")[0]  # the plain server has no connector
     assert "23000" not in sh
     md = (out / "ISSUE.md").read_text()
@@ -237,13 +238,15 @@ def test_a_wrong_answer_bundle_against_stand_in_servers(tmp_path, cls, wrong, sp
     record, work = tmp_path / "servers.jsonl", tmp_path / "clean"
     work.mkdir()
     env = {**os.environ, "REPRO_PYTHON": fake_python, "FAKE_PD_REAL_PYTHON": sys.executable, "FAKE_PD_RECORD": str(record),
-           "FAKE_PD_WRONG": wrong, "FAKE_PD_BACKEND_SPLIT": split, "MODEL_DIR": str(ensure_tiny_model()), "READY_TIMEOUT": "60", "REQUEST_TIMEOUT": "30"}
+           "D_BLOCK_SIZE": "16", "FAKE_PD_WRONG": wrong, "FAKE_PD_BACKEND_SPLIT": split, "MODEL_DIR": str(ensure_tiny_model()), "READY_TIMEOUT": "60", "REQUEST_TIMEOUT": "30"}
     cp = subprocess.run(["bash", str(out / "repro.sh")], cwd=work, env=env, capture_output=True, text=True, timeout=180)
     assert cp.returncode == rc, cp.stdout + cp.stderr
     assert said in cp.stdout, cp.stdout
     servers = [json.loads(line) for line in record.read_text().splitlines()]
     assert [s["role"] for s in servers][0] == "baseline" and {s["role"] for s in servers} == {"baseline", "producer",
                                                                                              "consumer"}
+    bs = {s["role"]: s["argv"][s["argv"].index("--block-size") + 1] for s in servers}
+    assert bs == {"baseline": "32", "producer": "32", "consumer": "16"}  # D_BLOCK_SIZE reached D alone
     # the no-P/D control, per prompt: the plain server's decode step against its own fresh prefill of prompt + token
     controls = [ln for ln in cp.stdout.splitlines() if ln.startswith("  no-P/D control, ")]
     ctl = "FAILS: decode step" if split == "1" else "passes: decode step"
