@@ -85,8 +85,11 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
         what = re.split(r" [\[({]", said.group(1))[0] if said else meaning  # the message without its shapes and values
         if len(what) > 110:
             what = what[:110].rsplit(" ", 1)[0] + " ..."
+        blocks = (f", block size {cfg.get('block_size_p')} -> {cfg.get('block_size_d')}"
+                  if cfg.get("block_size_p") != cfg.get("block_size_d") else "")
         title = (f"[Bug]: NixlConnector{' heterogeneous TP' if cfg.get('tp_p') != cfg.get('tp_d') else ''}: {what} at "
-                 f"prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} ({dist} {v.get('vllm')})")
+                 f"prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}{blocks}, num_key_value_heads={k} "
+                 f"({dist} {v.get('vllm')})")
     else:
         title = (f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} on {dist} "
                  f"{v.get('vllm')}: {report.get('verdict')} ({observed_cls or 'no failure'}); {cls} not seen")
@@ -150,7 +153,8 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
         observed = f"{observed_cls}: {report.get('reason') or failure.get('reason')}"
     known = (report.get("known_upstream") or known_upstream_line(failure, v.get("vllm"))) if failure else None
     lines += ["## Expected", "", expected, "", "## Observed", "", observed, "",
-              *(["## Known upstream reports", "", f"{known}. Read the threads' current state before filing.", ""]
+              *(["## Known upstream reports", "", f"{known}." + (" Read the threads' current state before filing."
+                                                                    if known.startswith("known") else ""), ""]
                 if known else []),
               "## How it was found", "",
               f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
