@@ -35,7 +35,7 @@ WORK_DIR = CACHE_ROOT / "wheelhouse"
 
 @dataclass(frozen=True)
 class Request:
-    out: Path
+    out: Path | None  # None only for a dry run
     device: str  # gpu: onto an image with torch; cpu: everything for this kind of machine
     python_version: str
     platform: str
@@ -268,12 +268,14 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
 
     patterns = kernel_patterns(req.drop_kernels)
     if not req.dry_run:
+        if req.out is None:
+            raise ConfigError("a wheelhouse needs an output folder (--out DIR)")
         _check_out_dir(req.out)
     index = Index(req.sources.index_url or "https://pypi.org/simple")
     target = PipTarget(req.resolver_python, req.python_version, req.platform)
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="resolve-", dir=WORK_DIR))  # one per run: runs may overlap
-    log_path = WORK_DIR / "dry-run.log" if req.dry_run else req.out / "wheelhouse.log"
+    log_path = WORK_DIR / "dry-run.log" if req.dry_run or req.out is None else req.out / "wheelhouse.log"
     try:
         with open(log_path, "w") as log:
             plan = plan_gpu(req, index, say) if req.device == "gpu" else plan_cpu(req)

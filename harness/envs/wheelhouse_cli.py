@@ -66,8 +66,8 @@ def request_from_args(a: argparse.Namespace):
     from harness.envs.wheelhouse_build import Request
     from harness.envs.wheelhouse_pip import Sources, find_python
 
-    if a.out is None:
-        raise ConfigError("give --out DIR (or --verify DIR)")
+    if a.out is None and not a.dry_run:  # a dry run downloads nothing: it needs no folder
+        raise ConfigError("give --out DIR (or --verify DIR, or --dry-run)")
     freeze, torch = None, a.torch
     if a.device == "cpu":
         if a.torch or a.image_freeze or a.vllm or a.drop_kernels or a.stub:
@@ -98,7 +98,7 @@ def request_from_args(a: argparse.Namespace):
                           f"interpreter it runs on): give --resolver-python PATH (e.g. after `uv python install {python}`)")
     sources = Sources(a.index_url, tuple(a.extra_index_url), tuple(str(Path(f).resolve()) if Path(f).exists() else f
                                                                    for f in a.find_links))
-    return Request(out=a.out.resolve(), device=a.device, python_version=python, platform=plat, resolver_python=resolver,
+    return Request(out=a.out.resolve() if a.out else None, device=a.device, python_version=python, platform=plat, resolver_python=resolver,
                    sources=sources, torch=torch, freeze=freeze, freeze_file=str(a.image_freeze) if a.image_freeze else None,
                    vllm=a.vllm, nixl=a.nixl, cuda=a.cuda, drop_kernels=tuple(a.drop_kernels), stubs=tuple(a.stub), dry_run=a.dry_run)
 

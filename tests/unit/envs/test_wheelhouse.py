@@ -271,6 +271,7 @@ def test_pip_runs_without_this_machines_config():
     (["--out", "X", "--device", "cpu", "--torch", "2.11.0"], "--device cpu takes no --torch"),
     (["--out", "X", "--torch", "2.11.0", "--python", "3", "--platform", "manylinux_2_31_x86_64"], "--python '3'"),
     (["--torch", "2.11.0"], "--out DIR"),
+    (["--dry-run", "--torch", "2.11.0+cu130"], "--python"),  # a dry run needs no --out: the next problem is named
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, message, capsys):
     from harness.cli import main
