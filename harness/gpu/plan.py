@@ -112,9 +112,6 @@ class ServerPlacement:
     def cuda_visible_devices(self) -> str:
         return ",".join(str(g) for g in self.gpus)
 
-    def env(self) -> dict[str, str]:
-        return {"CUDA_VISIBLE_DEVICES": self.cuda_visible_devices, "CUDA_DEVICE_ORDER": CUDA_DEVICE_ORDER}
-
     def to_dict(self) -> dict:
         d = asdict(self)
         d["gpus"] = list(self.gpus)

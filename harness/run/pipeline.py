@@ -175,6 +175,3 @@ def add_token_spans(ctx: RunContext, baseline: BaselineResult, pd) -> None:
     except Exception as e:  # a decoration of the report: never what decides a verdict, but said when it fails
         comp["token_spans_note"] = f"token spans could not be computed: {type(e).__name__}: {e}"
 
-
-def run_e2e(cfg: E2EConfig) -> dict:
-    return PDRun(cfg).run()

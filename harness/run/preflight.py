@@ -116,23 +116,6 @@ def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d
     return Preflight(tuple(problems), topo)
 
 
-def preflight_problems(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d: int,
-                       block_size_p: int | None = None, block_size_d: int | None = None, device: str = "cpu",
-                       cpu_cores: int | None = None) -> list[str]:
-    """The one-line problems that make the run impossible (empty: it may start)."""
-    return list(preflight(attention_heads, kv_heads, tp_p, tp_d, block_size_p, block_size_d, device, cpu_cores).problems)
-
-
-def check_preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d: int,
-                    block_size_p: int | None = None, block_size_d: int | None = None, device: str = "cpu",
-                    cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
-    """``preflight``, raising ``ConfigError`` (all problems on one line) when there is any."""
-    pf = preflight(attention_heads, kv_heads, tp_p, tp_d, block_size_p, block_size_d, device, cpu_cores, vllm_version)
-    if pf.problems:
-        raise ConfigError(pf.message())
-    return pf
-
-
 def config_heads(cfg: E2EConfig) -> tuple[int | None, int | None]:
     """(attention heads, KV heads) of the model ``cfg`` will serve, without building or downloading anything.
 

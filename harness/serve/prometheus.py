@@ -108,6 +108,3 @@ def first_present(samples: Sequence[Sample], names: Sequence[str], **labels: str
             return n, v
     return None
 
-
-def names(samples: Sequence[Sample]) -> set[str]:
-    return {s.name for s in samples}

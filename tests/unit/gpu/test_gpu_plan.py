@@ -47,8 +47,7 @@ def test_p2_d8_on_8_gpus_is_colocated_with_a_memory_budget():
     assert all(sums[g] <= 0.9 + 1e-9 for g in range(8))
     assert max(sums.values()) > 0.85  # the shared GPUs' budget is used, not wasted
     assert_sound(plan)
-    assert p.env()["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, p.gpus))
-    assert p.env()["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert p.cuda_visible_devices == ",".join(map(str, p.gpus))
 
 
 def test_baseline_runs_alone_at_d_tp_on_d_gpus():

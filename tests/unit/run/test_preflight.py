@@ -6,15 +6,17 @@ from harness.core.errors import ConfigError
 from harness.run.config import E2EConfig
 from harness.run.preflight import (
     check_config,
-    check_preflight,
     config_heads,
     preflight,
     preflight_config,
-    preflight_problems,
 )
 from harness.models.topology import ModelShape, predict
 
 GPU = dict(device="gpu")
+
+
+def problems_of(*args, **kw) -> list[str]:
+    return list(preflight(*args, **kw).problems)
 CPU8 = dict(device="cpu", cpu_cores=8)
 
 
@@ -34,41 +36,41 @@ def test_a_valid_pair_has_no_problem_and_a_prediction():
 
 
 def test_tp_must_divide_the_attention_heads():
-    msg = one(preflight_problems(4, 4, 1, 3, **GPU), "decode TP 3", "4 attention heads")
+    msg = one(problems_of(4, 4, 1, 3, **GPU), "decode TP 3", "4 attention heads")
     assert "does not divide" in msg
-    one(preflight_problems(32, 8, 6, 12, **GPU), "prefill TP 6")
+    one(problems_of(32, 8, 6, 12, **GPU), "prefill TP 6")
 
 
 def test_tp_above_k_must_be_a_multiple_of_k():
     # 12 heads, K=4: TP 6 divides the heads but 6 % 4 != 0.
-    msg = one(preflight_problems(12, 4, 6, 6, **GPU), "prefill TP 6", "4 KV heads")
+    msg = one(problems_of(12, 4, 6, 6, **GPU), "prefill TP 6", "4 KV heads")
     assert "multiple" in msg
-    assert preflight_problems(12, 4, 4, 12, **GPU) == []  # 12 > K=4 and 12 % 4 == 0
+    assert problems_of(12, 4, 4, 12, **GPU) == []  # 12 > K=4 and 12 % 4 == 0
 
 
 def test_larger_tp_must_be_a_multiple_of_the_smaller():
     # 12 heads, K=12: TP 4 and 6 each divide the heads, 6 % 4 != 0.
-    one(preflight_problems(12, 12, 4, 6, **GPU), "larger must be a multiple of the smaller")
+    one(problems_of(12, 12, 4, 6, **GPU), "larger must be a multiple of the smaller")
 
 
 def test_prefill_block_size_must_divide_decode():
-    one(preflight_problems(4, 1, 1, 1, 32, 48, **GPU), "prefill block size 32", "decode block size 48")
-    assert preflight_problems(4, 1, 1, 1, 16, 32, **GPU) == []  # GPU: 16 is fine
-    assert preflight_problems(4, 1, 1, 1, 32, 64, **CPU8) == []
+    one(problems_of(4, 1, 1, 1, 32, 48, **GPU), "prefill block size 32", "decode block size 48")
+    assert problems_of(4, 1, 1, 1, 16, 32, **GPU) == []  # GPU: 16 is fine
+    assert problems_of(4, 1, 1, 1, 32, 64, **CPU8) == []
 
 
 def test_cpu_block_sizes_must_be_multiples_of_32():
-    msg = one(preflight_problems(4, 1, 1, 1, 16, 16, **CPU8), "prefill block size 16", "32")
+    msg = one(problems_of(4, 1, 1, 1, 16, 16, **CPU8), "prefill block size 16", "32")
     assert msg.startswith("cannot run on this CPU machine:")
-    one(preflight_problems(4, 1, 1, 1, 16, 16, **CPU8), "decode block size 16")
-    assert preflight_problems(4, 1, 1, 1, None, None, **CPU8) == []  # the harness default (32)
+    one(problems_of(4, 1, 1, 1, 16, 16, **CPU8), "decode block size 16")
+    assert problems_of(4, 1, 1, 1, None, None, **CPU8) == []  # the harness default (32)
 
 
 def test_cpu_tp_above_the_cores_cannot_run_here():
-    msg = one(preflight_problems(4, 1, 1, 4, device="cpu", cpu_cores=2), "decode TP 4")
+    msg = one(problems_of(4, 1, 1, 4, device="cpu", cpu_cores=2), "decode TP 4")
     assert msg == "cannot run on this CPU machine: decode TP 4 needs 4 CPU cores, this machine has 2"
-    assert preflight_problems(4, 1, 1, 4, device="gpu", cpu_cores=2) == []  # cores do not bound GPU ranks
-    assert preflight_problems(4, 1, 2, 2, device="cpu", cpu_cores=2) == []
+    assert problems_of(4, 1, 1, 4, device="gpu", cpu_cores=2) == []  # cores do not bound GPU ranks
+    assert problems_of(4, 1, 2, 2, device="cpu", cpu_cores=2) == []
 
 
 def test_rejected_by_design_is_not_a_problem():
@@ -79,31 +81,29 @@ def test_rejected_by_design_is_not_a_problem():
 
 
 def test_unknown_heads_skip_head_checks_but_not_the_rest():
-    assert preflight_problems(None, None, 3, 3, **GPU) == []
+    assert problems_of(None, None, 3, 3, **GPU) == []
     assert preflight(None, None, 1, 1, **GPU).topology is None
-    one(preflight_problems(None, None, 2, 3, **GPU), "larger must be a multiple")
-    one(preflight_problems(None, None, 1, 4, device="cpu", cpu_cores=2), "cannot run on this CPU machine")
+    one(problems_of(None, None, 2, 3, **GPU), "larger must be a multiple")
+    one(problems_of(None, None, 1, 4, device="cpu", cpu_cores=2), "cannot run on this CPU machine")
 
 
 def test_bad_tp_values_are_problems_not_crashes():
-    one(preflight_problems(4, 1, 0, 1, **GPU), "prefill TP must be a positive integer")
+    one(problems_of(4, 1, 0, 1, **GPU), "prefill TP must be a positive integer")
 
 
 @pytest.mark.parametrize("heads,k", [(4, 1), (8, 2), (12, 4), (32, 8), (16, 16)])
 def test_head_and_ratio_problems_agree_with_the_topology_math(heads, k):
     # Independent of the preflight wording: a pair is refused iff harness/models/topology.py calls it invalid.
     for p, d in itertools.product(range(1, 17), repeat=2):
-        problems = preflight_problems(heads, k, p, d, **GPU)
+        problems = problems_of(heads, k, p, d, **GPU)
         valid = predict(ModelShape(heads, k), p, d).valid
         assert (problems == []) == valid, (heads, k, p, d, problems)
 
 
-def test_check_preflight_raises_one_line_config_error():
-    with pytest.raises(ConfigError) as e:
-        check_preflight(4, 1, 1, 3, device="cpu", cpu_cores=2)
-    msg = str(e.value)
+def test_preflight_message_is_one_line():
+    msg = preflight(4, 1, 1, 3, device="cpu", cpu_cores=2).message()
     assert "\n" not in msg and "decode TP 3" in msg and "cannot run on this CPU machine" in msg
-    assert check_preflight(4, 1, 1, 2, device="cpu", cpu_cores=2).ok
+    assert preflight(4, 1, 1, 2, device="cpu", cpu_cores=2).ok
 
 
 def test_config_heads_without_building_anything(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from harness.serve.prometheus import first_present, metric_sum, names, parse_metrics
+from harness.serve.prometheus import first_present, metric_sum, parse_metrics
 
 TEXT = '''# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV Cache transfers.
 # TYPE vllm:nixl_xfer_time_seconds histogram
@@ -25,7 +25,7 @@ def test_parse_and_sum():
     assert metric_sum(s, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 42.0
     assert metric_sum(s, "vllm:prompt_tokens_by_source_total", source="nope") == 0.0
     assert metric_sum(s, "absent") is None
-    assert "vllm:nixl_bytes_transferred_sum" in names(s)
+    assert "vllm:nixl_bytes_transferred_sum" in {x.name for x in s}
 
 
 def test_escapes_nan_inf_and_timestamp():
