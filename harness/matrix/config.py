@@ -6,12 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
-from harness.models.config import ModelEntry, load_models, one_line, require_unique_ids, yaml_error_line
+from harness.models.config import ModelEntry, load_models, load_yaml, require_unique_ids
 from harness.models.topology import ModelShape
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 
@@ -185,14 +184,7 @@ def shape_of(entry: MatrixEntry, model: ModelEntry) -> ModelShape:
 def load_matrix(path: Path = MATRIX_YAML) -> tuple[MatrixFile, dict[str, ModelEntry]]:
     """The matrix and the models its entries name; any problem is one line naming the file and field."""
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(yaml_error_line(e, path)) from None
-    try:
-        matrix = MatrixFile.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(one_line(e, path)) from None
+    matrix = load_yaml(path, MatrixFile)
     models = {m.id: m for m in load_models().models}
     for i, e in enumerate(matrix.entries):
         if e.model not in models:

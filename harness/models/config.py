@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -107,12 +108,21 @@ def yaml_error_line(e: Exception, path: Path) -> str:
     return f"{path}:{where}: {_flat(what)}" if where else f"{path}: {_flat(what)}"
 
 
-def load_models(path: Path = MODELS_YAML) -> ModelsFile:
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_yaml(path: Path, model: type[M]) -> M:
+    """A YAML config validated as ``model``; any problem is one ConfigError line naming the file (and field)."""
+    path = Path(path)
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(yaml_error_line(e, Path(path))) from None
+        raise ConfigError(yaml_error_line(e, path)) from None
     try:
-        return ModelsFile.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(one_line(e, Path(path))) from None
+        raise ConfigError(one_line(e, path)) from None
+
+
+def load_models(path: Path = MODELS_YAML) -> ModelsFile:
+    return load_yaml(path, ModelsFile)

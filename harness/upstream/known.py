@@ -10,12 +10,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
-from harness.models.config import one_line, require_unique_ids, yaml_error_line
+from harness.models.config import load_yaml, require_unique_ids
 
 KNOWN_YAML = REPO_ROOT / "configs" / "known_issues.yaml"
 
@@ -112,12 +110,4 @@ def _applies(r: KnownReport, version: str | None) -> bool:
 @lru_cache(maxsize=4)
 def load_known(path: Path = KNOWN_YAML) -> KnownIssues:
     """The known reports; any problem is one line naming the file and field."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(yaml_error_line(e, path)) from None
-    try:
-        return KnownIssues.model_validate(data)
-    except ValidationError as e:
-        raise ConfigError(one_line(e, path)) from None
+    return load_yaml(path, KnownIssues)
