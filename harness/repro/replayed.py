@@ -47,7 +47,8 @@ def _compared(report: dict) -> list[dict]:
 
 
 def failing(report: dict, rule: ReplayRule) -> list[tuple[str, str]]:
-    """(prompt id, what the run saw) of every compared request that failed, token mismatches first, then by Δlogprob."""
+    """(prompt id, what the run saw) of every compared request that failed: token mismatches first, the earliest
+    divergence first; then by Δlogprob."""
     rows = []
     for p in _compared(report):
         delta = p.get("max_logprob_delta")
@@ -55,10 +56,10 @@ def failing(report: dict, rule: ReplayRule) -> list[tuple[str, str]]:
         if p.get("status") == "mismatch":
             why = (f"first divergence at token {d.get('position')} (D {d.get('pd_token')} vs baseline "
                    f"{d.get('baseline_token')})")
-            rows.append((0, -(delta or 0.0), p["prompt_id"], why))
+            rows.append((0, d.get("position") or 0, -(delta or 0.0), p["prompt_id"], why))
         elif delta is not None and delta > rule.threshold:
-            rows.append((1, -delta, p["prompt_id"], f"|Δlogprob| {delta:.3g} > {rule.threshold:g}"))
-    return [(pid, why) for _, _, pid, why in sorted(rows)]
+            rows.append((1, 0, -delta, p["prompt_id"], f"|Δlogprob| {delta:.3g} > {rule.threshold:g}"))
+    return [(pid, why) for *_, pid, why in sorted(rows)]
 
 
 def replayed(report: dict, prompts: dict[str, str | list[int]], rule: ReplayRule) -> list[Replayed]:
