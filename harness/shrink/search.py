@@ -137,7 +137,8 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
     for axis in AXES:
         candidates = axis.simpler(result.minimal)
         if not candidates:
-            result.axes.append(AxisVerdict(axis.name, "minimal", f"{axis.name}: already at its simplest"))
+            result.axes.append(AxisVerdict(axis.name, "minimal", f"{axis.name} not needed (already "
+                                                                  f"{_changed(axis, result.minimal)} in the run)"))
             continue
         seen: list[str] = []
         adopted = None

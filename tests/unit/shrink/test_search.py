@@ -33,6 +33,7 @@ def test_a_block_size_failure_shrinks_to_p1_d1_with_unequal_blocks():
     assert needed.words.startswith("needs block_size_p 32 != block_size_d 64 (simpler: ")
     assert "block 32/32: ok" in needed.words and "block 64/64: ok" in needed.words
     assert len(seen) == 5 and "needs block_size_p 32 != block_size_d 64" in r.summary()
+    assert "KV dtype not needed (already KV dtype auto in the run)" in r.summary()
 
 
 def test_another_class_on_a_simpler_setting_keeps_the_axis():
