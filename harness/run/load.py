@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import requests
 
 from harness.run.context import RunContext
-from harness.serve.prometheus import Sample, parse_metrics
+from harness.serve.prometheus import Sample
 from harness.run.watch import run_watched
-from harness.serve.servers import MetricsUnavailable, ServerSet, read_json
+from harness.serve.servers import ServerSet, read_json, server_metrics
 from harness.workload.load import plan_load, token_prompts
 from harness.workload.load_client import LoadRun, run_load
 
@@ -62,20 +62,6 @@ def baseline_load(ctx: RunContext, url: str) -> LoadRun | None:
     out = run_load(url, ctx.served_name, ctx.load_requests, ctx.load_prompts, ctx.gen, ctx.cfg.load.concurrency,
                    run_tag="baseline-", with_aborts=False)
     ctx.timed("baseline_load", t0)
-    return out
-
-
-def server_metrics(servers: ServerSet) -> dict[str, list[Sample]]:
-    """Every P and D server's /metrics by name; a dead server fails as such first."""
-    out = {}
-    for ep in servers.prefill + servers.decode:
-        try:
-            r = requests.get(f"{ep.url}/metrics", timeout=30)
-            r.raise_for_status()
-        except requests.RequestException as e:
-            servers.check(force=True)
-            raise MetricsUnavailable(ep.name, f"GET {ep.url}/metrics: {type(e).__name__}: {e}") from None
-        out[ep.name] = parse_metrics(r.text)
     return out
 
 

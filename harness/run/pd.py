@@ -17,14 +17,14 @@ from harness.checks.check import Check
 from harness.checks.leak import IdleWatch, state_of, wait_idle
 from harness.models.config import load_models
 from harness.run.context import RunContext
-from harness.run.load import PDLoad, pd_load, server_metrics
+from harness.run.load import PDLoad, pd_load
 from harness.run.prefix import PDPrefix, pd_prefix
 from harness.run.simulated import simulated
 from harness.run.watch import run_watched
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.prometheus import Sample
-from harness.serve.servers import LocalServers, MetricsUnavailable, ServerSet, decode_metrics, read_json
+from harness.serve.servers import LocalServers, MetricsUnavailable, ServerSet, decode_metrics, read_json, server_metrics
 from harness.workload.client import CompletionRun, run_completions
 
 

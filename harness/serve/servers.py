@@ -183,18 +183,24 @@ def read_json(url: str, source: str, timeout_s: float = 30.0) -> dict:
         raise MetricsUnavailable(source, f"GET {url}: {type(e).__name__}: {e}") from None
 
 
-def decode_metrics(servers: ServerSet, timeout_s: float = 30.0) -> list[Sample]:
-    """Every decode server's /metrics in one list (the proof sums over them). A dead server fails as such first."""
-    out: list[Sample] = []
-    for ep in servers.decode:
+def server_metrics(servers: ServerSet, endpoints: list[Endpoint] | None = None,
+                   timeout_s: float = 30.0) -> dict[str, list[Sample]]:
+    """/metrics of each server (default: every P and D) by its name. A dead server fails as such first."""
+    out: dict[str, list[Sample]] = {}
+    for ep in servers.prefill + servers.decode if endpoints is None else endpoints:
         try:
             r = requests.get(f"{ep.url}/metrics", timeout=timeout_s)
             r.raise_for_status()
         except requests.RequestException as e:
             servers.check(force=True)  # a server that died is the real story: say so, with its log
             raise MetricsUnavailable(ep.name, f"GET {ep.url}/metrics: {type(e).__name__}: {e}") from None
-        out += parse_metrics(r.text)
+        out[ep.name] = parse_metrics(r.text)
     return out
+
+
+def decode_metrics(servers: ServerSet, timeout_s: float = 30.0) -> list[Sample]:
+    """Every decode server's /metrics in one list (the proof sums over them)."""
+    return [s for samples in server_metrics(servers, servers.decode, timeout_s).values() for s in samples]
 
 
 @dataclass(frozen=True)
