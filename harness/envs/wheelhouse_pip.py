@@ -21,12 +21,14 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonicalize_name, parse_sdist_filename,
+                             parse_wheel_filename)
+from packaging.version import InvalidVersion, Version
 
 from harness.core.files import sha256_of
 from harness.core.notrack import with_no_track
 from harness.envs.pip_limits import SubprocessTimedOut, log_name, pip_network_args, run_bounded, wall_timeout_s
-from harness.envs.pypi import (Index, IndexFile, expand_platform, min_glibc, platform_machine, target_tags, wheel_rank,
-                               wheel_version)
+from harness.envs.pypi import Index, IndexFile, expand_platform, min_glibc, platform_machine, target_tags, wheel_rank
 
 # PIP_* settings that only say how to reach an index, not which packages to take.
 _PIP_ENV_KEPT = ("PIP_CERT", "PIP_CLIENT_CERT", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT", "PIP_PROXY", "PIP_RETRIES",
@@ -208,8 +210,16 @@ def _has_target_wheel(files: list[IndexFile], target: PipTarget) -> bool:
 
 
 def _already_built(built_dir: Path, name: str, version: str) -> bool:
-    dist = re.sub(r"[-_.]+", "_", name).lower()
-    return any(p.name.lower().startswith(f"{dist}-{version}-") for p in built_dir.glob("*.whl"))
+    want = (canonicalize_name(name), Version(version))
+    return any(_wheel_id(p.name) == want for p in built_dir.glob("*.whl"))
+
+
+def _wheel_id(filename: str) -> tuple[str, Version] | None:
+    try:
+        name, version, _, _ = parse_wheel_filename(filename)
+    except (InvalidWheelFilename, InvalidVersion):
+        return None
+    return canonicalize_name(name), version
 
 
 def pinned_sdist_only(lines: list[str], target: PipTarget, index: Index, built_dir: Path) -> list[str]:
@@ -258,8 +268,7 @@ def newer_sdist_only(report: Path, target: PipTarget, index: Index, built_dir: P
         newer = {}
         for f in files:
             v = _file_version(f.filename)
-            v = wh.Version(v) if isinstance(v, str) else v
-            if v > wh.Version(d.version) and not v.is_prerelease and \
+            if v is not None and v > wh.Version(d.version) and not v.is_prerelease and \
                     (not f.requires_python or SpecifierSet(f.requires_python).contains(py)):
                 newer.setdefault(v, []).append(f)
         if not newer or any(_has_target_wheel(fs, target) for fs in newer.values()):
@@ -305,11 +314,12 @@ def _build_missing(target: PipTarget, sources: Sources, line: str, built_dir: Pa
     return build_wheel(target, sources, f"{req.name}{req.specifier}", built_dir, log)
 
 
-def _file_version(filename: str):
-    if filename.endswith(".whl"):
-        return wheel_version(filename)
-    m = re.match(r"^.+?-(\d[^-]*?)(\.tar\.gz|\.zip|\.tar\.bz2)$", filename)
-    return m.group(1) if m else None
+def _file_version(filename: str) -> Version | None:
+    """A wheel's or an sdist's version from its file name (packaging's rules); None for a name they refuse."""
+    try:
+        return (parse_wheel_filename(filename) if filename.endswith(".whl") else parse_sdist_filename(filename))[1]
+    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
+        return None
 
 
 def fetch(url: str, sha256: str, dest: Path, timeout: float = 300.0) -> Path:

@@ -349,3 +349,23 @@ def test_the_real_h200_image_freeze(graph):
     assert {"torch", "triton", "nvidia-cudnn-cu13", "safetensors"} <= left_names
     assert {"vllm", "nixl-cu13"} <= set(kept_by)
     assert "tokenizers" in kept_by, "the harness pins 0.23.3; the image has 0.23.2"
+
+
+def test_file_names_are_read_by_packaging():
+    from packaging.version import Version
+
+    from harness.envs.wheelhouse_pip import _already_built, _file_version
+
+    assert _file_version("flashinfer_python-0.7.3.tar.gz") == Version("0.7.3")
+    assert _file_version("Foo.Bar-1.0rc1.zip") == Version("1.0rc1")
+    assert _file_version("torch-2.11.0+cu130-cp312-cp312-manylinux_2_28_x86_64.whl") == Version("2.11.0+cu130")
+    assert _file_version("not-a-dist.txt") is None and _file_version("x-1.0-bad.whl") is None
+    # built wheels are found by canonical name and exact version, never by a prefix
+    assert not _already_built(Path("/nonexistent"), "x", "1.0")
+
+
+def test_a_built_wheel_is_matched_by_name_and_version(tmp_path):
+    from harness.envs.wheelhouse_pip import _already_built
+
+    (tmp_path / "flash_attn-2.8.3-cp312-cp312-linux_x86_64.whl").write_bytes(b"")
+    assert _already_built(tmp_path, "Flash.Attn", "2.8.3") and not _already_built(tmp_path, "flash-attn", "2.8")
