@@ -156,6 +156,12 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
               *(["## Known upstream reports", "", f"{known}." + (" Read the threads' current state before filing."
                                                                     if known.startswith("known") else ""), ""]
                 if known else []),
+              *smallest_section(run_dir),
+              "## Not established", "",
+              "The cause. Everything above is what the run measured; the harness states no cause, and a cause read "
+              "from vLLM's code is a hypothesis until a control or a KV-level check shows it"
+              + (" (the control without P/D that `repro.sh` prints is one such control)." if base is not None else "."),
+              "",
               "## How it was found", "",
               f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
               ("`repro.sh` in this folder replays it without the harness: the plain server's answers, then P and D's, "
@@ -164,3 +170,17 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
                "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching log line, "
                "or NOT REPRODUCED."), ""]
     return "\n".join(lines)
+
+
+def smallest_section(run_dir: Path) -> list[str]:
+    """The shrink's answer (python -m harness shrink, <run>/shrink/shrink.json) when the run folder has one."""
+    try:
+        sh = json.loads((Path(run_dir) / "shrink" / "shrink.json").read_text())
+    except (OSError, ValueError):
+        return []
+    lines = ["## Smallest failing configuration", "",
+             f"`python -m harness shrink` ({len(sh.get('probes') or [])} real runs"
+             + (f", cut short: {sh['cut']}" if sh.get("cut") else "") + "): still `" + str(sh.get("class")) + "` with",
+             "", "```", "python -m harness e2e " + " ".join(sh.get("carried_flags", []) + sh.get("minimal_flags", [])),
+             "```", ""]
+    return lines + [f"- {a['axis']}: {a['words']}" for a in sh.get("axes") or []] + [""]

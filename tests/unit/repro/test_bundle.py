@@ -254,3 +254,18 @@ def test_a_wrong_answer_bundle_against_stand_in_servers(tmp_path, cls, wrong, sp
     sent = {r["id"]: r["body"]["prompt"] for r in json.loads((work / "repro-work" / "sent.json").read_text())}
     assert sent["p05-w13"] == [1, 1, 1, 1] and sent["load007-t31"] == [1, 5, 9]  # text through the plain /tokenize
     assert group_alive([s["pid"] for s in servers] + [s["child"] for s in servers]) == []
+
+
+def test_issue_text_carries_the_shrinks_answer_and_says_what_is_not_established(tmp_path):
+    from harness.shrink.search import Probe, Settings, shrink
+
+    run = wrong_answer_run(tmp_path, sys.executable, "output-mismatch")
+    r = shrink(Settings(1, 2, 32, 64), "output-mismatch",
+               lambda s: Probe(s, "output-mismatch" if s.block_size_p != s.block_size_d else "ok"))
+    (run / "shrink").mkdir()
+    (run / "shrink" / "shrink.json").write_text(json.dumps({**r.to_dict(), "carried_flags": ["--device", "cpu"]}))
+    md = (write_bundle(run, tmp_path / "bundle") / "ISSUE.md").read_text()
+    assert "## Smallest failing configuration" in md and "still `output-mismatch` with" in md
+    assert "python -m harness e2e --device cpu --tp-p 1 --tp-d 1 --load-requests 0 --block-size-p 32 --block-size-d 64" in md
+    assert "- block sizes: needs block_size_p 32 != block_size_d 64" in md
+    assert "## Not established\n\nThe cause." in md
