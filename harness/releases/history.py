@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from harness.upstream.known import load_known
+
 # Cell colours by outcome; any other failure class is drawn as "other failure".
 COLOURS = {
     "ok": "#4caf50",
@@ -103,12 +105,29 @@ def render_markdown(t: HistoryTable, png_name: str | None = "history.png") -> st
     details = [(v, e, c) for (v, e), c in sorted(t.cells.items()) if c.detail and c.outcome != "ok"]
     if details:
         lines += ["", "## Details", ""] + [f"- {v} {e}: {c.outcome}: {c.detail[:300]}" for v, e, c in details]
+    lines += known_section(t)
     lines += ["", "## Legend", ""] + [f"- {k}: {v}" for k, v in LEGEND.items()] + ["- any other class: another failure of the run"]
     return "\n".join(lines) + "\n"
 
 
 def colour(outcome: str) -> str:
     return COLOURS.get(outcome, OTHER_FAILURE)
+
+
+def known_section(t: HistoryTable) -> list[str]:
+    """For each entry and failure it showed, what upstream already knows (configs/known_issues.yaml)."""
+    known = load_known()
+    seen: dict[tuple[str, str], list[str]] = {}
+    for (v, e), c in sorted(t.cells.items()):
+        if c.outcome not in ("ok", "not measured", "install-failed", "not-run"):
+            seen.setdefault((e, c.outcome), []).append(v)
+    if not seen:
+        return []
+    lines = ["", "## Known upstream reports", ""]
+    for (e, outcome), versions in seen.items():
+        reports = known.for_entry(e) or known.for_failure(outcome, "\n".join(t.cell(v, e).detail for v in versions))
+        lines.append(f"- {e} {outcome} ({', '.join(versions)}): {known.line(reports)}")
+    return lines
 
 
 def render_png(t: HistoryTable, path) -> None:

@@ -66,3 +66,13 @@ def test_matrix_reports_are_imported_into_the_store(tmp_path):
     assert import_runs(tmp_path / "nightly", store, "nightly") == 1
     assert store.get("tinyllama-p2-d8", "0.32.0").outcome == "ok"
     assert store.get("qwen25-3b-p4-d2", "0.32.0") is None
+
+
+def test_each_failure_seen_says_what_upstream_knows_of_it():
+    t = table()
+    t.cells[("0.24.0", "tiny-k1-p2-d2")] = Cell("server-exited", "run", "/r", "ok",
+                                                 "All kv cache tensors must have the same number of blocks")
+    md = render_markdown(t).split("## Known upstream reports", 1)[1]
+    assert "- tiny-k1-p1-d2 assert-45330 (0.21.0, 0.22.0): known upstream: #45330 (closed)" in md
+    assert "- tiny-k1-p2-d2 server-exited (0.24.0): known upstream: #47816 (closed" in md
+    assert "- tiny-k1-p1-d2 kv-lease-expired (0.32.0): no known upstream report as of 2026-12-05" in md
