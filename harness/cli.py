@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
     e.add_argument("--vllm-version", help="serve from this vLLM version, installed under .venvs/ the first time (default: $VLLM_VERSION or the pinned one)")
     e.add_argument("--max-tokens", type=positive_int, default=16)
+    e.add_argument("--prompts", help="only these of the sequential prompts, comma-separated ids (e.g. p01-w2; "
+                                     "default: all; a shrink narrows a failure to one)")
     e.add_argument("--fresh-baseline", action="store_true",
                    help="compute the baseline again instead of reusing cached answers (the new ones are cached)")
     e.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
@@ -170,6 +172,7 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False,
         python=python,
         cpu_tuning=tuning,
         max_tokens=a.max_tokens,
+        prompt_ids=tuple(x for x in a.prompts.split(",") if x) if a.prompts is not None else None,
         ready_timeout_s=a.ready_timeout,
         request_timeout_s=a.request_timeout,
         kv_lease_s=a.kv_lease,

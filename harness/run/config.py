@@ -16,6 +16,7 @@ from harness.serve.axes import ServerAxes
 from harness.serve.servers import Attach, Served
 from harness.serve.vllm_cmd import CpuTuning
 from harness.workload.load import LoadSettings
+from harness.workload.prompts import prompt_set
 
 VLLM_DEFAULT_BLOCK_SIZE = 16  # what vLLM uses where no block size is given (GPU)
 # |Δ logprob| of a chosen token between P/D and the baseline that noise cannot explain (docs/load.md: how measured).
@@ -74,6 +75,7 @@ class E2EConfig:
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs and compilation on GPU
     decode_kv_fault: float | None = None  # fault injection: D scales the received KV of one layer by this (the run must fail)
     axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
+    prompt_ids: tuple[str, ...] | None = None  # only these of the sequential prompts (None: all; a shrink narrows it)
 
     def validate(self) -> None:
         for name in ("tp_p", "tp_d"):
@@ -94,6 +96,11 @@ class E2EConfig:
             raise ConfigError("--model is required on GPU")
         if self.proxy_fault not in PROXY_FAULTS:
             raise ConfigError(f"proxy fault must be one of {', '.join(PROXY_FAULTS)}, got {self.proxy_fault!r}")
+        if self.prompt_ids is not None:
+            known = [p.id for p in prompt_set(self.seed)]
+            unknown = [i for i in self.prompt_ids if i not in known]
+            if unknown or not self.prompt_ids:
+                raise ConfigError(f"unknown prompt id(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(known)})")
         if self.max_tokens < 1 or self.logprobs < 1:
             raise ConfigError("max_tokens and logprobs must be >= 1")
         if self.proxy_fault_every < 1:

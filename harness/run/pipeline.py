@@ -30,7 +30,7 @@ from harness.serve.ports import PortAllocator
 from harness.serve.servers import Attach, AttachedServers, card_max_model_len, model_card
 from harness.serve.vllm_cmd import plan_cpu_binding
 from harness.workload.client import GenerationSettings
-from harness.workload.prompts import prompt_set
+from harness.workload.prompts import Prompt, prompt_set
 from harness.workload.token_text import divergence_spans, load_decoder
 
 
@@ -46,7 +46,7 @@ class PDRun:
         self.baseline_last = baseline_last
         self.baseline_cache = baseline_cache
         self.run_dir = new_run_dir(cfg)
-        self.ctx = RunContext(cfg, self.run_dir, Report(config=cfg.to_dict()), prompt_set(cfg.seed),
+        self.ctx = RunContext(cfg, self.run_dir, Report(config=cfg.to_dict()), selected_prompts(cfg),
                               GenerationSettings(max_tokens=cfg.max_tokens, logprobs=cfg.logprobs, seed=cfg.seed,
                                                  timeout_s=cfg.request_timeout_s))
 
@@ -175,3 +175,9 @@ def add_token_spans(ctx: RunContext, baseline: BaselineResult, pd) -> None:
     except Exception as e:  # a decoration of the report: never what decides a verdict, but said when it fails
         comp["token_spans_note"] = f"token spans could not be computed: {type(e).__name__}: {e}"
 
+
+
+def selected_prompts(cfg: E2EConfig) -> list[Prompt]:
+    """The sequential prompts of the run: every one, or those --prompts names (in the set's order)."""
+    prompts = prompt_set(cfg.seed)
+    return prompts if cfg.prompt_ids is None else [p for p in prompts if p.id in cfg.prompt_ids]

@@ -17,7 +17,9 @@ from pathlib import Path
 
 from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
+from harness.repro.replayed import failing, rule_of
 from harness.shrink.search import Probe, Settings, ShrinkResult, shrink
+from harness.workload.prompts import prompt_set
 
 
 def add_parser(sub) -> None:
@@ -29,9 +31,9 @@ def add_parser(sub) -> None:
     s.add_argument("--max-minutes", type=float, default=60.0, help="stop starting probes after this long (default 60)")
 
 
-def start_of(report: dict) -> tuple[str, Settings, list[str]]:
-    """(the failure class, the settings the search moves, the e2e flags it carries unchanged); ConfigError when the
-    run cannot be shrunk."""
+def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
+    """(the failure class, the settings the search moves, the e2e flags it carries unchanged, the failing sequential
+    prompts shortest first); ConfigError when the run cannot be shrunk."""
     cfg = report.get("config") or {}
     failure = report.get("failure") or {}
     if report.get("verdict") == "pass" or not failure.get("class"):
@@ -45,7 +47,8 @@ def start_of(report: dict) -> tuple[str, Settings, list[str]]:
         raise ConfigError("a run on simulated GPUs: stand-ins served it")
     axes, load = cfg.get("axes") or {}, cfg.get("load") or {}
     start = Settings(int(cfg.get("tp_p") or 1), int(cfg.get("tp_d") or 1), cfg.get("block_size_p"), cfg.get("block_size_d"),
-                     bool(axes.get("prefix_caching_d")), int(load.get("requests") or 0), axes.get("kv_cache_dtype"))
+                     bool(axes.get("prefix_caching_d")), int(load.get("requests") or 0), axes.get("kv_cache_dtype"),
+                     tuple(cfg["prompt_ids"]) if cfg.get("prompt_ids") else None)
     model = cfg.get("resolved_model") if cfg.get("resolved_model") and Path(cfg["resolved_model"]).is_dir() else cfg.get("model")
     carried = ["--device", str(cfg.get("device") or "cpu")]
     for flag, value in (("--model", model), ("--python", cfg.get("python")), ("--max-tokens", cfg.get("max_tokens")),
@@ -59,7 +62,9 @@ def start_of(report: dict) -> tuple[str, Settings, list[str]]:
         carried.append("--async-scheduling" if axes["async_scheduling"] else "--no-async-scheduling")
     if axes.get("permute_local_kv_d"):
         carried.append("--permute-local-kv-d")
-    return str(failure["class"]), start, carried
+    sequential = {p.id: p.words for p in prompt_set(int(cfg.get("seed") or 0))}
+    bad = sorted((pid for pid, _ in failing(report, rule_of(report)) if pid in sequential), key=lambda p: sequential[p])
+    return str(failure["class"]), start, carried, tuple(bad)
 
 
 def real_probe(carried: list[str], out: Path, timeout_s: float):
@@ -98,8 +103,9 @@ def render(result: ShrinkResult, carried: list[str], run_dir: Path) -> str:
     lines += ["", "## Probes", "", "| # | configuration | outcome | s | run |", "|---|---|---|---|---|"]
     lines += [f"| {i} | {p.settings.describe()} | {p.outcome} | {p.seconds:.0f} | {p.run_dir} |"
               for i, p in enumerate(result.probes, 1)]
-    lines += ["", "Not shrunk here: the prompts (a repro bundle of the smallest run replays only its failing requests: "
-              "`python -m harness repro <probe folder>`) and the model's shape."]
+    lines += ["", "Not shrunk here: the load and prefix-cache prompts (a repro bundle of the smallest run replays only its "
+              "failing requests: `python -m harness repro <probe folder>`), a prompt's length within itself, and the "
+              "model's shape."]
     return "\n".join(lines) + "\n"
 
 
@@ -110,14 +116,15 @@ def main(a: argparse.Namespace) -> int:
         p = Path(a.run_dir) / "report.json"
         if not p.exists():
             raise ConfigError(f"{a.run_dir} holds no report.json (give a run folder, e.g. a matrix pair's folder)")
-        cls, start, carried = start_of(json.loads(p.read_text()))
+        cls, start, carried, bad = start_of(json.loads(p.read_text()))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = Path(a.out) if a.out else Path(a.run_dir) / "shrink"
     out.mkdir(parents=True, exist_ok=True)
     print(f"shrink: {cls} from {start.describe()}; at most {a.max_probes} probes, {a.max_minutes:g} min", flush=True)
-    result = shrink(start, cls, real_probe(carried, out, a.max_minutes * 60), a.max_probes, a.max_minutes * 60)
+    result = shrink(start, cls, real_probe(carried, out, a.max_minutes * 60), a.max_probes, a.max_minutes * 60,
+                    failing_prompts=bad)
     (out / "shrink.json").write_text(json.dumps({**result.to_dict(), "carried_flags": carried}, indent=2) + "\n")
     (out / "shrink.md").write_text(render(result, carried, Path(a.run_dir)))
     print(result.summary())

@@ -24,6 +24,7 @@ class Settings:
     prefix_caching_d: bool = False
     load_requests: int = 0
     kv_cache_dtype: str | None = None
+    prompts: tuple[str, ...] | None = None  # the sequential prompts sent (None: all of them)
 
     def __post_init__(self) -> None:
         if self.tp_p < 1 or self.tp_d < 1:
@@ -38,12 +39,14 @@ class Settings:
                         ("--kv-cache-dtype", self.kv_cache_dtype)):
             if v is not None:
                 out += [flag, str(v)]
+        out += ["--prompts", ",".join(self.prompts)] if self.prompts else []
         return out + (["--prefix-caching-d"] if self.prefix_caching_d else [])
 
     def describe(self) -> str:
         bs = f"block {self.block_size_p}/{self.block_size_d}" if self.block_size_p else "default block size"
         return (f"P TP{self.tp_p} -> D TP{self.tp_d}, {bs}, prefix cache on D {'on' if self.prefix_caching_d else 'off'}, "
-                f"load {self.load_requests} requests, KV dtype {self.kv_cache_dtype or 'auto'}")
+                f"load {self.load_requests} requests, KV dtype {self.kv_cache_dtype or 'auto'}, "
+                f"{'prompts ' + ','.join(self.prompts) if self.prompts else 'all prompts'}")
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,13 @@ def _blocks(s: Settings) -> list[Settings]:
         return []
     out = [replace(s, block_size_d=s.block_size_p), replace(s, block_size_p=s.block_size_d)]
     return [c for c in out if c.block_size_p is not None]
+
+
+def prompts_axis(failing: tuple[str, ...]) -> Axis:
+    """One prompt instead of the set: each of the run's first two failing sequential prompts alone, shortest first."""
+    return Axis("prompts", lambda s: [replace(s, prompts=(p,)) for p in failing[:2]] if s.prompts is None else [],
+                lambda s: "needs more than one prompt, or a load or prefix-cache request (one failing prompt alone "
+                          "did not fail)")
 
 
 AXES = (
@@ -130,11 +140,14 @@ class ShrinkResult:
 
 
 def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_probes: int = 8,
-           max_seconds: float = 3600.0, clock: Callable[[], float] = time.monotonic) -> ShrinkResult:
-    """Greedy, one axis at a time. ``probe`` runs one configuration for real (or, in tests, a fake)."""
+           max_seconds: float = 3600.0, clock: Callable[[], float] = time.monotonic,
+           failing_prompts: tuple[str, ...] = ()) -> ShrinkResult:
+    """Greedy, one axis at a time. ``probe`` runs one configuration for real (or, in tests, a fake).
+    ``failing_prompts``: the run's failing sequential prompts, shortest first (the prompts axis tries them alone)."""
     result = ShrinkResult(cls, start, start)
     t0 = clock()
-    for axis in AXES:
+    axes = AXES + ((prompts_axis(failing_prompts),) if failing_prompts else ())
+    for axis in axes:
         candidates = axis.simpler(result.minimal)
         if not candidates:
             result.axes.append(AxisVerdict(axis.name, "minimal", f"{axis.name} not needed (already "
@@ -164,10 +177,11 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
             result.axes.append(AxisVerdict(axis.name, "needed", f"{axis.needed_words(result.minimal)} (simpler: "
                                                                   + "; ".join(seen) + ")"))
     done = {a.axis for a in result.axes}
-    result.axes += [AxisVerdict(a.name, "undecided", f"{a.name} not tried (budget)") for a in AXES if a.name not in done]
+    result.axes += [AxisVerdict(a.name, "undecided", f"{a.name} not tried (budget)") for a in axes if a.name not in done]
     return result
 
 
 def _changed(axis: Axis, s: Settings) -> str:
     return {"load": "load 0", "prefix cache": "prefix cache off", "KV dtype": "KV dtype auto",
-            "TP": f"P TP{s.tp_p} -> D TP{s.tp_d}", "block sizes": f"block {s.block_size_p}/{s.block_size_d}"}[axis.name]
+            "TP": f"P TP{s.tp_p} -> D TP{s.tp_d}", "block sizes": f"block {s.block_size_p}/{s.block_size_d}",
+            "prompts": f"prompt {','.join(s.prompts or ()) or 'all'}"}[axis.name]

@@ -14,3 +14,18 @@ def test_every_prompt_of_a_run_comes_back_by_its_id(tmp_path):
     assert got == {prompt_set(0)[0].id: prompt_set(0)[0].text, prompt_set(0)[1].id: prompt_set(0)[1].text,
                    "load000-t31": [1, 2, 3], "prefix-hit": [4, 5]}
     assert read_prompts(tmp_path / "no-such-run") == {}
+
+
+def test_a_run_can_send_only_some_of_the_sequential_prompts():
+    import pytest
+
+    from harness.core.errors import ConfigError
+    from harness.run.config import E2EConfig
+    from harness.run.pipeline import selected_prompts
+
+    cfg = E2EConfig(prompt_ids=("p03-w5", "p01-w2"))
+    cfg.validate()
+    assert [p.id for p in selected_prompts(cfg)] == ["p01-w2", "p03-w5"]  # in the set's order
+    assert len(selected_prompts(E2EConfig())) == 18
+    with pytest.raises(ConfigError, match="unknown prompt id"):
+        E2EConfig(prompt_ids=("p99-w1",)).validate()

@@ -74,8 +74,8 @@ def report(top=None, **over):
 
 
 def test_what_a_run_folder_gives_the_search_and_what_is_refused():
-    cls, start, carried = start_of(report())
-    assert cls == "output-mismatch" and start == Settings(1, 2, 32, 64, False, 96, None)
+    cls, start, carried, bad = start_of(report())
+    assert cls == "output-mismatch" and start == Settings(1, 2, 32, 64, False, 96, None) and bad == ()
     assert carried[:2] == ["--device", "cpu"] and "--attention-backend" in carried and "CPU_MLA" in carried
     assert "--model" not in carried  # the run's default model: the probes build the same one
     for top, cfg, said in (({"verdict": "pass", "failure": None}, {}, "the run passed"), ({}, {"attach": {"x": 1}}, "attach"),
@@ -92,3 +92,23 @@ def test_the_report_page_names_the_minimal_command(tmp_path):
     assert "`python -m harness e2e --device cpu --tp-p 1 --tp-d 1 --load-requests 0 --block-size-p 32 --block-size-d 64`" in md
     assert "- **block sizes** (needed): needs block_size_p 32 != block_size_d 64" in md
     assert json.dumps(r.to_dict())  # shrink.json is plain JSON
+
+
+def test_one_failing_prompt_alone_is_tried_shortest_first():
+    probe, seen = oracle(lambda s: "output-mismatch" if s.prompts != ("p01-w2",) else "ok")
+    r = shrink(Settings(1, 1, 32, 64), "output-mismatch", probe, failing_prompts=("p01-w2", "p03-w5", "p09-w32"))
+    assert r.minimal.prompts == ("p03-w5",) and r.minimal.flags()[-2:] == ["--prompts", "p03-w5"]
+    prompts = next(a for a in r.axes if a.axis == "prompts")
+    assert prompts.verdict == "irrelevant" and "prompt p03-w5" in prompts.words
+    assert [s.prompts for s in seen if s.prompts] == [("p01-w2",), ("p03-w5",)]
+
+
+def test_the_failing_prompts_of_a_run_come_shortest_first():
+    d = report()
+    d["comparison"] = {"top_k": 5, "prompts": [
+        {"prompt_id": "p09-w32", "status": "mismatch", "max_logprob_delta": None, "divergence": {"position": 0}},
+        {"prompt_id": "p02-w3", "status": "mismatch", "max_logprob_delta": None, "divergence": {"position": 0}},
+        {"prompt_id": "p00-w1", "status": "exact", "max_logprob_delta": 0.0}]}
+    d["load"] = {"comparison": {"prompts": [{"prompt_id": "load001-t31", "status": "mismatch", "max_logprob_delta": 0.1,
+                                             "divergence": {"position": 0}}]}}
+    assert start_of(d)[3] == ("p02-w3", "p09-w32")  # load requests are not sequential prompts
