@@ -29,7 +29,7 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     n = len(ctx.prompts)
     checks = [answered_check(baseline.completions, pd.completions, n)]
     result = compare_completions(baseline.completions.completions, pd.completions.completions, top_k=ctx.gen.logprobs)
-    checks.append(match_check(result))
+    checks.append(match_check(result, min(MIN_PROMPTS, len(ctx.prompts))))
     ctx.report.comparison = comparison_block(result, baseline.completions, pd.completions)
 
     prompt_tokens = sum(c.prompt_tokens or 0 for c in pd.completions.completions)
@@ -96,10 +96,12 @@ def answered_check(baseline: CompletionRun, pd: CompletionRun, n: int) -> Check:
     )
 
 
-def match_check(result: ComparisonResult) -> Check:
-    enough = len(result.prompts) >= MIN_PROMPTS
+def match_check(result: ComparisonResult, wanted: int = MIN_PROMPTS) -> Check:
+    """Every compared prompt matches, and at least ``wanted`` were compared (MIN_PROMPTS, or all of those --prompts
+    selected: a narrowed run compares only them)."""
+    enough = len(result.prompts) >= wanted
     return Check("outputs_match_baseline", result.passed and enough,
-                 result.summary() + ("" if enough else f"; fewer than {MIN_PROMPTS} prompts compared"))
+                 result.summary() + ("" if enough else f"; fewer than {wanted} prompts compared"))
 
 
 def comparison_block(result: ComparisonResult, baseline: CompletionRun, pd: CompletionRun) -> dict:

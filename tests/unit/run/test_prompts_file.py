@@ -29,3 +29,15 @@ def test_a_run_can_send_only_some_of_the_sequential_prompts():
     assert len(selected_prompts(E2EConfig())) == 18
     with pytest.raises(ConfigError, match="unknown prompt id"):
         E2EConfig(prompt_ids=("p99-w1",)).validate()
+
+
+def test_a_narrowed_run_passes_on_the_prompts_it_selected_and_a_full_one_needs_sixteen():
+    from harness.checks.compare import compare_completions
+    from harness.run.evaluate import MIN_PROMPTS, match_check
+    from harness.workload.completion import Completion
+
+    one = [Completion("p01-w2", (5, 6), ({5: -0.1}, {6: -0.1}), "")]
+    result = compare_completions(one, one)
+    assert match_check(result, 1).passed  # e2e --prompts p01-w2: the one prompt it sent matched
+    c = match_check(result)
+    assert not c.passed and f"fewer than {MIN_PROMPTS} prompts compared" in c.detail
