@@ -46,14 +46,17 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
     if report.get("simulated"):
         raise ConfigError("a run on simulated GPUs: stand-ins served it")
     axes, load = cfg.get("axes") or {}, cfg.get("load") or {}
-    start = Settings(int(cfg.get("tp_p") or 1), int(cfg.get("tp_d") or 1), cfg.get("block_size_p"), cfg.get("block_size_d"),
+    start = Settings(int(cfg.get("tp_p") or 1), int(cfg.get("tp_d") or 1), cfg.get("block_size_p"),
+                     cfg.get("block_size_d"),
                      bool(axes.get("prefix_caching_d")), int(load.get("requests") or 0), axes.get("kv_cache_dtype"),
                      tuple(cfg["prompt_ids"]) if cfg.get("prompt_ids") else None)
-    model = cfg.get("resolved_model") if cfg.get("resolved_model") and Path(cfg["resolved_model"]).is_dir() else cfg.get("model")
+    resolved = cfg.get("resolved_model")
+    model = resolved if resolved and Path(resolved).is_dir() else cfg.get("model")
     carried = ["--device", str(cfg.get("device") or "cpu")]
     for flag, value in (("--model", model), ("--python", cfg.get("python")), ("--max-tokens", cfg.get("max_tokens")),
                         ("--dtype", cfg.get("dtype")), ("--kv-layout-d", cfg.get("kv_layout_d")),
-                        ("--logprob-threshold", cfg.get("logprob_threshold")), ("--max-model-len", cfg.get("max_model_len")),
+                        ("--logprob-threshold", cfg.get("logprob_threshold")),
+                        ("--max-model-len", cfg.get("max_model_len")),
                         ("--attention-backend", axes.get("attention_backend")),
                         ("--kv-buffer-device", axes.get("kv_buffer_device"))):
         if value is not None:
@@ -85,7 +88,8 @@ def real_probe(carried: list[str], out: Path, timeout_s: float):
             rep = json.loads((run_dir / "report.json").read_text())
         except (OSError, ValueError):
             return Probe(s, "harness-error", time.monotonic() - t0, str(run_dir))
-        outcome = "ok" if rep.get("verdict") == "pass" else str((rep.get("failure") or {}).get("class") or "checks-failed")
+        failed = str((rep.get("failure") or {}).get("class") or "checks-failed")
+        outcome = "ok" if rep.get("verdict") == "pass" else failed
         print(f"shrink: probe {count[0]}: {outcome} ({time.monotonic() - t0:.0f} s)", flush=True)
         return Probe(s, outcome, time.monotonic() - t0, str(run_dir))
 
@@ -103,8 +107,9 @@ def render(result: ShrinkResult, carried: list[str], run_dir: Path) -> str:
     lines += ["", "## Probes", "", "| # | configuration | outcome | s | run |", "|---|---|---|---|---|"]
     lines += [f"| {i} | {p.settings.describe()} | {p.outcome} | {p.seconds:.0f} | {p.run_dir} |"
               for i, p in enumerate(result.probes, 1)]
-    lines += ["", "Not shrunk here: the load and prefix-cache prompts (a repro bundle of the smallest run replays only its "
-              "failing requests: `python -m harness repro <probe folder>`), a prompt's length within itself, and the "
+    lines += ["", "Not shrunk here: the load and prefix-cache prompts (a repro bundle of the smallest run replays only "
+              "its failing requests: `python -m harness repro <probe folder>`), a prompt's length within itself, "
+              "and the "
               "model's shape."]
     return "\n".join(lines) + "\n"
 

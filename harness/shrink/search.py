@@ -44,7 +44,8 @@ class Settings:
 
     def describe(self) -> str:
         bs = f"block {self.block_size_p}/{self.block_size_d}" if self.block_size_p else "default block size"
-        return (f"P TP{self.tp_p} -> D TP{self.tp_d}, {bs}, prefix cache on D {'on' if self.prefix_caching_d else 'off'}, "
+        prefix = "on" if self.prefix_caching_d else "off"
+        return (f"P TP{self.tp_p} -> D TP{self.tp_d}, {bs}, prefix cache on D {prefix}, "
                 f"load {self.load_requests} requests, KV dtype {self.kv_cache_dtype or 'auto'}, "
                 f"{'prompts ' + ','.join(self.prompts) if self.prompts else 'all prompts'}")
 
@@ -157,8 +158,9 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
         adopted = None
         for cand in candidates:
             if len(result.probes) >= max_probes or clock() - t0 >= max_seconds:
-                result.cut = (f"{len(result.probes)} probes, the budget is {max_probes}" if len(result.probes) >= max_probes
-                              else f"{clock() - t0:.0f} s, the budget is {max_seconds:.0f} s")
+                spent = clock() - t0
+                result.cut = (f"{len(result.probes)} probes, the budget is {max_probes}"
+                              if len(result.probes) >= max_probes else f"{spent:.0f} s, the budget is {max_seconds:.0f} s")
                 break
             p = probe(cand)
             result.probes.append(p)
@@ -168,8 +170,10 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
                 break
         if adopted is not None:
             result.minimal = adopted
-            result.axes.append(AxisVerdict(axis.name, "irrelevant", f"{axis.name} irrelevant (still {cls} at "
-                                                                     f"{_changed(axis, adopted)})"))
+            at = _changed(axis, adopted)
+            words = (f"one prompt is enough (still {cls} with {at} alone)" if axis.name == "prompts"
+                     else f"{axis.name} irrelevant (still {cls} at {at})")
+            result.axes.append(AxisVerdict(axis.name, "irrelevant", words))
         elif result.cut is not None:
             result.axes.append(AxisVerdict(axis.name, "undecided", f"{axis.name} undecided (budget)"))
             break
@@ -177,7 +181,8 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
             result.axes.append(AxisVerdict(axis.name, "needed", f"{axis.needed_words(result.minimal)} (simpler: "
                                                                   + "; ".join(seen) + ")"))
     done = {a.axis for a in result.axes}
-    result.axes += [AxisVerdict(a.name, "undecided", f"{a.name} not tried (budget)") for a in axes if a.name not in done]
+    result.axes += [AxisVerdict(a.name, "undecided", f"{a.name} not tried (budget)")
+                    for a in axes if a.name not in done]
     return result
 
 
