@@ -158,9 +158,9 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
         adopted = None
         for cand in candidates:
             if len(result.probes) >= max_probes or clock() - t0 >= max_seconds:
-                spent = clock() - t0
-                result.cut = (f"{len(result.probes)} probes, the budget is {max_probes}"
-                              if len(result.probes) >= max_probes else f"{spent:.0f} s, the budget is {max_seconds:.0f} s")
+                spent, n = clock() - t0, len(result.probes)
+                result.cut = (f"{n} probes, the budget is {max_probes}" if n >= max_probes
+                              else f"{spent:.0f} s, the budget is {max_seconds:.0f} s")
                 break
             p = probe(cand)
             result.probes.append(p)
