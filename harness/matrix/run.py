@@ -36,6 +36,11 @@ class PairResult:
     simulated: bool = False  # stand-in servers answered (PD_HARNESS_SIMULATED_GPUS): no vLLM computed its outputs
 
     @property
+    def known_upstream(self) -> str | None:
+        """What upstream knows of the pair's expected known failure, when the pair showed it."""
+        return self.pair.upstream if self.pair.upstream and self.observed == self.pair.expected else None
+
+    @property
     def intermittent(self) -> bool:
         """The pair showed its known intermittent failure (accepted, but never called a pass)."""
         return self.observed is not None and self.observed == self.pair.tolerated != self.pair.expected
@@ -92,16 +97,15 @@ def version_line(version: str, results: list[PairResult]) -> str:
 def pair_line(r: PairResult) -> str:
     p = r.pair
     sim = " [simulated GPUs]" if r.simulated else ""
-    if r.pair.upstream and r.observed == r.pair.expected:
-        sim += f" [{r.pair.upstream}]"
+    if r.known_upstream:
+        sim += f" [{r.known_upstream}]"
     state = f"observed {r.observed:<18} {r.verdict}{sim}" if r.observed is not None else f"skipped: {p.skip_reason}"
     return f"  {p.id:<20} K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}  predicted {p.predicted:<13} {state}"
 
 
 def _detail(r: PairResult) -> str:
     """The run's reason, and where its known failure is already described upstream (never presented as new)."""
-    known = r.pair.upstream if r.pair.upstream and r.observed == r.pair.expected else ""
-    return " — ".join(x for x in (r.detail, known) if x)
+    return " — ".join(x for x in (r.detail, r.known_upstream) if x)
 
 
 def render_markdown(results: list[PairResult], versions: list[str], run_dir: Path, complete: bool = True) -> str:
@@ -116,7 +120,7 @@ def render_markdown(results: list[PairResult], versions: list[str], run_dir: Pat
         run = os.path.relpath(r.run_dir, run_dir) if r.run_dir else (p.skip_reason or "")
         lines.append(f"| {r.vllm_version} | {p.id} | {p.kv_heads} | {p.tp_p}→{p.tp_d} | {p.regime} | {p.predicted} | "
                      f"{p.expected}{f' (intermittent: {p.tolerated})' if p.tolerated else ''} | {r.observed or '-'}{' (simulated GPUs)' if r.simulated else ''} | {r.verdict} | {run} |")
-    details = [r for r in results if r.detail or (r.pair.upstream and r.observed == r.pair.expected)]
+    details = [r for r in results if r.detail or r.known_upstream]
     if details:
         lines += ["", "## Details", ""] + [f"- {r.vllm_version} {r.pair.id}: {_detail(r)}" for r in details]
     return "\n".join(lines) + "\n"

@@ -125,8 +125,8 @@ def known_section(t: HistoryTable) -> list[str]:
         return []
     lines = ["", "## Known upstream reports", ""]
     for (e, outcome), versions in seen.items():
-        reports = known.for_entry(e) or known.for_failure(outcome, "\n".join(t.cell(v, e).detail for v in versions))
-        lines.append(f"- {e} {outcome} ({', '.join(versions)}): {known.line(reports)}")
+        text = "\n".join(t.cell(v, e).detail for v in versions)
+        lines.append(f"- {e} {outcome} ({', '.join(versions)}): {known.line_for(e, outcome, text)}")
     return lines
 
 

@@ -176,7 +176,6 @@ def add_token_spans(ctx: RunContext, baseline: BaselineResult, pd) -> None:
         comp["token_spans_note"] = f"token spans could not be computed: {type(e).__name__}: {e}"
 
 
-
 def selected_prompts(cfg: E2EConfig) -> list[Prompt]:
     """The sequential prompts of the run: every one, or those --prompts names (in the set's order)."""
     prompts = prompt_set(cfg.seed)

@@ -236,4 +236,4 @@ def known_upstream_line(failure: dict[str, Any], version: str | None) -> str | N
     except ConfigError:  # a broken list costs the line, not the report
         return None
     text = f"{failure.get('excerpt') or ''}\n{failure.get('reason') or ''}"
-    return known.line(known.for_failure(failure.get("class"), text, version))
+    return known.line_for(cls=failure.get("class"), text=text, version=version)
