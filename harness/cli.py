@@ -10,18 +10,29 @@ from pathlib import Path
 
 from harness.accuracy.settings import AccuracySettings
 from harness.core.argtypes import non_negative_int, positive_int
-from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, AttachSettings, E2EConfig, env_defaults
-from harness.workload.load import LoadSettings
 from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
-from harness.gpu.detect import default_device, has_nvidia_gpu
 from harness.envs.vllm_env import requested_versions
+from harness.gpu.detect import default_device
+from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, AttachSettings, E2EConfig, env_defaults
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 from harness.serve.vllm_cmd import CpuTuning
-
+from harness.workload.load import LoadSettings
 
 # Subcommands that live in their own modules; each has add_parser(subparsers) and main(args) -> exit code.
-SUBCOMMAND_MODULES = {"plan": "harness.gpu.cli", "bench": "harness.bench.cli", "nightly": "harness.nightly", "matrix": "harness.matrix.cli", "envs": "harness.envs.envs_cli", "bisect": "harness.releases.bisect_cli", "history": "harness.releases.history_cli", "repro": "harness.repro.cli", "shrink": "harness.shrink.cli", "wheelhouse": "harness.envs.wheelhouse_cli", "calibrate": "harness.calibrate.cli"}
+SUBCOMMAND_MODULES = {
+    "plan": "harness.gpu.cli",
+    "bench": "harness.bench.cli",
+    "nightly": "harness.nightly",
+    "matrix": "harness.matrix.cli",
+    "envs": "harness.envs.envs_cli",
+    "bisect": "harness.releases.bisect_cli",
+    "history": "harness.releases.history_cli",
+    "repro": "harness.repro.cli",
+    "shrink": "harness.shrink.cli",
+    "wheelhouse": "harness.envs.wheelhouse_cli",
+    "calibrate": "harness.calibrate.cli",
+}
 
 
 def _subcommand(name: str):
@@ -31,7 +42,9 @@ def _subcommand(name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m harness", description="vLLM P/D (NixlConnector) heterogeneous-TP accuracy harness")
+    ap = argparse.ArgumentParser(
+        prog="python -m harness", description="vLLM P/D (NixlConnector) heterogeneous-TP accuracy harness"
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     e = sub.add_parser("e2e", help="one P/D run against a non-disaggregated baseline")
@@ -43,57 +56,119 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size-d", type=positive_int, help="default: $DECODE_BLOCK_SIZE")
     e.add_argument("--kv-layout-d", choices=["HND", "NHD"], help="default: $DECODER_KV_LAYOUT")
     e.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
-    e.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every server's KV cache dtype (default: vLLM's auto)")
-    e.add_argument("--prefix-caching-d", action="store_true", help="turn D's prefix cache on and run the prefix-cache scenarios")
+    e.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every server's KV cache dtype (default: vLLM's auto)"
+    )
+    e.add_argument(
+        "--prefix-caching-d", action="store_true", help="turn D's prefix cache on and run the prefix-cache scenarios"
+    )
     e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="default: vLLM's")
-    e.add_argument("--attention-backend", help="vLLM attention backend for every server, e.g. FLASH_ATTN (default: vLLM's)")
-    e.add_argument("--kv-buffer-device", choices=KV_BUFFER_DEVICES, help="NIXL's KV buffer (default: cpu on CPU, cuda on GPU)")
-    e.add_argument("--permute-local-kv-d", action="store_true",
-                   help="D permutes the HND blocks it receives into its NHD layout (vLLM's enable_permute_local_kv; with --kv-layout-d NHD)")
+    e.add_argument(
+        "--attention-backend", help="vLLM attention backend for every server, e.g. FLASH_ATTN (default: vLLM's)"
+    )
+    e.add_argument(
+        "--kv-buffer-device", choices=KV_BUFFER_DEVICES, help="NIXL's KV buffer (default: cpu on CPU, cuda on GPU)"
+    )
+    e.add_argument(
+        "--permute-local-kv-d",
+        action="store_true",
+        help="D permutes the HND blocks it receives into its NHD layout (vLLM's enable_permute_local_kv; with --kv-layout-d NHD)",
+    )
     e.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
-    e.add_argument("--vllm-version", help="serve from this vLLM version, installed under .venvs/ the first time (default: $VLLM_VERSION or the pinned one)")
+    e.add_argument(
+        "--vllm-version",
+        help="serve from this vLLM version, installed under .venvs/ the first time (default: $VLLM_VERSION or the pinned one)",
+    )
     e.add_argument("--max-tokens", type=positive_int, default=16)
-    e.add_argument("--prompts", help="only these of the sequential prompts, comma-separated ids (e.g. p01-w2; "
-                                     "default: all; a shrink narrows a failure to one)")
-    e.add_argument("--fresh-baseline", action="store_true",
-                   help="compute the baseline again instead of reusing cached answers (the new ones are cached)")
+    e.add_argument(
+        "--prompts",
+        help="only these of the sequential prompts, comma-separated ids (e.g. p01-w2; "
+        "default: all; a shrink narrows a failure to one)",
+    )
+    e.add_argument(
+        "--fresh-baseline",
+        action="store_true",
+        help="compute the baseline again instead of reusing cached answers (the new ones are cached)",
+    )
     e.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
     e.add_argument("--request-timeout", type=float, default=180.0)
     e.add_argument("--kv-lease", type=positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
     e.add_argument("--no-cpu-tuning", action="store_true", help="run NIXL with stock busy polling and core pinning")
-    e.add_argument("--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning")
-    e.add_argument("--accuracy", action="store_true",
-                   help="also run lm-eval through the proxy and against the baseline (on CPU: the tiny model trained on the offline task)")
-    e.add_argument("--accuracy-task", help="lm-eval task (default: gsm8k_offline for a local model, gsm8k for a hub model)")
+    e.add_argument(
+        "--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning"
+    )
+    e.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="also run lm-eval through the proxy and against the baseline (on CPU: the tiny model trained on the offline task)",
+    )
+    e.add_argument(
+        "--accuracy-task", help="lm-eval task (default: gsm8k_offline for a local model, gsm8k for a hub model)"
+    )
     e.add_argument("--accuracy-limit", type=positive_int, help="samples of the test split (default: all)")
     e.add_argument("--num-fewshot", type=int, help="default: the task's")
     e.add_argument("--lm-eval-concurrency", type=positive_int, default=2)
-    e.add_argument("--load-requests", type=non_negative_int, default=LoadSettings.requests,
-                   help="requests of the load phase (default %(default)s; 0: no load phase)")
-    e.add_argument("--load-concurrency", type=positive_int, default=LoadSettings.concurrency, help="default %(default)s")
-    e.add_argument("--load-abort-every", type=non_negative_int, default=LoadSettings.abort_every,
-                   help="the client cancels every n-th load request, alternately while P prefills and mid-decode "
-                        "(default %(default)s; 0: none)")
-    e.add_argument("--kv-pool-blocks", type=non_negative_int,
-                   help="KV blocks per server (default: twice a longest request's when the load phase runs, so blocks "
-                        "are reused; 0: vLLM's own)")
+    e.add_argument(
+        "--load-requests",
+        type=non_negative_int,
+        default=LoadSettings.requests,
+        help="requests of the load phase (default %(default)s; 0: no load phase)",
+    )
+    e.add_argument(
+        "--load-concurrency", type=positive_int, default=LoadSettings.concurrency, help="default %(default)s"
+    )
+    e.add_argument(
+        "--load-abort-every",
+        type=non_negative_int,
+        default=LoadSettings.abort_every,
+        help="the client cancels every n-th load request, alternately while P prefills and mid-decode "
+        "(default %(default)s; 0: none)",
+    )
+    e.add_argument(
+        "--kv-pool-blocks",
+        type=non_negative_int,
+        help="KV blocks per server (default: twice a longest request's when the load phase runs, so blocks "
+        "are reused; 0: vLLM's own)",
+    )
     e.add_argument("--max-model-len", type=positive_int, help="default: 512 on CPU, 2048 on GPU")
-    e.add_argument("--logprob-threshold", type=float,
-                   help="largest |logprob difference| of a chosen token against the baseline (default: the device's, see docs/load.md)")
-    e.add_argument("--proxy-fault-every", type=positive_int, default=1, help="apply --proxy-fault to every n-th request only")
-    e.add_argument("--decode-kv-fault", type=float, metavar="FACTOR",
-                   help="fault injection: D multiplies the KV it received for the first layer by FACTOR (e.g. 1.05: "
-                        "logprobs move, greedy tokens mostly do not); the run must fail")
+    e.add_argument(
+        "--logprob-threshold",
+        type=float,
+        help="largest |logprob difference| of a chosen token against the baseline (default: the device's, see docs/load.md)",
+    )
+    e.add_argument(
+        "--proxy-fault-every", type=positive_int, default=1, help="apply --proxy-fault to every n-th request only"
+    )
+    e.add_argument(
+        "--decode-kv-fault",
+        type=float,
+        metavar="FACTOR",
+        help="fault injection: D multiplies the KV it received for the first layer by FACTOR (e.g. 1.05: "
+        "logprobs move, greedy tokens mostly do not); the run must fail",
+    )
     e.add_argument("--dtype", help="model dtype for every server (default: float32 on CPU, the model's own on GPU)")
-    e.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="no CUDA graphs or compilation on GPU (faster start-up; CPU always runs eager)")
-    e.add_argument("--proxy-fault", choices=PROXY_FAULTS, default="none",
-                   help="fault injection: corrupt-block-ids hands D wrong remote block ids, no-remote-decode skips the "
-                        "transfer (the run must fail either way)")
-    e.add_argument("--prefill-url", help="attach mode: comma-separated URLs of prefill servers started elsewhere (needs --decode-url)")
+    e.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="no CUDA graphs or compilation on GPU (faster start-up; CPU always runs eager)",
+    )
+    e.add_argument(
+        "--proxy-fault",
+        choices=PROXY_FAULTS,
+        default="none",
+        help="fault injection: corrupt-block-ids hands D wrong remote block ids, no-remote-decode skips the "
+        "transfer (the run must fail either way)",
+    )
+    e.add_argument(
+        "--prefill-url",
+        help="attach mode: comma-separated URLs of prefill servers started elsewhere (needs --decode-url)",
+    )
     e.add_argument("--decode-url", help="attach mode: comma-separated URLs of decode servers started elsewhere")
-    e.add_argument("--baseline-url", help="attach mode: a non-disaggregated server started elsewhere (default: launch one here)")
+    e.add_argument(
+        "--baseline-url", help="attach mode: a non-disaggregated server started elsewhere (default: launch one here)"
+    )
 
     tp = sub.add_parser("topology", help="predict heads per rank, regime and handshake outcome for a TP pair")
     src = tp.add_mutually_exclusive_group(required=True)
@@ -111,8 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("model", help="build local models")
     msub = m.add_subparsers(dest="model_cmd", required=True)
-    t = msub.add_parser("tiny", help="a deterministic random-weights Llama (or --family) with a locally trained tokenizer")
-    t.add_argument("--family", default="llama", help="llama (default), qwen3, qwen2, mistral, gemma3, deepseek_v2 (MLA), granitemoehybrid (Mamba2 + attention)")
+    t = msub.add_parser(
+        "tiny", help="a deterministic random-weights Llama (or --family) with a locally trained tokenizer"
+    )
+    t.add_argument(
+        "--family",
+        default="llama",
+        help="llama (default), qwen3, qwen2, mistral, gemma3, deepseek_v2 (MLA), granitemoehybrid (Mamba2 + attention)",
+    )
     t.add_argument("--sliding-window", type=positive_int, help="tokens (mistral, gemma3; default 64)")
     t.add_argument("--kv-heads", type=positive_int, default=1, help="K (deepseek_v2: must equal --heads)")
     t.add_argument("--heads", type=positive_int, default=4)
@@ -124,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False,
-                     attached: AttachSettings | None = None) -> E2EConfig:
+def config_from_args(
+    a: argparse.Namespace, env=None, preflight: bool = False, attached: AttachSettings | None = None
+) -> E2EConfig:
     """The run's config from flags over env defaults. ``preflight``: also refuse a run that cannot work here
     (harness/run/preflight.py: the model's files, TP vs heads, block sizes, CPU cores), before any vLLM environment is
     installed. ``attached`` (attach mode, see ``attach_config``): the model, device, dtype and max_model_len taken from
@@ -157,8 +239,13 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False,
     if a.accuracy or a.accuracy_task or a.accuracy_limit or a.num_fewshot is not None:
         if a.num_fewshot is not None and a.num_fewshot < 0:
             raise ConfigError("--num-fewshot must be >= 0")
-        accuracy = AccuracySettings(task=a.accuracy_task, limit=a.accuracy_limit, num_fewshot=a.num_fewshot,
-                                    num_concurrent=a.lm_eval_concurrency, request_timeout_s=a.request_timeout)
+        accuracy = AccuracySettings(
+            task=a.accuracy_task,
+            limit=a.accuracy_limit,
+            num_fewshot=a.num_fewshot,
+            num_concurrent=a.lm_eval_concurrency,
+            request_timeout_s=a.request_timeout,
+        )
     cfg = E2EConfig(
         tp_p=pick("tp_p", 1),
         tp_d=pick("tp_d", 1),
@@ -187,9 +274,14 @@ def config_from_args(a: argparse.Namespace, env=None, preflight: bool = False,
         decode_kv_fault=a.decode_kv_fault,
         enforce_eager=a.enforce_eager,
         fresh_baseline=a.fresh_baseline,
-        axes=ServerAxes(kv_cache_dtype=a.kv_cache_dtype, prefix_caching_d=a.prefix_caching_d, async_scheduling=a.async_scheduling,
-                        attention_backend=a.attention_backend, kv_buffer_device=a.kv_buffer_device,
-                        permute_local_kv_d=a.permute_local_kv_d),
+        axes=ServerAxes(
+            kv_cache_dtype=a.kv_cache_dtype,
+            prefix_caching_d=a.prefix_caching_d,
+            async_scheduling=a.async_scheduling,
+            attention_backend=a.attention_backend,
+            kv_buffer_device=a.kv_buffer_device,
+            permute_local_kv_d=a.permute_local_kv_d,
+        ),
     )
     cfg.validate()
     if preflight and attached is not None:
@@ -220,8 +312,10 @@ def default_model_note(cfg: E2EConfig) -> str:
 
     topo = preflight_config(cfg).topology
     shape = f" (K={topo.kv_heads}: P{cfg.tp_p}->D{cfg.tp_d} is regime {topo.regime})" if topo else ""
-    return (f"model: no --model given, so the GPU run serves {cfg.model}, the model of vLLM issue #45330{shape}; "
-            "it must be in the Hugging Face cache (servers run with HF_HUB_OFFLINE=1)")
+    return (
+        f"model: no --model given, so the GPU run serves {cfg.model}, the model of vLLM issue #45330{shape}; "
+        "it must be in the Hugging Face cache (servers run with HF_HUB_OFFLINE=1)"
+    )
 
 
 def attach_from_args(a: argparse.Namespace):
@@ -265,8 +359,11 @@ def topology_main(a: argparse.Namespace) -> int:
     if a.model is not None:
         heads = model_heads(a.model)
         if heads["kv_heads"] is None:
-            print(f"error: unknown model {a.model!r}: give a local folder with config.json, an entry of "
-                  "configs/models.yaml, or --kv-heads K --heads H", file=sys.stderr)
+            print(
+                f"error: unknown model {a.model!r}: give a local folder with config.json, an entry of "
+                "configs/models.yaml, or --kv-heads K --heads H",
+                file=sys.stderr,
+            )
             return 2
         # MLA: one latent head per rank, as wide as the model's latent (heads.py), whatever --head-dim says.
         mla = bool(heads.get("mla"))
@@ -282,9 +379,13 @@ def topology_main(a: argparse.Namespace) -> int:
         print(json.dumps(t.to_dict(), indent=2))
     else:
         print(f"P TP{t.tp_p} -> D TP{t.tp_d}, K={t.kv_heads}: regime {t.regime} ({t.regime_description})")
-        print(f"  heads per rank: P {t.p_heads_per_rank}, D {t.d_heads_per_rank}; tp_ratio {t.tp_ratio}; "
-              f"block length P {t.p_block_len} B, D {t.d_block_len} B")
-        print(f"  expected on vLLM {t.vllm_version or '(fixed)'} [{t.version_family}]: {t.expected} - {t.expected_reason}")
+        print(
+            f"  heads per rank: P {t.p_heads_per_rank}, D {t.d_heads_per_rank}; tp_ratio {t.tp_ratio}; "
+            f"block length P {t.p_block_len} B, D {t.d_block_len} B"
+        )
+        print(
+            f"  expected on vLLM {t.vllm_version or '(fixed)'} [{t.version_family}]: {t.expected} - {t.expected_reason}"
+        )
     return 0
 
 
@@ -301,8 +402,14 @@ def main(argv: list[str] | None = None) -> int:
         from harness.models.tiny import TinyModelSpec, ensure_tiny_model, export
 
         try:
-            spec = TinyModelSpec(kv_heads=a.kv_heads, heads=a.heads, layers=a.layers, head_dim=a.head_dim,
-                                 family=a.family, sliding_window=a.sliding_window)
+            spec = TinyModelSpec(
+                kv_heads=a.kv_heads,
+                heads=a.heads,
+                layers=a.layers,
+                head_dim=a.head_dim,
+                family=a.family,
+                sliding_window=a.sliding_window,
+            )
             path = export(spec, a.out) if a.out else ensure_tiny_model(spec)
         except (ValueError, FileExistsError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -30,13 +30,23 @@ from pathlib import Path
 
 from harness.accuracy.settings import HUB_DATASET, HUB_TASK
 from harness.core.argtypes import non_negative_int
-from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
-from harness.run.config import E2EConfig, env_defaults
+from harness.core.paths import REPO_ROOT
 from harness.gpu.nvml import Discovery
+from harness.gpu.plan import (
+    CUDA_DEVICE_ORDER,
+    Gpu,
+    GpuPlan,
+    PlanError,
+    UtilizationError,
+    describe_gpus,
+    model_memory,
+    plan_gpus,
+    render_plan,
+    uniform_gpus,
+)
 from harness.gpu.simulate import SIMULATED_ENV, parse_box
-from harness.gpu.plan import (CUDA_DEVICE_ORDER, Gpu, GpuPlan, PlanError, UtilizationError, describe_gpus, model_memory,
-                              plan_gpus, render_plan, uniform_gpus)
+from harness.run.config import E2EConfig, env_defaults
 from harness.serve.ports import PortBlock
 from harness.serve.vllm_cmd import CpuTuning
 
@@ -61,14 +71,30 @@ ACCURACY_TASK = HUB_TASK
 # Weight formats vLLM does not load when safetensors are there (e.g. meta-llama's original/*.pth): not downloaded.
 PREFETCH_IGNORE = ["*.pth", "*.bin", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "original/*"]
 # The checks of every e2e run (harness/run/pipeline.py, harness/checks/transfer.py) and of accuracy runs (harness/accuracy/lm_eval.py).
-E2E_CHECKS = ("all_requests_answered", "outputs_match_baseline", "prefill_returned_kv_transfer_params", "nixl_transfers_counted",
-              "no_failed_transfers", "prompt_tokens_from_transfer", "transfer_plan_logged", "kv_load_failure_policy_fail",
-              "no_kv_lease_expiry", "no_process_left")
-ACCURACY_CHECKS = ("accuracy_through_pd", "accuracy_samples_paired", "accuracy_pd_within_tolerance", "accuracy_responses_agree",
-                   "accuracy_matches_expected")
+E2E_CHECKS = (
+    "all_requests_answered",
+    "outputs_match_baseline",
+    "prefill_returned_kv_transfer_params",
+    "nixl_transfers_counted",
+    "no_failed_transfers",
+    "prompt_tokens_from_transfer",
+    "transfer_plan_logged",
+    "kv_load_failure_policy_fail",
+    "no_kv_lease_expiry",
+    "no_process_left",
+)
+ACCURACY_CHECKS = (
+    "accuracy_through_pd",
+    "accuracy_samples_paired",
+    "accuracy_pd_within_tolerance",
+    "accuracy_responses_agree",
+    "accuracy_matches_expected",
+)
 PORTS_NOTE = "ports are placeholders (a fixed fake allocator); a real run takes them from harness/serve/ports.py"
-PLAN_NOTE = ("server lines are what a run launches: each server's GPUs (CUDA_VISIBLE_DEVICES) and memory share "
-             "(--gpu-memory-utilization) come from the GPU plan; colocated servers start one after another")
+PLAN_NOTE = (
+    "server lines are what a run launches: each server's GPUs (CUDA_VISIBLE_DEVICES) and memory share "
+    "(--gpu-memory-utilization) come from the GPU plan; colocated servers start one after another"
+)
 
 
 class FakePorts:
@@ -147,7 +173,8 @@ class Night:
     @property
     def run_args(self) -> tuple[str, ...]:
         return (("--vllm-version", self.version) if self.version else ()) + (
-            ("--load-requests", str(self.load_requests)) if self.load_requests is not None else ())
+            ("--load-requests", str(self.load_requests)) if self.load_requests is not None else ()
+        )
 
     @property
     def env(self) -> tuple[tuple[str, str], ...]:
@@ -158,40 +185,66 @@ class Night:
         return (("CUDA_VISIBLE_DEVICES", ids), ("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER), *sim)
 
 
-def _server_commands(plan: GpuPlan, model: str, python: str, base: E2EConfig | None = None,
-                     util: float | None = None) -> tuple[tuple[str, str], ...]:
+def _server_commands(
+    plan: GpuPlan, model: str, python: str, base: E2EConfig | None = None, util: float | None = None
+) -> tuple[tuple[str, str], ...]:
     """Each vLLM server of the plan as a run would launch it (harness/run/launch.py make_server), plus the proxy;
     ports are illustrative. ``base``: the entry's settings (block sizes, layout, axes) over a GPU run's defaults;
     ``util``: GPU_MEMORY_UTILIZATION as the step's run reads it."""
     from harness.run.launch import make_server
 
     alloc = FakePorts()
-    cfg = replace(base or E2EConfig(), device="gpu", model=model, python=python, cpu_tuning=CpuTuning(enabled=False),
-                  gpu_memory_utilization=util)
+    cfg = replace(
+        base or E2EConfig(),
+        device="gpu",
+        model=model,
+        python=python,
+        cpu_tuning=CpuTuning(enabled=False),
+        gpu_memory_utilization=util,
+    )
     bs_p, bs_d = cfg.block_sizes()
     out, urls = [], {}
     for s in plan.servers:
         bs = bs_p if s.role == "prefill" else bs_d
-        srv = make_server(cfg, alloc, s.role, s.tp, model, model, bs, None, Path("logs"),  # type: ignore[arg-type]
-                          cfg.kv_layout_d if s.role == "decode" else None, placement=s)
+        srv = make_server(
+            cfg,
+            alloc,
+            s.role,
+            s.tp,
+            model,
+            model,
+            bs,
+            None,
+            Path("logs"),  # type: ignore[arg-type]
+            cfg.kv_layout_d if s.role == "decode" else None,
+            placement=s,
+        )
         urls[s.role] = srv.url
         out.append((s.name, srv.command))
-    out.append(("proxy", f"{python} {REPO_ROOT / 'toy_proxy_server.py'} --host 127.0.0.1 --port {alloc.port()} "
-                          f"--prefill {urls['prefill']} --decode {urls['decode']}"))
+    out.append(
+        (
+            "proxy",
+            f"{python} {REPO_ROOT / 'toy_proxy_server.py'} --host 127.0.0.1 --port {alloc.port()} "
+            f"--prefill {urls['prefill']} --decode {urls['decode']}",
+        )
+    )
     return tuple(out)
 
 
 def _matrix_checks(expected: str, version_label: str) -> tuple[str, ...]:
-    what = {"ok": "handshake passes and P/D outputs match the baseline: " + ", ".join(E2E_CHECKS),
-            "assert-45330": "D raises the #45330 handshake assertion (failure class assert-45330)",
-            "rejected": "D rejects the replicated P>D handshake (failure class rejected-replicated-p-gt-d)",
-            "invalid": "vLLM refuses the TP sizes (not launched)",
-            "unsupported": "vLLM refuses a setting of the entry (failure class unsupported, with vLLM's message)"}[expected]
+    what = {
+        "ok": "handshake passes and P/D outputs match the baseline: " + ", ".join(E2E_CHECKS),
+        "assert-45330": "D raises the #45330 handshake assertion (failure class assert-45330)",
+        "rejected": "D rejects the replicated P>D handshake (failure class rejected-replicated-p-gt-d)",
+        "invalid": "vLLM refuses the TP sizes (not launched)",
+        "unsupported": "vLLM refuses a setting of the entry (failure class unsupported, with vLLM's message)",
+    }[expected]
     return (f"pair behaves as its entry expects of vLLM {version_label}: {expected}", what, "matrix exit code 0")
 
 
-def _plan(night: Night, sid: str, tp_p: int, tp_d: int, model: str, baseline_first: bool = True
-          ) -> tuple[GpuPlan | None, str | None]:
+def _plan(
+    night: Night, sid: str, tp_p: int, tp_d: int, model: str, baseline_first: bool = True
+) -> tuple[GpuPlan | None, str | None]:
     """The step's GPU plan, or why it is skipped; a GPU_MEMORY_UTILIZATION that does not fit stops the night
     (ConfigError): the step's own run would refuse it, so the night says so before it starts."""
     try:
@@ -203,9 +256,16 @@ def _plan(night: Night, sid: str, tp_p: int, tp_d: int, model: str, baseline_fir
         return None, str(e)
 
 
-def build_steps(gpus: Sequence[Gpu], python: str, run_dir: Path, versions: Sequence[str] = (),
-                matrix_file: Path | None = None, util: float | None = None, simulated: str | None = None,
-                load_requests: int | None = None) -> list[Step]:
+def build_steps(
+    gpus: Sequence[Gpu],
+    python: str,
+    run_dir: Path,
+    versions: Sequence[str] = (),
+    matrix_file: Path | None = None,
+    util: float | None = None,
+    simulated: str | None = None,
+    load_requests: int | None = None,
+) -> list[Step]:
     """Every step of the nightly run on ``gpus`` (physical ids, memory, names), for each of ``versions`` (none: the
     pinned one); pure apart from reading the configs. ``util``: GPU_MEMORY_UTILIZATION given by hand; ``simulated``:
     the simulated box the GPUs are on (nothing to prefetch, the history kept in the night's folder);
@@ -214,18 +274,25 @@ def build_steps(gpus: Sequence[Gpu], python: str, run_dir: Path, versions: Seque
     hub_models: list[str] = []
     matrix_ids: list[str] = []
     for version in list(versions) or [None]:
-        night = Night(tuple(gpus), python, run_dir, version, len(versions) > 1, util, hub_models, simulated,
-                      load_requests)
+        night = Night(
+            tuple(gpus), python, run_dir, version, len(versions) > 1, util, hub_models, simulated, load_requests
+        )
         steps += _matrix_steps(night, matrix_file, matrix_ids)
         steps += [_accuracy_step(night, *run) for run in ACCURACY_RUNS]
     history = history_step(python, run_dir, versions, matrix_ids)
     prefetch = _prefetch_step(python, hub_models)
     if simulated:
-        prefetch = replace(prefetch, skip_reason=f"{SIM_REASON}: the stand-in servers load no weights and lm-eval "
-                                                 "does not run, so nothing is downloaded")
+        prefetch = replace(
+            prefetch,
+            skip_reason=f"{SIM_REASON}: the stand-in servers load no weights and lm-eval "
+            "does not run, so nothing is downloaded",
+        )
         # simulated outcomes stay in the night's folder, never in the results store real runs are drawn from
-        history = replace(history, env=(("PD_HARNESS_RESULTS_DIR", str(run_dir / "history" / "results-simulated")),),
-                          note=f"{history.note}; {SIM_REASON}: the stand-ins' outcomes, kept in the night's folder")
+        history = replace(
+            history,
+            env=(("PD_HARNESS_RESULTS_DIR", str(run_dir / "history" / "results-simulated")),),
+            note=f"{history.note}; {SIM_REASON}: the stand-ins' outcomes, kept in the night's folder",
+        )
     return [prefetch, *steps, history]
 
 
@@ -236,8 +303,12 @@ def select_steps(steps: Sequence[Step], patterns: Sequence[str]) -> list[Step]:
 
     if not patterns:
         return list(steps)
-    return [s if s.skip_reason is not None or any(fnmatchcase(s.id, p) for p in patterns)
-            else replace(s, skip_reason=f"not selected by --only {','.join(patterns)}") for s in steps]
+    return [
+        s
+        if s.skip_reason is not None or any(fnmatchcase(s.id, p) for p in patterns)
+        else replace(s, skip_reason=f"not selected by --only {','.join(patterns)}")
+        for s in steps
+    ]
 
 
 def scale_timeouts(steps: Sequence[Step], factor: float) -> list[Step]:
@@ -247,8 +318,8 @@ def scale_timeouts(steps: Sequence[Step], factor: float) -> list[Step]:
 
 def _matrix_steps(night: Night, matrix_file: Path | None, matrix_ids: list[str]) -> list[Step]:
     """Every GPU entry of the matrices, with this version's predictions."""
-    from harness.matrix.plan import plan as matrix_plan
     from harness.matrix.config import EDGE_YAML, MATRIX_YAML, load_matrix
+    from harness.matrix.plan import plan as matrix_plan
 
     steps = []
     for file in [matrix_file] if matrix_file else [MATRIX_YAML, EDGE_YAML]:
@@ -267,9 +338,26 @@ def _accuracy_step(night: Night, hub_id: str, tp_p: int, tp_d: int) -> Step:
     entry = load_models().find(hub_id)
     sid = night.sid("accuracy", f"{entry.id if entry else hub_id.split('/')[-1].lower()}-p{tp_p}-d{tp_d}")
     gplan, skip = _plan(night, sid, tp_p, tp_d, hub_id)
-    argv = (night.python, "-m", "harness", "e2e", "--device", "gpu", "--model", hub_id, "--tp-p", str(tp_p), "--tp-d",
-            str(tp_d), "--accuracy", "--accuracy-task", ACCURACY_TASK, "--run-dir", str(night.run_dir / sid),
-            *night.run_args)
+    argv = (
+        night.python,
+        "-m",
+        "harness",
+        "e2e",
+        "--device",
+        "gpu",
+        "--model",
+        hub_id,
+        "--tp-p",
+        str(tp_p),
+        "--tp-d",
+        str(tp_d),
+        "--accuracy",
+        "--accuracy-task",
+        ACCURACY_TASK,
+        "--run-dir",
+        str(night.run_dir / sid),
+        *night.run_args,
+    )
     expected = entry.gsm8k_expected if entry else None
     checks = E2E_CHECKS + (ACCURACY_CHECKS if expected is not None else ACCURACY_CHECKS[:-1])
     if skip is None and hub_id not in night.hub_models:
@@ -277,19 +365,40 @@ def _accuracy_step(night: Night, hub_id: str, tp_p: int, tp_d: int) -> Step:
     checks += ("e2e exit code 0 (verdict pass)",)
     servers = _server_commands(gplan, hub_id, night.python, util=night.util) if gplan else ()
     note = f"full {ACCURACY_TASK} through P/D vs baseline" + (f"; expected score {expected}" if expected else "")
-    return Step(sid, "accuracy", argv, TIMEOUTS_S["accuracy"], checks, tp_p + tp_d, gplan, servers, skip, note,
-                night.env, night.version)
+    return Step(
+        sid,
+        "accuracy",
+        argv,
+        TIMEOUTS_S["accuracy"],
+        checks,
+        tp_p + tp_d,
+        gplan,
+        servers,
+        skip,
+        note,
+        night.env,
+        night.version,
+    )
 
 
 def _prefetch_step(python: str, hub_models: list[str]) -> Step:
     import json
 
     q = json.dumps  # double quotes, so the shell rendering stays readable
-    code = "; ".join(["from huggingface_hub import snapshot_download as d",
-                      *(f"d({q(m)}, ignore_patterns={q(PREFETCH_IGNORE)})" for m in hub_models),
-                      f"d({q(HUB_DATASET)}, repo_type={q('dataset')})"])
-    return Step("prefetch", "prefetch", (python, "-c", code), TIMEOUTS_S["prefetch"],
-                (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",))
+    code = "; ".join(
+        [
+            "from huggingface_hub import snapshot_download as d",
+            *(f"d({q(m)}, ignore_patterns={q(PREFETCH_IGNORE)})" for m in hub_models),
+            f"d({q(HUB_DATASET)}, repo_type={q('dataset')})",
+        ]
+    )
+    return Step(
+        "prefetch",
+        "prefetch",
+        (python, "-c", code),
+        TIMEOUTS_S["prefetch"],
+        (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",),
+    )
 
 
 def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
@@ -298,8 +407,22 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
 
     model = models[p.model].hub_id or p.model
     sid = night.sid(kind, p.id)
-    argv = (night.python, "-m", "harness", "matrix", str(file), "--only", p.id, "--device", "gpu", "--gpus",
-            str(len(night.gpus)), "--run-dir", str(night.run_dir / sid), *night.run_args)
+    argv = (
+        night.python,
+        "-m",
+        "harness",
+        "matrix",
+        str(file),
+        "--only",
+        p.id,
+        "--device",
+        "gpu",
+        "--gpus",
+        str(len(night.gpus)),
+        "--run-dir",
+        str(night.run_dir / sid),
+        *night.run_args,
+    )
     gplan, skip = None, p.skip_reason
     if skip is None:  # the matrix runs its baseline after P/D
         gplan, skip = _plan(night, sid, p.tp_p, p.tp_d, model, baseline_first=False)
@@ -308,10 +431,22 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
     base = config_for(E2EConfig(device="gpu"), p, model, night.python, night.run_dir)
     axes = " ".join(f"{k}={v}" for k, v in p.settings.items())
     label = night.version or "(pinned)"
-    return Step(sid, "matrix", argv, TIMEOUTS_S["matrix"], _matrix_checks(p.expected, label), entry.gpus or 0, gplan,
-                _server_commands(gplan, model, night.python, base, night.util) if gplan else (), skip,
-                f"K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}" + (f"; {axes}" if axes else "")
-                + (f"; {entry.note}" if entry.note else ""), night.env, night.version)
+    return Step(
+        sid,
+        "matrix",
+        argv,
+        TIMEOUTS_S["matrix"],
+        _matrix_checks(p.expected, label),
+        entry.gpus or 0,
+        gplan,
+        _server_commands(gplan, model, night.python, base, night.util) if gplan else (),
+        skip,
+        f"K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}"
+        + (f"; {axes}" if axes else "")
+        + (f"; {entry.note}" if entry.note else ""),
+        night.env,
+        night.version,
+    )
 
 
 def history_step(python: str, run_dir: Path, versions: Sequence[str], ids: list[str]) -> Step:
@@ -319,21 +454,48 @@ def history_step(python: str, run_dir: Path, versions: Sequence[str], ids: list[
     revision) as history.md + history.png, one row per version; it runs nothing itself."""
     from harness.envs.vllm_env import pinned
 
-    argv = (python, "-m", "harness", "history", "--device", "gpu", "--versions",
-            ",".join(versions) or pinned("gpu")["vllm"], "--only", ",".join(ids),
-            "--import-runs", str(run_dir / "matrix"), "--no-run", "--out", str(run_dir / "history"))
-    return Step("history", "history", argv, TIMEOUTS_S["history"],
-                ("history.md and history.png: each GPU entry's outcome on the night's release(s), from the matrix steps' "
-                 "reports and the results store (same harness revision)",), note="runs nothing: draws what the matrix steps measured")
+    argv = (
+        python,
+        "-m",
+        "harness",
+        "history",
+        "--device",
+        "gpu",
+        "--versions",
+        ",".join(versions) or pinned("gpu")["vllm"],
+        "--only",
+        ",".join(ids),
+        "--import-runs",
+        str(run_dir / "matrix"),
+        "--no-run",
+        "--out",
+        str(run_dir / "history"),
+    )
+    return Step(
+        "history",
+        "history",
+        argv,
+        TIMEOUTS_S["history"],
+        (
+            "history.md and history.png: each GPU entry's outcome on the night's release(s), from the matrix steps' "
+            "reports and the results store (same harness revision)",
+        ),
+        note="runs nothing: draws what the matrix steps measured",
+    )
 
 
 def render_dry_run(steps: Sequence[Step], hw: Hardware) -> str:
     import shlex
 
     run = [s for s in steps if s.skip_reason is None]
-    out = [f"nightly GPU run (dry run) on {describe_gpus(hw.gpus)}: {len(run)} steps to run, "
-           f"{len(steps) - len(run)} skipped",
-           f"GPUs: {hw.source}", f"note: {PORTS_NOTE}", f"note: {PLAN_NOTE}", ""]
+    out = [
+        f"nightly GPU run (dry run) on {describe_gpus(hw.gpus)}: {len(run)} steps to run, "
+        f"{len(steps) - len(run)} skipped",
+        f"GPUs: {hw.source}",
+        f"note: {PORTS_NOTE}",
+        f"note: {PLAN_NOTE}",
+        "",
+    ]
     for i, s in enumerate(steps, 1):
         state = "to run" if s.skip_reason is None else f"SKIPPED: {s.skip_reason}"
         out.append(f"[{i}/{len(steps)}] {s.id} ({s.kind}) timeout {s.timeout_s / 60:g} min [{state}]")
@@ -355,15 +517,22 @@ def render_dry_run(steps: Sequence[Step], hw: Hardware) -> str:
 def junit_xml(results: Sequence[StepResult], name: str = "nightly-gpu", simulated: str | None = None) -> str:
     """One testcase per step: failure for failed/timed-out steps, skipped with its reason; a passed step's note (a
     simulated box's) in its output. ``simulated``: the box, as a property of the suite."""
-    suite = ET.Element("testsuite", name=name, tests=str(len(results)),
-                       failures=str(sum(r.status in ("failed", "timeout") for r in results)),
-                       skipped=str(sum(r.status == "skipped" for r in results)), errors="0",
-                       time=f"{sum(r.seconds for r in results):.1f}")
+    suite = ET.Element(
+        "testsuite",
+        name=name,
+        tests=str(len(results)),
+        failures=str(sum(r.status in ("failed", "timeout") for r in results)),
+        skipped=str(sum(r.status == "skipped" for r in results)),
+        errors="0",
+        time=f"{sum(r.seconds for r in results):.1f}",
+    )
     if simulated:
         props = ET.SubElement(suite, "properties")
         ET.SubElement(props, "property", name="simulated_gpus", value=f"{SIMULATED_ENV}={simulated}")
     for r in results:
-        case = ET.SubElement(suite, "testcase", classname=f"nightly.{r.step.kind}", name=r.step.id, time=f"{r.seconds:.1f}")
+        case = ET.SubElement(
+            suite, "testcase", classname=f"nightly.{r.step.kind}", name=r.step.id, time=f"{r.seconds:.1f}"
+        )
         if r.status == "skipped":
             ET.SubElement(case, "skipped", message=r.message)
         elif r.status in ("failed", "timeout"):
@@ -381,8 +550,16 @@ def run_step(step: Step, log_path: Path) -> StepResult:
     from harness.serve.procs import ManagedProcess, ProcessSpec, tail
 
     t0 = time.monotonic()
-    proc = ManagedProcess(ProcessSpec(name=step.id.replace("/", "-"), argv=step.argv, log_path=log_path, cwd=REPO_ROOT,
-                                      env=dict(step.env), stop_grace_s=STOP_GRACE_S))
+    proc = ManagedProcess(
+        ProcessSpec(
+            name=step.id.replace("/", "-"),
+            argv=step.argv,
+            log_path=log_path,
+            cwd=REPO_ROOT,
+            env=dict(step.env),
+            stop_grace_s=STOP_GRACE_S,
+        )
+    )
     with proc:
         while proc.returncode is None and time.monotonic() - t0 < step.timeout_s:
             time.sleep(STEP_POLL_S)
@@ -395,9 +572,14 @@ def run_step(step: Step, log_path: Path) -> StepResult:
     return StepResult(step, "passed", secs, "", str(log_path), rc)
 
 
-def run_steps(steps: Sequence[Step], run_dir: Path, runner: Callable[[Step, Path], StepResult] = run_step,
-              gpu_guard: Callable[[Step], Callable[[], str | None] | str] | None = None, out=sys.stdout,
-              simulated: str | None = None) -> list[StepResult]:
+def run_steps(
+    steps: Sequence[Step],
+    run_dir: Path,
+    runner: Callable[[Step, Path], StepResult] = run_step,
+    gpu_guard: Callable[[Step], Callable[[], str | None] | str] | None = None,
+    out=sys.stdout,
+    simulated: str | None = None,
+) -> list[StepResult]:
     """Every step in order; JUnit XML rewritten after each, so an interrupted night keeps what ran.
 
     ``gpu_guard(step)`` checks the GPUs before a step (an error string fails the step unrun) and returns a
@@ -442,8 +624,10 @@ def judge_simulated(r: StepResult, box: str) -> StepResult:
     if not runs or bad or not rc_ok:
         why = "; ".join(bad) or ("no run report" if not runs else f"exit code {r.returncode}")
         return replace(r, status="failed", message=f"{SIM_REASON}: {why}\n{r.message}".strip())
-    note = (f"{SIM_REASON} ({SIMULATED_ENV}={box}): {len(runs)} run(s) got through with stand-in servers; their "
-            "data-path checks were skipped, not passed")
+    note = (
+        f"{SIM_REASON} ({SIMULATED_ENV}={box}): {len(runs)} run(s) got through with stand-in servers; their "
+        "data-path checks were skipped, not passed"
+    )
     if r.returncode:
         note += "; the matrix's expected outcomes of vLLM were not judged (exit code 1: stand-ins cannot show them)"
     return replace(r, status="passed", message=note)
@@ -485,8 +669,9 @@ def _write(junit: Path, results: list[StepResult], out, s: Step, simulated: str 
     tmp.write_text(junit_xml(results, simulated=simulated))
     tmp.replace(junit)
     r = results[-1]
-    print(f"nightly: {s.id}: {r.status}" + (f" ({r.message.splitlines()[0]})" if r.message else ""), file=out, flush=True)
-
+    print(
+        f"nightly: {s.id}: {r.status}" + (f" ({r.message.splitlines()[0]})" if r.message else ""), file=out, flush=True
+    )
 
 
 def nvml_guard(step: Step) -> Callable[[], str | None] | str:
@@ -528,20 +713,31 @@ def choose_hardware(d: Discovery, count: int | None, mem_gib: float | None, dry_
     seen, sim = d.plan_gpus(), d.simulated
     if count is not None and count > len(seen):
         if not dry_run:
-            raise ConfigError(f"the nightly run needs {count} GPUs, {len(seen)} present ({d.describe()}); "
-                              "--dry-run prints the plan anywhere")
+            raise ConfigError(
+                f"the nightly run needs {count} GPUs, {len(seen)} present ({d.describe()}); "
+                "--dry-run prints the plan anywhere"
+            )
         mem = mem_gib or min(g.total_gib for g in seen)
-        return Hardware(uniform_gpus(count, mem), f"{count} x {mem:g} GiB assumed (--gpus {count}); {d.describe()}",
-                        assumed=True, simulated=sim)
+        return Hardware(
+            uniform_gpus(count, mem),
+            f"{count} x {mem:g} GiB assumed (--gpus {count}); {d.describe()}",
+            assumed=True,
+            simulated=sim,
+        )
     if mem_gib is not None and not dry_run:
         # The steps' own runs plan with NVML's memory; a night planned otherwise would check the wrong shares.
-        raise ConfigError("--gpu-mem-gib only plans a dry run: a real run takes each GPU's memory from NVML, "
-                          "as its steps do")
+        raise ConfigError(
+            "--gpu-mem-gib only plans a dry run: a real run takes each GPU's memory from NVML, as its steps do"
+        )
     chosen = seen[:count] if count else seen
     how = d.describe() + (f"; the first {count} by --gpus" if count and count < len(seen) else "")
     if mem_gib:
-        return Hardware(tuple(replace(g, total_gib=mem_gib) for g in chosen), f"{how}; planned as {mem_gib:g} GiB each "
-                        "(--gpu-mem-gib)", assumed=True, simulated=sim)
+        return Hardware(
+            tuple(replace(g, total_gib=mem_gib) for g in chosen),
+            f"{how}; planned as {mem_gib:g} GiB each (--gpu-mem-gib)",
+            assumed=True,
+            simulated=sim,
+        )
     return Hardware(chosen, how, simulated=sim)
 
 
@@ -551,20 +747,42 @@ def given_util(env: Mapping[str, str]) -> float | None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("nightly", help="the nightly GPU run: GPU matrix entries + GSM8K accuracy; --dry-run prints every step")
-    p.add_argument("--dry-run", action="store_true", help="print every step, server command, GPU plan, check and timeout; run nothing")
-    p.add_argument("--gpus", type=int, help="use the first N of the GPUs NVML shows (default: all the caller's, "
-                   f"CUDA_VISIBLE_DEVICES applied; a dry run without NVML assumes {DEFAULT_GPUS})")
-    p.add_argument("--gpu-mem-gib", type=float, help="dry run only: plan for GPUs of this size (default: NVML's; "
-                   f"without NVML {DEFAULT_GPU_MEM_GIB:g})")
-    p.add_argument("--vllm-version", help="comma-separated: the matrix and accuracy steps run once per version "
-                                          "(default: $VLLM_VERSION, else the pinned version)")
+    p = sub.add_parser(
+        "nightly", help="the nightly GPU run: GPU matrix entries + GSM8K accuracy; --dry-run prints every step"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print every step, server command, GPU plan, check and timeout; run nothing",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        help="use the first N of the GPUs NVML shows (default: all the caller's, "
+        f"CUDA_VISIBLE_DEVICES applied; a dry run without NVML assumes {DEFAULT_GPUS})",
+    )
+    p.add_argument(
+        "--gpu-mem-gib",
+        type=float,
+        help=f"dry run only: plan for GPUs of this size (default: NVML's; without NVML {DEFAULT_GPU_MEM_GIB:g})",
+    )
+    p.add_argument(
+        "--vllm-version",
+        help="comma-separated: the matrix and accuracy steps run once per version "
+        "(default: $VLLM_VERSION, else the pinned version)",
+    )
     p.add_argument("--run-dir", type=Path, help="default: runs/<timestamp>-nightly")
     p.add_argument("--python", default=sys.executable, help="interpreter that runs the harness steps")
-    p.add_argument("--only", help="comma-separated step ids or shell patterns (e.g. 'accuracy/*'); the other steps are "
-                                  "skipped with the reason")
-    p.add_argument("--load-requests", type=non_negative_int,
-                   help="requests of each run's load phase (default: the runs' own; 0: none)")
+    p.add_argument(
+        "--only",
+        help="comma-separated step ids or shell patterns (e.g. 'accuracy/*'); the other steps are "
+        "skipped with the reason",
+    )
+    p.add_argument(
+        "--load-requests",
+        type=non_negative_int,
+        help="requests of each run's load phase (default: the runs' own; 0: none)",
+    )
     p.add_argument("--timeout-scale", type=float, default=1.0, help="multiply every step's timeout (default 1)")
 
 
@@ -572,8 +790,11 @@ def main(a: argparse.Namespace) -> int:
     from harness.envs.vllm_env import requested_versions
     from harness.gpu.nvml import discover
 
-    if (a.gpus is not None and a.gpus < 1) or (a.gpu_mem_gib is not None and a.gpu_mem_gib <= 0) \
-            or a.timeout_scale <= 0:
+    if (
+        (a.gpus is not None and a.gpus < 1)
+        or (a.gpu_mem_gib is not None and a.gpu_mem_gib <= 0)
+        or a.timeout_scale <= 0
+    ):
         print("error: --gpus, --gpu-mem-gib and --timeout-scale must be > 0", file=sys.stderr)
         return 2
     run_dir = a.run_dir or REPO_ROOT / "runs" / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-nightly-{os.getpid()}"
@@ -581,13 +802,15 @@ def main(a: argparse.Namespace) -> int:
         versions = requested_versions(a.vllm_version)
         util = given_util(os.environ)
         hw = choose_hardware(discover(), a.gpus, a.gpu_mem_gib, a.dry_run)
-        steps = build_steps(hw.gpus, a.python, run_dir, versions, util=util, simulated=hw.simulated,
-                            load_requests=a.load_requests)
+        steps = build_steps(
+            hw.gpus, a.python, run_dir, versions, util=util, simulated=hw.simulated, load_requests=a.load_requests
+        )
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    steps = scale_timeouts(select_steps(steps, [p.strip() for p in (a.only or "").split(",") if p.strip()]),
-                           a.timeout_scale)
+    steps = scale_timeouts(
+        select_steps(steps, [p.strip() for p in (a.only or "").split(",") if p.strip()]), a.timeout_scale
+    )
     if a.dry_run:
         print(render_dry_run(steps, hw))
         return 0
@@ -599,6 +822,8 @@ def main(a: argparse.Namespace) -> int:
     results = run_steps(steps, run_dir, gpu_guard=nvml_guard, simulated=hw.simulated)
     bad = [r for r in results if r.status in ("failed", "timeout")]
     sim = f" [{SIM_REASON}: stand-in servers; data-path checks skipped, not passed]" if hw.simulated else ""
-    print(f"nightly: {len(results) - len(bad)} of {len(results)} steps passed or skipped{sim}; "
-          f"junit {run_dir / 'junit.xml'}")
+    print(
+        f"nightly: {len(results) - len(bad)} of {len(results)} steps passed or skipped{sim}; "
+        f"junit {run_dir / 'junit.xml'}"
+    )
     return 1 if bad else 0

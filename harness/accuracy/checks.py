@@ -25,9 +25,14 @@ class SampleDiff:
     unpaired: list[int] = field(default_factory=list)  # in one run only, or with a different prompt
 
     def to_dict(self) -> dict:
-        return {"compared": self.compared, "differing_responses": len(self.differing), "differing_doc_ids": self.differing[:50],
-                "score_flips": len(self.flips), "flips": [{"doc_id": d, "baseline": b, "pd": p} for d, b, p in self.flips[:50]],
-                "unpaired": self.unpaired[:50]}
+        return {
+            "compared": self.compared,
+            "differing_responses": len(self.differing),
+            "differing_doc_ids": self.differing[:50],
+            "score_flips": len(self.flips),
+            "flips": [{"doc_id": d, "baseline": b, "pd": p} for d, b, p in self.flips[:50]],
+            "unpaired": self.unpaired[:50],
+        }
 
 
 def diff_samples(baseline: EvalRun, pd: EvalRun) -> SampleDiff:
@@ -67,13 +72,18 @@ def max_differing(n: int) -> int:
 
 def check_through_pd(samples: int, stats_before: dict, stats_after: dict, xfers: float) -> Check:
     """lm-eval's requests really took the P/D path: P answered each with kv_transfer_params and D read over NIXL."""
+
     def grew(key: str) -> int:
         return int(stats_after.get(key, 0)) - int(stats_before.get(key, 0))
 
     with_params, missing = grew("prefill_with_kv_transfer_params"), grew("prefill_missing_kv_transfer_params")
     ok = samples > 0 and with_params >= samples and missing == 0 and xfers >= samples
-    return Check("accuracy_through_pd", ok, f"{with_params} prefill answers with kv_transfer_params ({missing} without) and "
-                 f"{xfers:.0f} NIXL transfers for {samples} lm-eval samples")
+    return Check(
+        "accuracy_through_pd",
+        ok,
+        f"{with_params} prefill answers with kv_transfer_params ({missing} without) and "
+        f"{xfers:.0f} NIXL transfers for {samples} lm-eval samples",
+    )
 
 
 def accuracy_checks(baseline: EvalRun, pd: EvalRun, s: AccuracySettings) -> tuple[list[Check], dict]:
@@ -83,27 +93,60 @@ def accuracy_checks(baseline: EvalRun, pd: EvalRun, s: AccuracySettings) -> tupl
     tol = score_tolerance(n, baseline.score)
     delta = pd.score - baseline.score
     checks = [
-        Check("accuracy_samples_paired", n > 0 and not diff.unpaired,
-              f"{n} samples paired" + (f"; {len(diff.unpaired)} unpaired (doc ids {diff.unpaired[:10]})" if diff.unpaired else "")),
-        Check("accuracy_pd_within_tolerance", n > 0 and abs(delta) <= tol,
-              f"P/D {pd.score:.3f} vs baseline {baseline.score:.3f} (delta {delta:+.3f}, tolerance {tol:.3f} for {n} samples)"),
-        Check("accuracy_responses_agree", n > 0 and len(diff.differing) <= max_differing(n),
-              f"{len(diff.differing)}/{n} responses differ (at most {max_differing(n)}), {len(diff.flips)} score flips"
-              + _examples(baseline, pd, diff.differing)),
+        Check(
+            "accuracy_samples_paired",
+            n > 0 and not diff.unpaired,
+            f"{n} samples paired"
+            + (f"; {len(diff.unpaired)} unpaired (doc ids {diff.unpaired[:10]})" if diff.unpaired else ""),
+        ),
+        Check(
+            "accuracy_pd_within_tolerance",
+            n > 0 and abs(delta) <= tol,
+            f"P/D {pd.score:.3f} vs baseline {baseline.score:.3f} (delta {delta:+.3f}, tolerance {tol:.3f} for {n} samples)",
+        ),
+        Check(
+            "accuracy_responses_agree",
+            n > 0 and len(diff.differing) <= max_differing(n),
+            f"{len(diff.differing)}/{n} responses differ (at most {max_differing(n)}), {len(diff.flips)} score flips"
+            + _examples(baseline, pd, diff.differing),
+        ),
     ]
     if s.min_baseline_score is not None:
-        checks.append(Check("accuracy_baseline_meaningful", baseline.score >= s.min_baseline_score,
-                            f"baseline {baseline.score:.3f} (at least {s.min_baseline_score} so that a broken transfer shows)"))
+        checks.append(
+            Check(
+                "accuracy_baseline_meaningful",
+                baseline.score >= s.min_baseline_score,
+                f"baseline {baseline.score:.3f} (at least {s.min_baseline_score} so that a broken transfer shows)",
+            )
+        )
     if s.expected_score is not None:
         off = max(abs(baseline.score - s.expected_score), abs(pd.score - s.expected_score))
-        checks.append(Check("accuracy_matches_expected", off <= EXPECTED_SCORE_TOLERANCE,
-                            f"baseline {baseline.score:.3f}, P/D {pd.score:.3f}, expected {s.expected_score} ± {EXPECTED_SCORE_TOLERANCE}"))
-    block = {"task": s.task, "samples": n, "metric": s.metric_key, "baseline_score": baseline.score, "pd_score": pd.score,
-             "delta": delta, "tolerance": tol, **diff.to_dict(), "lm_eval": pd.lm_eval_version or baseline.lm_eval_version,
-             "settings": s.to_dict(), "output": {"baseline": baseline.output_dir, "pd": pd.output_dir}}
+        checks.append(
+            Check(
+                "accuracy_matches_expected",
+                off <= EXPECTED_SCORE_TOLERANCE,
+                f"baseline {baseline.score:.3f}, P/D {pd.score:.3f}, expected {s.expected_score} ± {EXPECTED_SCORE_TOLERANCE}",
+            )
+        )
+    block = {
+        "task": s.task,
+        "samples": n,
+        "metric": s.metric_key,
+        "baseline_score": baseline.score,
+        "pd_score": pd.score,
+        "delta": delta,
+        "tolerance": tol,
+        **diff.to_dict(),
+        "lm_eval": pd.lm_eval_version or baseline.lm_eval_version,
+        "settings": s.to_dict(),
+        "output": {"baseline": baseline.output_dir, "pd": pd.output_dir},
+    }
     return checks, block
 
 
 def _examples(baseline: EvalRun, pd: EvalRun, doc_ids: list[int], k: int = 2) -> str:
-    parts = [f"doc {d}: baseline {baseline.samples[d].response[:60]!r} vs P/D {pd.samples[d].response[:60]!r}" for d in doc_ids[:k]]
+    parts = [
+        f"doc {d}: baseline {baseline.samples[d].response[:60]!r} vs P/D {pd.samples[d].response[:60]!r}"
+        for d in doc_ids[:k]
+    ]
     return ("; " + "; ".join(parts)) if parts else ""

@@ -29,15 +29,37 @@ class AccuracyFailed(RuntimeError):
 
 def lm_eval_argv(python: str, base_url: str, model_name: str, s: AccuracySettings, out_dir: Path) -> list[str]:
     """The lm-eval command line: the same for P/D and baseline except ``base_url`` and ``out_dir``."""
-    model_args = ",".join([
-        f"model={model_name}", f"base_url={base_url}/v1/completions", "tokenizer_backend=None",
-        "tokenized_requests=False", f"num_concurrent={s.num_concurrent}", "max_retries=3", f"timeout={int(s.request_timeout_s)}",
-    ])
+    model_args = ",".join(
+        [
+            f"model={model_name}",
+            f"base_url={base_url}/v1/completions",
+            "tokenizer_backend=None",
+            "tokenized_requests=False",
+            f"num_concurrent={s.num_concurrent}",
+            "max_retries=3",
+            f"timeout={int(s.request_timeout_s)}",
+        ]
+    )
     if s.task is None:
         raise ValueError("resolve the accuracy task before building the lm-eval command")
-    argv = [python, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args, "--tasks", s.task,
-            "--gen_kwargs", f"max_gen_toks={s.max_gen_toks},temperature=0,do_sample=False",
-            "--seed", str(s.seed), "--output_path", str(out_dir), "--log_samples"]
+    argv = [
+        python,
+        "-m",
+        "lm_eval",
+        "--model",
+        "local-completions",
+        "--model_args",
+        model_args,
+        "--tasks",
+        s.task,
+        "--gen_kwargs",
+        f"max_gen_toks={s.max_gen_toks},temperature=0,do_sample=False",
+        "--seed",
+        str(s.seed),
+        "--output_path",
+        str(out_dir),
+        "--log_samples",
+    ]
     if s.include_path:
         argv += ["--include_path", s.include_path]
     if s.num_fewshot is not None:
@@ -92,10 +114,17 @@ def read_eval_output(out_dir: Path, s: AccuracySettings) -> EvalRun:
         row = json.loads(line)
         if row.get("filter", s.filter) != s.filter:
             continue
-        samples[int(row["doc_id"])] = Sample(int(row["doc_id"]), str(row.get("prompt_hash", "")), _first(row.get("resps")),
-                                             _first(row.get("filtered_resps")), float(row.get(s.metric, 0)) >= 1.0)
+        samples[int(row["doc_id"])] = Sample(
+            int(row["doc_id"]),
+            str(row.get("prompt_hash", "")),
+            _first(row.get("resps")),
+            _first(row.get("filtered_resps")),
+            float(row.get(s.metric, 0)) >= 1.0,
+        )
     version = data.get("lm_eval_version") or (data.get("versions") or {}).get(s.task)
-    return EvalRun(s.task, float(task_results[s.metric_key]), samples, None if version is None else str(version), str(out_dir))
+    return EvalRun(
+        s.task, float(task_results[s.metric_key]), samples, None if version is None else str(version), str(out_dir)
+    )
 
 
 def hub_dataset_reachable(env: dict[str, str], cache_root: Path | None = None, probe=None) -> bool:
@@ -113,6 +142,7 @@ def hub_dataset_reachable(env: dict[str, str], cache_root: Path | None = None, p
                 return requests.head(f"https://huggingface.co/api/datasets/{HUB_DATASET}", timeout=5).status_code == 200
             except requests.RequestException:
                 return False
+
     return probe()
 
 
@@ -121,18 +151,32 @@ def _latest(tail: str) -> str:
     return "starting" if not line or line.startswith("# ") else line  # "# name: argv" is the harness's own header
 
 
-def run_lm_eval(python: str, base_url: str, model_name: str, s: AccuracySettings, out_dir: Path, log_path: Path,
-                watch: list, env: dict[str, str] | None = None) -> EvalRun:
+def run_lm_eval(
+    python: str,
+    base_url: str,
+    model_name: str,
+    s: AccuracySettings,
+    out_dir: Path,
+    log_path: Path,
+    watch: list,
+    env: dict[str, str] | None = None,
+) -> EvalRun:
     """Run lm-eval to completion while watching the servers it talks to (anything with check()): a dead server ends the wait at once."""
     # The offline task must never touch the hub; a hub task may need to download its dataset.
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if s.task == OFFLINE_TASK else {}
-    spec = ProcessSpec(name=log_path.stem, argv=lm_eval_argv(python, base_url, model_name, s, out_dir), log_path=log_path,
-                       env=with_no_track({**offline, "TOKENIZERS_PARALLELISM": "false", **(env or {})}))
+    spec = ProcessSpec(
+        name=log_path.stem,
+        argv=lm_eval_argv(python, base_url, model_name, s, out_dir),
+        log_path=log_path,
+        env=with_no_track({**offline, "TOKENIZERS_PARALLELISM": "false", **(env or {})}),
+    )
     deadline = time.monotonic() + s.timeout_s
     name = log_path.stem.replace("_", " ").replace("lm eval", "lm-eval")
     rep = progress.current()
-    with rep.step(name, "evaluation", announce=f"{name}: task {s.task} against {base_url} (log {log_path})"), \
-            ManagedProcess(spec) as lm:
+    with (
+        rep.step(name, "evaluation", announce=f"{name}: task {s.task} against {base_url} (log {log_path})"),
+        ManagedProcess(spec) as lm,
+    ):
         # lm-eval reports its progress only in its log (a bar redrawn with carriage returns): show its last line
         rep.status(lambda: f"{name}: {_latest(lm.log_tail(3))}")
         while lm.returncode is None:

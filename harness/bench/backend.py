@@ -44,16 +44,24 @@ def completion(chat: bool, text: str, kv: dict | None = None) -> dict:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    out = {"id": "cmpl-bench", "object": "chat.completion" if chat else "text_completion", "created": 0,
-           "model": "bench", "choices": [choice], "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9}}
+    out = {
+        "id": "cmpl-bench",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": 0,
+        "model": "bench",
+        "choices": [choice],
+        "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    }
     if kv is not None:
         out["kv_transfer_params"] = kv
     return out
 
 
 def response_bytes(status: int, body: bytes, content_type: str = "application/json", extra: str = "") -> bytes:
-    head = (f"HTTP/1.1 {status} {STATUS_TEXT.get(status, 'OK')}\r\ncontent-type: {content_type}\r\n"
-            f"content-length: {len(body)}\r\n{extra}\r\n")
+    head = (
+        f"HTTP/1.1 {status} {STATUS_TEXT.get(status, 'OK')}\r\ncontent-type: {content_type}\r\n"
+        f"content-length: {len(body)}\r\n{extra}\r\n"
+    )
     return head.encode() + body
 
 
@@ -146,7 +154,9 @@ class HttpProtocol(asyncio.Protocol):
                 elif name == "connection":
                     close = value.strip().lower() == "close"
                 elif name == "transfer-encoding":
-                    self._close(response_bytes(400, b'{"error": {"message": "chunked request bodies are not supported"}}'))
+                    self._close(
+                        response_bytes(400, b'{"error": {"message": "chunked request bodies are not supported"}}')
+                    )
                     return
             if length > MAX_BODY:
                 self._close(response_bytes(413, b"{}"))

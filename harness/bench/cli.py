@@ -25,11 +25,17 @@ def add_parser(sub) -> None:
     b = sub.add_parser("bench", help="proxy, harness and process-lifecycle overhead measurements")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
 
-    p = bsub.add_parser("proxy", help="latency and throughput of toy_proxy_server.py against an upstream-design reference proxy")
+    p = bsub.add_parser(
+        "proxy", help="latency and throughput of toy_proxy_server.py against an upstream-design reference proxy"
+    )
     p.add_argument("--requests", type=positive(int), default=2000, help="requests per measurement (default 2000)")
     p.add_argument("--time-limit", type=positive(float), default=20.0, help="seconds per measurement (default 20)")
-    p.add_argument("--concurrency", type=_concurrency, default=[1, 10, 100], help="throughput levels (default 1,10,100)")
-    p.add_argument("--rounds", type=positive(int), default=3, help="throughput repeats per level; the median counts (default 3)")
+    p.add_argument(
+        "--concurrency", type=_concurrency, default=[1, 10, 100], help="throughput levels (default 1,10,100)"
+    )
+    p.add_argument(
+        "--rounds", type=positive(int), default=3, help="throughput repeats per level; the median counts (default 3)"
+    )
     p.add_argument("--warmup", type=int, default=50, help="requests per target before the latency measurement")
     p.add_argument("--log-dir", type=Path, help="process logs (default: a new temporary folder)")
     p.add_argument("--json", action="store_true")
@@ -74,8 +80,13 @@ def _measured(what: str, measure, render, as_json: bool, errors: tuple = ()) -> 
 def proxy_main(a: argparse.Namespace) -> int:
     from harness.bench.proxy import render, run_proxy_bench
 
-    return _measured("proxy", lambda: run_proxy_bench(a.requests, a.concurrency, a.rounds, a.time_limit, a.warmup, a.log_dir),
-                     render, a.json, (RuntimeError,))
+    return _measured(
+        "proxy",
+        lambda: run_proxy_bench(a.requests, a.concurrency, a.rounds, a.time_limit, a.warmup, a.log_dir),
+        render,
+        a.json,
+        (RuntimeError,),
+    )
 
 
 def e2e_main(a: argparse.Namespace) -> int:
@@ -110,4 +121,6 @@ def startup_main(a: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return {"proxy": proxy_main, "e2e": e2e_main, "lifecycle": lifecycle_main, "startup": startup_main}[args.bench_cmd](args)
+    return {"proxy": proxy_main, "e2e": e2e_main, "lifecycle": lifecycle_main, "startup": startup_main}[args.bench_cmd](
+        args
+    )

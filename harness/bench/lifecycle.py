@@ -86,23 +86,39 @@ def run_lifecycle_bench(repeats: int = 3, ready_after_s: float = 3.0, log_dir: P
         "ready_delay_s": asdict(ready),
         "teardown_s": asdict(teardown),
         "targets": [
-            {"name": "ready_delay_max_s", "target": f"<= {TARGET_READY_DELAY_S:g} s", "value": ready.max,
-             "met": ready.max <= TARGET_READY_DELAY_S},
-            {"name": "teardown_max_s", "target": f"< {TARGET_TEARDOWN_S:g} s", "value": teardown.max,
-             "met": teardown.max < TARGET_TEARDOWN_S},
+            {
+                "name": "ready_delay_max_s",
+                "target": f"<= {TARGET_READY_DELAY_S:g} s",
+                "value": ready.max,
+                "met": ready.max <= TARGET_READY_DELAY_S,
+            },
+            {
+                "name": "teardown_max_s",
+                "target": f"< {TARGET_TEARDOWN_S:g} s",
+                "value": teardown.max,
+                "met": teardown.max < TARGET_TEARDOWN_S,
+            },
         ],
         "leftover_processes": sum(r.leftovers for r in rounds),
     }
 
 
 def render(d: dict) -> str:
-    lines = [f"lifecycle benchmark: {d['config']['repeats']} rounds, backend ready after {d['config']['ready_after_s']:g} s"]
+    lines = [
+        f"lifecycle benchmark: {d['config']['repeats']} rounds, backend ready after {d['config']['ready_after_s']:g} s"
+    ]
     for i, r in enumerate(d["rounds"]):
-        lines.append(f"  round {i}: ready noticed {1000 * r['ready_delay_s']:.0f} ms after the backend's ready moment "
-                     f"(launch->ready {r['launch_to_ready_s']:.2f} s); teardown of 3 processes {r['teardown_s']:.2f} s; "
-                     f"leftovers {r['leftovers']}")
-    lines.append(f"ready delay: median {1000 * d['ready_delay_s']['median']:.0f} ms, max {1000 * d['ready_delay_s']['max']:.0f} ms")
+        lines.append(
+            f"  round {i}: ready noticed {1000 * r['ready_delay_s']:.0f} ms after the backend's ready moment "
+            f"(launch->ready {r['launch_to_ready_s']:.2f} s); teardown of 3 processes {r['teardown_s']:.2f} s; "
+            f"leftovers {r['leftovers']}"
+        )
+    lines.append(
+        f"ready delay: median {1000 * d['ready_delay_s']['median']:.0f} ms, max {1000 * d['ready_delay_s']['max']:.0f} ms"
+    )
     lines.append(f"teardown:    median {d['teardown_s']['median']:.2f} s, max {d['teardown_s']['max']:.2f} s")
     for t in d["targets"]:
-        lines.append(f"target {t['name']}: {t['target']}; measured {t['value']:.3f} -> {'MET' if t['met'] else 'MISSED'}")
+        lines.append(
+            f"target {t['name']}: {t['target']}; measured {t['value']:.3f} -> {'MET' if t['met'] else 'MISSED'}"
+        )
     return "\n".join(lines)

@@ -44,6 +44,7 @@ CLIENT_BODY = {"model": "bench", "prompt": PROMPT, "max_tokens": 16, "temperatur
 
 # -- pure parts -------------------------------------------------------------------------------
 
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
     if not values:
@@ -132,8 +133,12 @@ def target_checks(summary: dict) -> list[TargetCheck]:
     r = toy["throughput_ratio_vs_reference"].get(str(TARGET_RATIO_CONCURRENCY))
     return [
         TargetCheck("toy_p50_added_ms_at_c1", f"< {TARGET_P50_ADDED_MS:g} ms", p50, p50 < TARGET_P50_ADDED_MS),
-        TargetCheck(f"toy_throughput_ratio_at_c{TARGET_RATIO_CONCURRENCY}", f">= {TARGET_RATIO:g}x the reference",
-                    r, None if r is None else r >= TARGET_RATIO),
+        TargetCheck(
+            f"toy_throughput_ratio_at_c{TARGET_RATIO_CONCURRENCY}",
+            f">= {TARGET_RATIO:g}x the reference",
+            r,
+            None if r is None else r >= TARGET_RATIO,
+        ),
     ]
 
 
@@ -141,9 +146,15 @@ def summarize(direct: TargetResult, toy: TargetResult, reference: TargetResult, 
     assert direct.latency is not None
     d = {
         "config": config,
-        "direct": {"p50_ms": direct.latency.p50_ms, "p99_ms": direct.latency.p99_ms,
-                   "throughput_rps": {str(c): v for c, v in direct.throughput_rps().items()}},
-        "proxies": {"toy": proxy_summary(toy, direct, reference), "reference": proxy_summary(reference, direct, reference)},
+        "direct": {
+            "p50_ms": direct.latency.p50_ms,
+            "p99_ms": direct.latency.p99_ms,
+            "throughput_rps": {str(c): v for c, v in direct.throughput_rps().items()},
+        },
+        "proxies": {
+            "toy": proxy_summary(toy, direct, reference),
+            "reference": proxy_summary(reference, direct, reference),
+        },
     }
     d["targets"] = [asdict(t) for t in target_checks(d)]
     return d
@@ -152,11 +163,16 @@ def summarize(direct: TargetResult, toy: TargetResult, reference: TargetResult, 
 def render(d: dict) -> str:
     cfg = d["config"]
     levels = [str(c) for c in cfg["concurrency"]]
-    lines = [f"proxy benchmark: {cfg['requests']} requests per measurement, {cfg['rounds']} round(s), time limit "
-             f"{cfg['time_limit_s']:g} s, load average before {cfg['load_average_before']} after {cfg.get('load_average_after')}",
-             f"direct (client -> backend, P hop then D hop): p50 {d['direct']['p50_ms']:.3f} ms, p99 {d['direct']['p99_ms']:.3f} ms",
-             "", f"{'proxy':<10} {'p50 added':>10} {'p99 added':>10} " + " ".join(f"{'c=' + c + ' req/s':>14}" for c in levels)
-             + " " + " ".join(f"{'ratio c=' + c:>11}" for c in levels)]
+    lines = [
+        f"proxy benchmark: {cfg['requests']} requests per measurement, {cfg['rounds']} round(s), time limit "
+        f"{cfg['time_limit_s']:g} s, load average before {cfg['load_average_before']} after {cfg.get('load_average_after')}",
+        f"direct (client -> backend, P hop then D hop): p50 {d['direct']['p50_ms']:.3f} ms, p99 {d['direct']['p99_ms']:.3f} ms",
+        "",
+        f"{'proxy':<10} {'p50 added':>10} {'p99 added':>10} "
+        + " ".join(f"{'c=' + c + ' req/s':>14}" for c in levels)
+        + " "
+        + " ".join(f"{'ratio c=' + c:>11}" for c in levels),
+    ]
     rows = [("direct", None)] + list(d["proxies"].items())
     for name, p in rows:
         if p is None:
@@ -164,8 +180,12 @@ def render(d: dict) -> str:
             lines.append(f"{name:<10} {'-':>10} {'-':>10} " + " ".join(f"{rps.get(c, 0):>14.0f}" for c in levels))
             continue
         ratios = " ".join(f"{_fmt(p['throughput_ratio_vs_reference'].get(c)):>11}" for c in levels)
-        lines.append(f"{name:<10} {p['p50_added_ms']:>8.3f}ms {p['p99_added_ms']:>8.3f}ms "
-                     + " ".join(f"{p['throughput_rps'].get(c, 0):>14.0f}" for c in levels) + " " + ratios)
+        lines.append(
+            f"{name:<10} {p['p50_added_ms']:>8.3f}ms {p['p99_added_ms']:>8.3f}ms "
+            + " ".join(f"{p['throughput_rps'].get(c, 0):>14.0f}" for c in levels)
+            + " "
+            + ratios
+        )
     lines.append("")
     for t in d["targets"]:
         status = "not measured" if t["met"] is None else ("MET" if t["met"] else "MISSED")
@@ -179,11 +199,14 @@ def _fmt(x: float | None) -> str:
 
 # -- the load generator -----------------------------------------------------------------------
 
+
 def request_bytes(host: str, port: int, path: str, body: dict, request_id: str | None = None) -> bytes:
     data = json.dumps(body).encode()
     rid = f"x-request-id: {request_id}\r\n" if request_id else ""
-    return (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(data)}\r\n{rid}\r\n").encode() + data
+    return (
+        f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(data)}\r\n{rid}\r\n"
+    ).encode() + data
 
 
 @dataclass(frozen=True)
@@ -271,7 +294,9 @@ class Conn:
             return False
 
 
-async def measure_latency(targets: list[Target], n: int, time_limit_s: float, warmup: int, block: int = 100) -> dict[str, list[float]]:
+async def measure_latency(
+    targets: list[Target], n: int, time_limit_s: float, warmup: int, block: int = 100
+) -> dict[str, list[float]]:
     """Concurrency 1, in alternating blocks of ``block`` requests per target (order rotated each round): background
     load hits every target alike, and one target's leftover work (its access log, say) lands on its own next request
     rather than on another target's."""
@@ -328,8 +353,16 @@ async def measure_throughput(target: Target, concurrency: int, n: int, time_limi
     return Level(concurrency, n, completed, errors, last - t0, issued < n)
 
 
-async def run_load(direct: Target, toy: Target, reference: Target, requests: int, concurrency: list[int], rounds: int,
-                   time_limit_s: float, warmup: int) -> tuple[TargetResult, TargetResult, TargetResult]:
+async def run_load(
+    direct: Target,
+    toy: Target,
+    reference: Target,
+    requests: int,
+    concurrency: list[int],
+    rounds: int,
+    time_limit_s: float,
+    warmup: int,
+) -> tuple[TargetResult, TargetResult, TargetResult]:
     targets = [direct, toy, reference]
     res = {t.name: TargetResult(t.name) for t in targets}
     lat = await measure_latency(targets, requests, time_limit_s, warmup)
@@ -357,26 +390,69 @@ def run_async(coro):
 
 # -- processes --------------------------------------------------------------------------------
 
-def backend_proc(alloc: PortAllocator, logs: Path, name: str, ready_after_s: float = 0.0, ready_file: Path | None = None,
-                 python: str = sys.executable) -> tuple[ManagedProcess, str]:
+
+def backend_proc(
+    alloc: PortAllocator,
+    logs: Path,
+    name: str,
+    ready_after_s: float = 0.0,
+    ready_file: Path | None = None,
+    python: str = sys.executable,
+) -> tuple[ManagedProcess, str]:
     port = alloc.port()
-    argv = [python, "-m", "harness.bench.backend", "--host", "127.0.0.1", "--port", str(port), "--ready-after", str(ready_after_s)]
+    argv = [
+        python,
+        "-m",
+        "harness.bench.backend",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--ready-after",
+        str(ready_after_s),
+    ]
     if ready_file is not None:
         argv += ["--ready-file", str(ready_file)]
     url = f"http://127.0.0.1:{port}"
-    spec = ProcessSpec(name=name, argv=argv, log_path=logs / f"{name}.log", cwd=REPO_ROOT, health_url=f"{url}/health",
-                       ready_timeout_s=60, stop_grace_s=5)
+    spec = ProcessSpec(
+        name=name,
+        argv=argv,
+        log_path=logs / f"{name}.log",
+        cwd=REPO_ROOT,
+        health_url=f"{url}/health",
+        ready_timeout_s=60,
+        stop_grace_s=5,
+    )
     return ManagedProcess(spec), url
 
 
-def reference_proc(alloc: PortAllocator, logs: Path, prefill: list[str], decode: list[str],
-                   python: str = sys.executable) -> tuple[ManagedProcess, str]:
+def reference_proc(
+    alloc: PortAllocator, logs: Path, prefill: list[str], decode: list[str], python: str = sys.executable
+) -> tuple[ManagedProcess, str]:
     port = alloc.port()
-    argv = [python, "-m", "harness.bench.reference_proxy", "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", *prefill, "--decode", *decode]
+    argv = [
+        python,
+        "-m",
+        "harness.bench.reference_proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        *prefill,
+        "--decode",
+        *decode,
+    ]
     url = f"http://127.0.0.1:{port}"
-    spec = ProcessSpec(name="reference_proxy", argv=argv, log_path=logs / "reference_proxy.log", cwd=REPO_ROOT,
-                       health_url=f"{url}/healthcheck", ready_timeout_s=60, stop_grace_s=5)
+    spec = ProcessSpec(
+        name="reference_proxy",
+        argv=argv,
+        log_path=logs / "reference_proxy.log",
+        cwd=REPO_ROOT,
+        health_url=f"{url}/healthcheck",
+        ready_timeout_s=60,
+        stop_grace_s=5,
+    )
     return ManagedProcess(spec), url
 
 
@@ -392,8 +468,14 @@ def host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def run_proxy_bench(requests: int = 2000, concurrency: list[int] | None = None, rounds: int = 3, time_limit_s: float = 20.0,
-                    warmup: int = 50, log_dir: Path | None = None) -> dict:
+def run_proxy_bench(
+    requests: int = 2000,
+    concurrency: list[int] | None = None,
+    rounds: int = 3,
+    time_limit_s: float = 20.0,
+    warmup: int = 50,
+    log_dir: Path | None = None,
+) -> dict:
     concurrency = list(concurrency or DEFAULT_CONCURRENCY)
     logs = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="bench-proxy-"))
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -403,12 +485,30 @@ def run_proxy_bench(requests: int = 2000, concurrency: list[int] | None = None, 
         toy, toy_url = toy_proc(alloc, logs, [b_url], [b_url])
         ref, ref_url = reference_proc(alloc, logs, [b_url], [b_url])
         start_all([toy, ref], stack, 60)
-        (direct_res, toy_res, ref_res), loop = run_async(run_load(
-            direct_target(*host_port(b_url)), proxy_target("toy", *host_port(toy_url)),
-            proxy_target("reference", *host_port(ref_url)), requests, concurrency, rounds, time_limit_s, warmup))
+        (direct_res, toy_res, ref_res), loop = run_async(
+            run_load(
+                direct_target(*host_port(b_url)),
+                proxy_target("toy", *host_port(toy_url)),
+                proxy_target("reference", *host_port(ref_url)),
+                requests,
+                concurrency,
+                rounds,
+                time_limit_s,
+                warmup,
+            )
+        )
         for p in (backend, toy, ref):
             p.check()  # a proxy that died during the measurement fails the benchmark with its log tail
-    config = {"requests": requests, "concurrency": concurrency, "rounds": rounds, "time_limit_s": time_limit_s,
-              "warmup": warmup, "client_loop": loop, "cpus": os.cpu_count(), "logs": str(logs),
-              "load_average_before": load_before, "load_average_after": [round(x, 2) for x in os.getloadavg()]}
+    config = {
+        "requests": requests,
+        "concurrency": concurrency,
+        "rounds": rounds,
+        "time_limit_s": time_limit_s,
+        "warmup": warmup,
+        "client_loop": loop,
+        "cpus": os.cpu_count(),
+        "logs": str(logs),
+        "load_average_before": load_before,
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+    }
     return summarize(direct_res, toy_res, ref_res, config)

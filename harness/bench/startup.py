@@ -24,8 +24,12 @@ from harness.serve.vllm_cmd import plan_cpu_binding
 def _servers(cfg: E2EConfig, alloc: PortAllocator, model: str, logs: Path, tag: str):
     binds = plan_cpu_binding(os.cpu_count() or 1, [cfg.tp_p, cfg.tp_d]) if cfg.device == "cpu" else [None, None]
     bs = cfg.block_sizes()
-    return [make_server(cfg, alloc, "prefill", cfg.tp_p, model, "tiny-llama", bs[0], binds[0], logs, label=f"prefill-{tag}"),
-            make_server(cfg, alloc, "decode", cfg.tp_d, model, "tiny-llama", bs[1], binds[1], logs, label=f"decode-{tag}")]
+    return [
+        make_server(
+            cfg, alloc, "prefill", cfg.tp_p, model, "tiny-llama", bs[0], binds[0], logs, label=f"prefill-{tag}"
+        ),
+        make_server(cfg, alloc, "decode", cfg.tp_d, model, "tiny-llama", bs[1], binds[1], logs, label=f"decode-{tag}"),
+    ]
 
 
 def _round(cfg: E2EConfig, model: str, logs: Path, tag: str, parallel: bool) -> dict:
@@ -39,8 +43,11 @@ def _round(cfg: E2EConfig, model: str, logs: Path, tag: str, parallel: bool) -> 
             for s in servers:
                 ready.update(start_all([s.proc], stack, cfg.ready_timeout_s))
         both_ready = time.monotonic() - t0
-    return {"order": "parallel" if parallel else "sequential", "both_ready_s": round(both_ready, 2),
-            "launch_to_ready_s": {k: round(v, 2) for k, v in ready.items()}}
+    return {
+        "order": "parallel" if parallel else "sequential",
+        "both_ready_s": round(both_ready, 2),
+        "launch_to_ready_s": {k: round(v, 2) for k, v in ready.items()},
+    }
 
 
 def run_startup_bench(repeats: int = 1, tp_p: int = 1, tp_d: int = 1, log_dir: Path | None = None) -> dict:
@@ -53,16 +60,30 @@ def run_startup_bench(repeats: int = 1, tp_p: int = 1, tp_d: int = 1, log_dir: P
     for i in range(repeats):  # alternate, so drift in machine load hits both orders alike
         rounds.append(_round(cfg, model, logs, f"par{i}", parallel=True))
         rounds.append(_round(cfg, model, logs, f"seq{i}", parallel=False))
-    med = {o: statistics.median(r["both_ready_s"] for r in rounds if r["order"] == o) for o in ("parallel", "sequential")}
-    return {"tp_p": tp_p, "tp_d": tp_d, "cores": os.cpu_count(), "load_avg": os.getloadavg(), "rounds": rounds,
-            "median_both_ready_s": med, "parallel_speedup": round(med["sequential"] / med["parallel"], 2), "logs": str(logs)}
+    med = {
+        o: statistics.median(r["both_ready_s"] for r in rounds if r["order"] == o) for o in ("parallel", "sequential")
+    }
+    return {
+        "tp_p": tp_p,
+        "tp_d": tp_d,
+        "cores": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "rounds": rounds,
+        "median_both_ready_s": med,
+        "parallel_speedup": round(med["sequential"] / med["parallel"], 2),
+        "logs": str(logs),
+    }
 
 
 def render(d: dict) -> str:
     lines = [f"P TP{d['tp_p']} + D TP{d['tp_d']} on {d['cores']} cores (load {d['load_avg'][0]:.1f}): both ready after"]
     for r in d["rounds"]:
-        lines.append(f"  {r['order']:<10} {r['both_ready_s']:6.1f} s  ({', '.join(f'{k} {v:.1f} s' for k, v in r['launch_to_ready_s'].items())})")
+        lines.append(
+            f"  {r['order']:<10} {r['both_ready_s']:6.1f} s  ({', '.join(f'{k} {v:.1f} s' for k, v in r['launch_to_ready_s'].items())})"
+        )
     m = d["median_both_ready_s"]
-    lines.append(f"median: parallel {m['parallel']:.1f} s, sequential {m['sequential']:.1f} s -> parallel is "
-                 f"{d['parallel_speedup']:.2f}x {'faster' if d['parallel_speedup'] >= 1 else 'slower'}")
+    lines.append(
+        f"median: parallel {m['parallel']:.1f} s, sequential {m['sequential']:.1f} s -> parallel is "
+        f"{d['parallel_speedup']:.2f}x {'faster' if d['parallel_speedup'] >= 1 else 'slower'}"
+    )
     return "\n".join(lines)

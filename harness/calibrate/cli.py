@@ -18,14 +18,24 @@ DEFAULT_FAULT = 1.02  # 2 % on one layer's received KV: quiet enough to flip few
 
 
 def add_parser(sub) -> None:
-    c = sub.add_parser("calibrate", help="measure the logprob noise of a correct run and a KV fault's effect; check the "
-                                         "threshold sits between them")
+    c = sub.add_parser(
+        "calibrate",
+        help="measure the logprob noise of a correct run and a KV fault's effect; check the "
+        "threshold sits between them",
+    )
     c.add_argument("--out", type=Path, required=True, help="a new folder for both runs, calibration.json and .md")
-    c.add_argument("--fault", type=positive(float), default=DEFAULT_FAULT,
-                   help=f"D scales one layer's received KV by this (default {DEFAULT_FAULT})")
+    c.add_argument(
+        "--fault",
+        type=positive(float),
+        default=DEFAULT_FAULT,
+        help=f"D scales one layer's received KV by this (default {DEFAULT_FAULT})",
+    )
     c.add_argument("--timeout", type=positive(float), default=3600.0, help="seconds per run (default 3600)")
-    c.add_argument("e2e_args", nargs=argparse.REMAINDER,
-                   help="after --: the e2e flags of the runs (--device, --model, --tp-p, --tp-d, ...)")
+    c.add_argument(
+        "e2e_args",
+        nargs=argparse.REMAINDER,
+        help="after --: the e2e flags of the runs (--device, --model, --tp-p, --tp-d, ...)",
+    )
 
 
 def run_e2e(out: Path, name: str, args: list[str], timeout_s: float) -> dict:

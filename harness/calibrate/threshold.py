@@ -34,8 +34,9 @@ class Calibration:
         return asdict(self)
 
 
-def calibrate(device: str, noise: Sequence[float], fault: Sequence[float], fault_factor: float,
-              threshold: float) -> Calibration:
+def calibrate(
+    device: str, noise: Sequence[float], fault: Sequence[float], fault_factor: float, threshold: float
+) -> Calibration:
     """``noise``/``fault``: the per-request largest |Δ logprob| of the correct run and of the fault run."""
     if not noise or not fault:
         raise ValueError("calibration needs per-request logprob deltas from both runs (logprobs were not returned?)")
@@ -47,20 +48,25 @@ def calibrate(device: str, noise: Sequence[float], fault: Sequence[float], fault
         suggested = math.sqrt(max(low, 1e-12) * f_max)  # the geometric middle: both are spread over decades
     if suggested is None:
         verdict: Verdict = "not-separable"
-        why = (f"a {fault_factor:g} KV fault moves logprobs at most {f_max:.3g}, no more than a correct run's noise "
-               f"{n_max:.3g}: no threshold tells them apart on this device; only token mismatches can catch it")
+        why = (
+            f"a {fault_factor:g} KV fault moves logprobs at most {f_max:.3g}, no more than a correct run's noise "
+            f"{n_max:.3g}: no threshold tells them apart on this device; only token mismatches can catch it"
+        )
     elif threshold <= n_max:
         verdict = "too-tight"
         why = f"the threshold {threshold:g} is at or below a correct run's noise {n_max:.3g}: correct runs fail"
     elif threshold >= f_max:
         verdict = "too-loose"
-        why = (f"the threshold {threshold:g} is at or above the largest effect {f_max:.3g} of a {fault_factor:g} KV "
-               f"fault: the logprob check cannot catch that fault")
+        why = (
+            f"the threshold {threshold:g} is at or above the largest effect {f_max:.3g} of a {fault_factor:g} KV "
+            f"fault: the logprob check cannot catch that fault"
+        )
     else:
         verdict = "ok"
         why = f"noise {n_max:.3g} < threshold {threshold:g} < the {fault_factor:g} fault's largest effect {f_max:.3g}"
-    return Calibration(device, n_max, len(noise), fault_factor, f_max, f_med, len(fault), threshold, suggested,
-                       verdict, why)
+    return Calibration(
+        device, n_max, len(noise), fault_factor, f_max, f_med, len(fault), threshold, suggested, verdict, why
+    )
 
 
 def per_request_deltas(report: dict) -> list[float]:
@@ -72,10 +78,17 @@ def per_request_deltas(report: dict) -> list[float]:
 
 def markdown(c: Calibration) -> str:
     sug = "-" if c.suggested is None else f"{c.suggested:.3g}"
-    return "\n".join([
-        f"# Logprob threshold calibration ({c.device})", "",
-        "| correct run: max |Δ logprob| | requests | KV fault | fault: max / median |Δ logprob| | requests | "
-        "threshold now | suggested | verdict |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| {c.noise_max:.3g} | {c.noise_requests} | ×{c.fault_factor:g} | {c.fault_max:.3g} / {c.fault_median:.3g} | "
-        f"{c.fault_requests} | {c.threshold:g} | {sug} | **{c.verdict}** |", "", c.why, ""])
+    return "\n".join(
+        [
+            f"# Logprob threshold calibration ({c.device})",
+            "",
+            "| correct run: max |Δ logprob| | requests | KV fault | fault: max / median |Δ logprob| | requests | "
+            "threshold now | suggested | verdict |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {c.noise_max:.3g} | {c.noise_requests} | ×{c.fault_factor:g} | {c.fault_max:.3g} / {c.fault_median:.3g} | "
+            f"{c.fault_requests} | {c.threshold:g} | {sug} | **{c.verdict}** |",
+            "",
+            c.why,
+            "",
+        ]
+    )

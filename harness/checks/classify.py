@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from harness.serve.procs import tail_text
 from harness.checks.transfer import LEASE_PATTERNS
+from harness.serve.procs import tail_text
 
 CONTEXT_LINES = 3
 
@@ -26,40 +26,95 @@ def _sig(cls: str, pattern: str, meaning: str, every_line: bool = False) -> Sign
 
 # Most specific first: a #45330 traceback also contains "handshake_setup_failed".
 SIGNATURES: tuple[Signature, ...] = (
-    _sig("assert-45330", r"Remote P worker KV layer cache must be of shape",
-         "vLLM issue #45330: block-length assertion when a TP size exceeds the KV heads"),
-    _sig("rejected-replicated-p-gt-d", r"tp_ratio < 0 and self\.transfer_topo\.is_kv_replicated",
-         "replicated prefill TP larger than decode TP: refused at handshake by design"),
+    _sig(
+        "assert-45330",
+        r"Remote P worker KV layer cache must be of shape",
+        "vLLM issue #45330: block-length assertion when a TP size exceeds the KV heads",
+    ),
+    _sig(
+        "rejected-replicated-p-gt-d",
+        r"tp_ratio < 0 and self\.transfer_topo\.is_kv_replicated",
+        "replicated prefill TP larger than decode TP: refused at handshake by design",
+    ),
     _sig("kv-layout-mismatch", r"Heterogeneous TP expects same kv_cache_layout", "P and D KV cache layouts differ"),
-    _sig("non-contiguous-heads", r"Heterogeneous TP head-dimension splitting requires contiguous heads",
-         "head splitting needs a block-contiguous layout on P"),
+    _sig(
+        "non-contiguous-heads",
+        r"Heterogeneous TP head-dimension splitting requires contiguous heads",
+        "head splitting needs a block-contiguous layout on P",
+    ),
     # D's handshake when neither side's block size divides the other's (e.g. a hybrid model, whose attention block
     # vLLM sizes from the Mamba state per rank, so from TP): every transfer fails; before the lease class it causes.
-    _sig("block-size-mismatch", r"Local block size \d+ is not divisible by remote block size",
-         "P's and D's KV block sizes cannot be matched (neither divides the other): refused at handshake"),
+    _sig(
+        "block-size-mismatch",
+        r"Local block size \d+ is not divisible by remote block size",
+        "P's and D's KV block sizes cannot be matched (neither divides the other): refused at handshake",
+    ),
     _sig("nixl-unavailable", r"NIXL is not available", "the nixl package is missing or failed to load"),
-    _sig("out-of-memory", r"CUDA out of memory|MemoryError|Not enough memory|No available memory for the cache blocks|"
-         r"Cannot allocate memory",
-         "a server ran out of memory"),
-    _sig("kv-lease-expired", "|".join(p.pattern for p in LEASE_PATTERNS),
-         "P released KV blocks on lease expiry before every D rank read them", every_line=True),
-    _sig("handshake-timeout", r"zmq\.error\.Again|handshake.*time[d ]*out|Timed out waiting for .*handshake",
-         "the NIXL side-channel handshake timed out"),
+    _sig(
+        "out-of-memory",
+        r"CUDA out of memory|MemoryError|Not enough memory|No available memory for the cache blocks|"
+        r"Cannot allocate memory",
+        "a server ran out of memory",
+    ),
+    _sig(
+        "kv-lease-expired",
+        "|".join(p.pattern for p in LEASE_PATTERNS),
+        "P released KV blocks on lease expiry before every D rank read them",
+        every_line=True,
+    ),
+    _sig(
+        "handshake-timeout",
+        r"zmq\.error\.Again|handshake.*time[d ]*out|Timed out waiting for .*handshake",
+        "the NIXL side-channel handshake timed out",
+    ),
     # An error (never a warning) saying this build cannot do what was asked: an axis value vLLM refuses.
-    _sig("unsupported", r"NotImplementedError: .+|(?:ValueError|RuntimeError|TypeError|AssertionError): .*"
-         r"(?:not supported|unsupported|is only supported|only supports|requires x86|does not satisfy every supported)",
-         "vLLM refuses a setting of this run (an axis value this build or device does not support)"),
-    _sig("config-error", r"is not divisible by|must be divisible by|should be divisible by|ValidationError|Invalid (?:value|argument)|error: argument|"
-         r"No common block size", "vLLM refused its configuration"),
-    _sig("handshake-failed", r"handshake_setup_failed|handshake_failed", "the NIXL handshake failed for another reason"),
+    _sig(
+        "unsupported",
+        r"NotImplementedError: .+|(?:ValueError|RuntimeError|TypeError|AssertionError): .*"
+        r"(?:not supported|unsupported|is only supported|only supports|requires x86|does not satisfy every supported)",
+        "vLLM refuses a setting of this run (an axis value this build or device does not support)",
+    ),
+    _sig(
+        "config-error",
+        r"is not divisible by|must be divisible by|should be divisible by|ValidationError|Invalid (?:value|argument)|error: argument|"
+        r"No common block size",
+        "vLLM refused its configuration",
+    ),
+    _sig(
+        "handshake-failed", r"handshake_setup_failed|handshake_failed", "the NIXL handshake failed for another reason"
+    ),
 )
 # Classes no retry can cure: a run that logs one of them stops at once.
-FATAL_CLASSES = ("assert-45330", "rejected-replicated-p-gt-d", "kv-layout-mismatch", "non-contiguous-heads",
-                 "block-size-mismatch", "nixl-unavailable", "unsupported")
+FATAL_CLASSES = (
+    "assert-45330",
+    "rejected-replicated-p-gt-d",
+    "kv-layout-mismatch",
+    "non-contiguous-heads",
+    "block-size-mismatch",
+    "nixl-unavailable",
+    "unsupported",
+)
 # Classes the pipeline gives when no log signature matched.
-RUN_CLASSES = ("server-exited", "startup-timeout", "prefill-died", "decode-died", "proxy-died", "baseline-died",
-               "output-mismatch", "logprob-mismatch", "accuracy-mismatch", "no-transfer", "kv-leak", "abort-not-fired",
-               "checks-failed", "lm-eval-failed", "metrics-unavailable", "gpu-check-failed", "interrupted", "harness-error")
+RUN_CLASSES = (
+    "server-exited",
+    "startup-timeout",
+    "prefill-died",
+    "decode-died",
+    "proxy-died",
+    "baseline-died",
+    "output-mismatch",
+    "logprob-mismatch",
+    "accuracy-mismatch",
+    "no-transfer",
+    "kv-leak",
+    "abort-not-fired",
+    "checks-failed",
+    "lm-eval-failed",
+    "metrics-unavailable",
+    "gpu-check-failed",
+    "interrupted",
+    "harness-error",
+)
 CLASSES = tuple(s.cls for s in SIGNATURES) + RUN_CLASSES + ("unknown",)
 # The same signatures as log patterns for a server's fatal-line watch (case-insensitive, as above).
 FATAL_PATTERNS = tuple("(?i)" + s.pattern.pattern for s in SIGNATURES if s.cls in FATAL_CLASSES)
@@ -99,4 +154,6 @@ def classify(texts: dict[str, str], exclude: frozenset[str] = frozenset()) -> Fa
 
 
 def every_matching_line(pattern: re.Pattern[str], texts: dict[str, str], limit: int = 4000) -> str:
-    return "\n".join(f"{src}: {line}" for src, t in texts.items() for line in (t or "").splitlines() if pattern.search(line))[:limit]
+    return "\n".join(
+        f"{src}: {line}" for src, t in texts.items() for line in (t or "").splitlines() if pattern.search(line)
+    )[:limit]

@@ -69,14 +69,26 @@ def compare_one(b: Completion, p: Completion, top_k: int) -> PromptComparison:
             continue
         btop, ptop = _top(b.top_logprobs[i], top_k), _top(p.top_logprobs[i], top_k)
         ok = bt in ptop and pt in btop
-        reason = "each token in the other's top-k" if ok else (
-            f"baseline token {'in' if bt in ptop else 'not in'} P/D top-{top_k}, P/D token {'in' if pt in btop else 'not in'} baseline top-{top_k}")
-        return PromptComparison(b.prompt_id, "tolerated" if ok else "mismatch", i + 1, Divergence(i, bt, pt, btop, ptop, ok, reason),
-                                logprob_delta(b, p, i))
+        reason = (
+            "each token in the other's top-k"
+            if ok
+            else (
+                f"baseline token {'in' if bt in ptop else 'not in'} P/D top-{top_k}, P/D token {'in' if pt in btop else 'not in'} baseline top-{top_k}"
+            )
+        )
+        return PromptComparison(
+            b.prompt_id,
+            "tolerated" if ok else "mismatch",
+            i + 1,
+            Divergence(i, bt, pt, btop, ptop, ok, reason),
+            logprob_delta(b, p, i),
+        )
     delta = logprob_delta(b, p, n)
     if len(b.token_ids) != len(p.token_ids):
-        reason = (f"length differs: baseline {len(b.token_ids)} tokens ({b.finish_reason}), "
-                  f"P/D {len(p.token_ids)} tokens ({p.finish_reason})")
+        reason = (
+            f"length differs: baseline {len(b.token_ids)} tokens ({b.finish_reason}), "
+            f"P/D {len(p.token_ids)} tokens ({p.finish_reason})"
+        )
         bt = b.token_ids[n] if n < len(b.token_ids) else None
         pt = p.token_ids[n] if n < len(p.token_ids) else None
         return PromptComparison(b.prompt_id, "mismatch", n, Divergence(n, bt, pt, (), (), False, reason), delta)
@@ -129,8 +141,15 @@ class ComparisonResult:
         return s
 
     def to_dict(self) -> dict:
-        return {"top_k": self.top_k, "passed": self.passed, "exact": self.n_exact, "tolerated": self.n_tolerated,
-                "mismatch": self.n_mismatch, "max_logprob_delta": self.max_logprob_delta, "prompts": [p.to_dict() for p in self.prompts]}
+        return {
+            "top_k": self.top_k,
+            "passed": self.passed,
+            "exact": self.n_exact,
+            "tolerated": self.n_tolerated,
+            "mismatch": self.n_mismatch,
+            "max_logprob_delta": self.max_logprob_delta,
+            "prompts": [p.to_dict() for p in self.prompts],
+        }
 
 
 def compare_completions(baseline: Sequence[Completion], pd: Sequence[Completion], top_k: int = 5) -> ComparisonResult:
@@ -142,7 +161,9 @@ def compare_completions(baseline: Sequence[Completion], pd: Sequence[Completion]
     for pid in list(b_by) + [x for x in p_by if x not in b_by]:
         if pid not in p_by or pid not in b_by:
             side = "P/D" if pid not in p_by else "baseline"
-            out.append(PromptComparison(pid, "mismatch", 0, Divergence(0, None, None, (), (), False, f"missing on {side}")))
+            out.append(
+                PromptComparison(pid, "mismatch", 0, Divergence(0, None, None, (), (), False, f"missing on {side}"))
+            )
             continue
         out.append(compare_one(b_by[pid], p_by[pid], top_k))
     return ComparisonResult(tuple(out), top_k)

@@ -59,8 +59,13 @@ class ServerState:
 
 def state_of(samples: list[Sample]) -> ServerState:
     usage = first_present(samples, KV_USAGE)
-    return ServerState(metric_sum(samples, RUNNING), metric_sum(samples, WAITING), usage[1] if usage else None,
-                       metric_sum(samples, EXPIRED), (pool_from_metrics(samples) or (None, None))[0])
+    return ServerState(
+        metric_sum(samples, RUNNING),
+        metric_sum(samples, WAITING),
+        usage[1] if usage else None,
+        metric_sum(samples, EXPIRED),
+        (pool_from_metrics(samples) or (None, None))[0],
+    )
 
 
 def held_blocks(s: ServerState, idle: ServerState | None) -> float:
@@ -80,7 +85,9 @@ def describe(name: str, s: ServerState, idle: ServerState | None) -> str:
         base = (idle.kv_blocks if idle else 0) or 0
         parts.append(f"{s.kv_blocks} of {s.pool_blocks} KV blocks held (idle before the run: {base})")
     elif s.kv_usage is not None:
-        parts.append(f"KV usage {s.kv_usage:.3g} of the pool (idle before the run: {(idle.kv_usage if idle else 0) or 0:.3g})")
+        parts.append(
+            f"KV usage {s.kv_usage:.3g} of the pool (idle before the run: {(idle.kv_usage if idle else 0) or 0:.3g})"
+        )
     expired = (s.expired or 0) - ((idle.expired if idle else 0) or 0)
     if expired:
         parts.append(f"{expired:g} lease expiries")
@@ -108,11 +115,20 @@ class IdleWatch:
     freed_after_s: float | None = None  # when a hold ended, seconds after the start of the wait
     outcome: Outcome = "idle"
     cancels: dict[str, list[str]] = field(default_factory=dict)  # the proxy's client cancels by stage (request ids)
-    faulted: list[str] = field(default_factory=list)  # requests the harness's proxy fault changed (their reads may fail)
+    faulted: list[str] = field(
+        default_factory=list
+    )  # requests the harness's proxy fault changed (their reads may fail)
 
 
-def wait_idle(read: Callable[[], dict[str, list[Sample]]], idle: Mapping[str, ServerState], deadline_s: float,
-              lease_s: float | None = None, poll_s: float = 0.5, clock=time.monotonic, sleep=time.sleep) -> IdleWatch:
+def wait_idle(
+    read: Callable[[], dict[str, list[Sample]]],
+    idle: Mapping[str, ServerState],
+    deadline_s: float,
+    lease_s: float | None = None,
+    poll_s: float = 0.5,
+    clock=time.monotonic,
+    sleep=time.sleep,
+) -> IdleWatch:
     """Poll ``read`` (server name -> /metrics) until every server is idle or ``deadline_s`` passed. Blocks still held
     then, with no request running or waiting, are followed up to ``lease_s`` + a margin (only then does the wait
     grow). The outcome: idle, lease-hold (freed as leases expired), freed-late (freed, no expiry), kv-leak, busy,
@@ -168,7 +184,9 @@ class Expiry:
 
 def expiries(logs: Mapping[str, str]) -> list[Expiry]:
     """Every lease expiry P's and D's logs name."""
-    return [Expiry(name, m.group(1), int(m.group(2))) for name, text in logs.items() for m in EXPIRY_LINE.finditer(text)]
+    return [
+        Expiry(name, m.group(1), int(m.group(2))) for name, text in logs.items() for m in EXPIRY_LINE.finditer(text)
+    ]
 
 
 def _matcher(ids: Sequence[str]) -> re.Pattern[str] | None:
@@ -196,8 +214,9 @@ def fault_expiries(found: Sequence[Expiry], faulted: Sequence[str]) -> tuple[lis
     return explained, other
 
 
-def explain_expiries(found: Sequence[Expiry], cancels: Mapping[str, Sequence[str]],
-                     faulted: Sequence[str] = ()) -> tuple[list[Expiry], list[Expiry], list[Expiry]]:
+def explain_expiries(
+    found: Sequence[Expiry], cancels: Mapping[str, Sequence[str]], faulted: Sequence[str] = ()
+) -> tuple[list[Expiry], list[Expiry], list[Expiry]]:
     """(after a client cancel, after an injected fault, unexplained)."""
     by_fault, rest = fault_expiries(found, faulted)
     by_cancel, other = abort_expiries(rest, cancels)
@@ -207,26 +226,42 @@ def explain_expiries(found: Sequence[Expiry], cancels: Mapping[str, Sequence[str
 def check_no_leak(w: IdleWatch, logs: Mapping[str, str] | None = None) -> Check:
     """The leak check's verdict. ``logs``: the servers' logs (None in attach mode: expiries are counted, not named)."""
     seen = "; ".join(describe(n, s, w.idle.get(n)) for n, s in w.states.items())
-    data: dict = {"outcome": w.outcome, "servers": {n: s.to_dict() for n, s in w.states.items()},
-                  "idle_before": {n: s.to_dict() for n, s in w.idle.items()}, "waited_s": round(w.waited_s, 2),
-                  "deadline_s": w.deadline_s, "lease_s": w.lease_s,
-                  "client_cancels": {s: len(ids) for s, ids in w.cancels.items()}}
+    data: dict = {
+        "outcome": w.outcome,
+        "servers": {n: s.to_dict() for n, s in w.states.items()},
+        "idle_before": {n: s.to_dict() for n, s in w.idle.items()},
+        "waited_s": round(w.waited_s, 2),
+        "deadline_s": w.deadline_s,
+        "lease_s": w.lease_s,
+        "client_cancels": {s: len(ids) for s, ids in w.cancels.items()},
+    }
     if not w.states:
         return Check(CHECK_NAME, False, "no server to check", data)
     if w.outcome == "idle":
-        return Check(CHECK_NAME, True, f"{len(w.states)} servers idle {w.waited_s:.1f} s after the last request "
-                     f"(no request running or waiting, KV blocks back to idle): {seen}", data)
+        return Check(
+            CHECK_NAME,
+            True,
+            f"{len(w.states)} servers idle {w.waited_s:.1f} s after the last request "
+            f"(no request running or waiting, KV blocks back to idle): {seen}",
+            data,
+        )
     if w.outcome == "blind":
         names = [n for n, s in w.states.items() if blind(s)]
-        return Check(CHECK_NAME, False, f"{', '.join(names)} export none of {RUNNING}, {WAITING}, {'/'.join(KV_USAGE)}",
-                     data)
+        return Check(
+            CHECK_NAME, False, f"{', '.join(names)} export none of {RUNNING}, {WAITING}, {'/'.join(KV_USAGE)}", data
+        )
     if w.outcome == "busy":
         return Check(CHECK_NAME, False, f"not idle {w.deadline_s:g} s after the last request: {seen}", data)
     held = "; ".join(describe(n, s, w.idle.get(n)) for n, s in (w.at_deadline or w.states).items())
     data["at_deadline"] = {n: s.to_dict() for n, s in (w.at_deadline or {}).items()}
     if w.outcome == "kv-leak":
-        return Check(CHECK_NAME, False, f"kv-leak: blocks still held {w.waited_s:.0f} s after the last request, past "
-                     f"P's {w.lease_s or 0:g} s lease and a {LEASE_MARGIN_S:g} s margin: {seen}", data)
+        return Check(
+            CHECK_NAME,
+            False,
+            f"kv-leak: blocks still held {w.waited_s:.0f} s after the last request, past "
+            f"P's {w.lease_s or 0:g} s lease and a {LEASE_MARGIN_S:g} s margin: {seen}",
+            data,
+        )
     return _hold_check(w, held, logs, data)
 
 
@@ -240,12 +275,17 @@ def _hold_check(w: IdleWatch, held: str, logs: Mapping[str, str] | None, data: d
     delta = sum(_expired(s, w.idle.get(n)) for n, s in w.states.items())
     if logs is not None:
         by_cancel, by_fault, other = explain_expiries(expiries(logs), hold_cancels, w.faulted)
-        data["lease_expiries"] = {"after_client_cancel": [asdict(e) for e in by_cancel],
-                                  "after_injected_fault": [asdict(e) for e in by_fault], "other": [asdict(e) for e in other]}
+        data["lease_expiries"] = {
+            "after_client_cancel": [asdict(e) for e in by_cancel],
+            "after_injected_fault": [asdict(e) for e in by_fault],
+            "other": [asdict(e) for e in other],
+        }
         ok, why = not other and bool(by_cancel or by_fault), _explained(by_cancel, by_fault)
         if other:
-            why = f"{len(other)} lease expiries no client cancel or injected fault explains (first: " \
-                  f"{other[0].request_id}, read by {other[0].read_by} D worker(s))"
+            why = (
+                f"{len(other)} lease expiries no client cancel or injected fault explains (first: "
+                f"{other[0].request_id}, read by {other[0].read_by} D worker(s))"
+            )
     else:  # attach mode: the counter against the cancels (and faulted requests) that can cause a hold
         ok = 0 < delta <= n_cancels + len(w.faulted)
         why = f"{delta:g} lease expiries, {n_cancels} client cancels that can leave P holding blocks"
@@ -253,18 +293,27 @@ def _hold_check(w: IdleWatch, held: str, logs: Mapping[str, str] | None, data: d
     data["outcome"] = "lease-hold" if ok else "unexplained-lease-expiry"
     stages = ", ".join(f"{len(v)} {s.replace('_', ' ')}" for s, v in hold_cancels.items())
     if ok:
-        return Check(CHECK_NAME, True, f"held until lease expiry after a client abort: blocks still held {when} as "
-                     f"P's {w.lease_s or 0:g} s lease expired; {why}; client cancels that can leave P holding blocks: "
-                     f"{stages} (P keeps a finished request's blocks for a D that never comes: docs/load.md)", data)
+        return Check(
+            CHECK_NAME,
+            True,
+            f"held until lease expiry after a client abort: blocks still held {when} as "
+            f"P's {w.lease_s or 0:g} s lease expired; {why}; client cancels that can leave P holding blocks: "
+            f"{stages} (P keeps a finished request's blocks for a D that never comes: docs/load.md)",
+            data,
+        )
     return Check(CHECK_NAME, False, f"blocks held {when} by lease expiry, but {why}", data)
 
 
 def _explained(by_cancel: Sequence[Expiry], by_fault: Sequence[Expiry]) -> str:
     parts = []
     if by_cancel:
-        parts.append(f"{len(by_cancel)} lease expiries of requests the client cancelled before any D read them "
-                     f"({', '.join(e.request_id for e in by_cancel[:6])})")
+        parts.append(
+            f"{len(by_cancel)} lease expiries of requests the client cancelled before any D read them "
+            f"({', '.join(e.request_id for e in by_cancel[:6])})"
+        )
     if by_fault:
-        parts.append(f"{len(by_fault)} of requests the harness's proxy fault changed "
-                     f"({', '.join(e.request_id for e in by_fault[:6])})")
+        parts.append(
+            f"{len(by_fault)} of requests the harness's proxy fault changed "
+            f"({', '.join(e.request_id for e in by_fault[:6])})"
+        )
     return "; ".join(parts)

@@ -68,10 +68,13 @@ def aborted_in_log(log: str, request_id: str) -> bool:
 def check_answers(pd: LoadRun, baseline: LoadRun) -> Check:
     bad = [o for o in pd.outcomes + baseline.outcomes if o.request.abort is None and o.status != "ok"]
     n = sum(r.request.abort is None for r in pd.outcomes)
-    return Check("load_requests_answered", not bad and n > 0,
-                 f"{n - len({o.request.id for o in bad})}/{n} load requests answered on both sides"
-                 + (f"; first failure: {bad[0].request.id}: {bad[0].detail}" if bad else ""),
-                 {"failed": [{"id": o.request.id, "detail": o.detail} for o in bad[:20]]} if bad else None)
+    return Check(
+        "load_requests_answered",
+        not bad and n > 0,
+        f"{n - len({o.request.id for o in bad})}/{n} load requests answered on both sides"
+        + (f"; first failure: {bad[0].request.id}: {bad[0].detail}" if bad else ""),
+        {"failed": [{"id": o.request.id, "detail": o.detail} for o in bad[:20]]} if bad else None,
+    )
 
 
 def compare_load(pd: LoadRun, baseline: LoadRun, top_k: int) -> ComparisonResult:
@@ -80,8 +83,12 @@ def compare_load(pd: LoadRun, baseline: LoadRun, top_k: int) -> ComparisonResult
 
 def check_match(result: ComparisonResult) -> Check:
     bad = [p.prompt_id for p in result.prompts if p.status == "mismatch"]
-    return Check("load_outputs_match_baseline", result.passed, result.summary()
-                 + (f"; mismatched: {', '.join(bad)}" if bad else ""), {"mismatched": bad} if bad else None)
+    return Check(
+        "load_outputs_match_baseline",
+        result.passed,
+        result.summary() + (f"; mismatched: {', '.join(bad)}" if bad else ""),
+        {"mismatched": bad} if bad else None,
+    )
 
 
 def logprob_coverage(results: list[ComparisonResult]) -> tuple[int, int]:
@@ -99,8 +106,11 @@ def check_logprobs(results: list[ComparisonResult], threshold: float) -> Check:
     worst = max(deltas) if deltas else None
     looked, total = logprob_coverage(results)
     skipped = f"; {total - looked} diverged at their first token: nothing to compare there" if looked < total else ""
-    detail = (f"largest |Δ logprob| {worst:.2e} (threshold {threshold:g}) over {looked} of {total} requests{skipped}"
-              if worst is not None else "no position to compare")
+    detail = (
+        f"largest |Δ logprob| {worst:.2e} (threshold {threshold:g}) over {looked} of {total} requests{skipped}"
+        if worst is not None
+        else "no position to compare"
+    )
     if over:
         detail += f"; over it: {', '.join(f'{i} ({d:.3g})' for i, d in over[:10])}"
     data: dict = {"threshold": threshold, "largest": worst, "requests_with_positions": looked, "requests": total}
@@ -112,13 +122,18 @@ def check_logprobs(results: list[ComparisonResult], threshold: float) -> Check:
 def landed_stages(run: LoadRun, stats_after: dict) -> dict[str, str]:
     """Where each client cancel of the run landed, by the proxy's stage (request id -> stage; "unseen" when the
     proxy never saw it)."""
-    where = {i.removeprefix("pd-"): stage for stage, ids in (stats_after.get("cancelled_ids") or {}).items()
-             for i in ids if i.startswith("pd-")}
+    where = {
+        i.removeprefix("pd-"): stage
+        for stage, ids in (stats_after.get("cancelled_ids") or {}).items()
+        for i in ids
+        if i.startswith("pd-")
+    }
     return {o.request.id: where.get(o.request.id, "unseen") for o in run.outcomes if o.status == "aborted"}
 
 
-def check_aborts(run: LoadRun, stats_before: dict, stats_after: dict, logs: dict[str, str],
-                 logs_available: bool) -> Check | None:
+def check_aborts(
+    run: LoadRun, stats_before: dict, stats_after: dict, logs: dict[str, str], logs_available: bool
+) -> Check | None:
     """Each planned cancel happened where it was meant to: the client cancelled it, the proxy passed it on at that
     stage (a planned prefill cancel must land while P prefills at least once), a server aborted it. None when no
     cancel was planned: the caller reports the check as skipped, never as passed."""
@@ -126,14 +141,22 @@ def check_aborts(run: LoadRun, stats_before: dict, stats_after: dict, logs: dict
     if not planned:
         return None
     never = [o.request.id for o in planned if o.status != "aborted"]
-    cancelled = {s: int(stats_after.get("cancelled", {}).get(s, 0)) - int(stats_before.get("cancelled", {}).get(s, 0))
-                 for s in stats_after.get("cancelled", {})}
-    by_stage = {s: [i for i in stats_after.get("cancelled_ids", {}).get(s, []) if i.startswith("pd-")] for s in cancelled}
+    cancelled = {
+        s: int(stats_after.get("cancelled", {}).get(s, 0)) - int(stats_before.get("cancelled", {}).get(s, 0))
+        for s in stats_after.get("cancelled", {})
+    }
+    by_stage = {
+        s: [i for i in stats_after.get("cancelled_ids", {}).get(s, []) if i.startswith("pd-")] for s in cancelled
+    }
     landed = landed_stages(run, stats_after)
     unseen = [i for i, stage in landed.items() if stage == "unseen"]
-    server_log = {"prefill": "\n".join(t for n, t in logs.items() if n.startswith("prefill")),
-                  "decode": "\n".join(t for n, t in logs.items() if n.startswith("decode"))}
-    confirmed = {hop: [i for i in by_stage.get(hop, []) if aborted_in_log(server_log[hop], i)] for hop in ("prefill", "decode")}
+    server_log = {
+        "prefill": "\n".join(t for n, t in logs.items() if n.startswith("prefill")),
+        "decode": "\n".join(t for n, t in logs.items() if n.startswith("decode")),
+    }
+    confirmed = {
+        hop: [i for i in by_stage.get(hop, []) if aborted_in_log(server_log[hop], i)] for hop in ("prefill", "decode")
+    }
     problems = []
     if never:
         problems.append(f"planned aborts that never happened: {', '.join(never)}")
@@ -147,25 +170,40 @@ def check_aborts(run: LoadRun, stats_before: dict, stats_after: dict, logs: dict
     if logs_available:
         for hop in ("prefill", "decode"):
             if by_stage.get(hop) and not confirmed[hop]:
-                problems.append(f"the proxy cancelled {len(by_stage[hop])} {hop} hop(s) but no {hop} server logged an abort")
+                problems.append(
+                    f"the proxy cancelled {len(by_stage[hop])} {hop} hop(s) but no {hop} server logged an abort"
+                )
         if not confirmed["prefill"] and not confirmed["decode"]:
             problems.append("no server logged an aborted request")
-    detail = (f"{len(planned)} planned ({sum(o.request.abort == 'prefill' for o in planned)} while P prefills, "
-              f"{sum(o.request.abort == 'decode' for o in planned)} mid-decode); landed by the proxy's stage: "
-              + ", ".join(f"{s} {n}" for s, n in cancelled.items())
-              + (f"; aborted in the server logs: P {len(confirmed['prefill'])}, D {len(confirmed['decode'])}" if logs_available
-                 else "; server logs not available (attach mode)"))
+    detail = (
+        f"{len(planned)} planned ({sum(o.request.abort == 'prefill' for o in planned)} while P prefills, "
+        f"{sum(o.request.abort == 'decode' for o in planned)} mid-decode); landed by the proxy's stage: "
+        + ", ".join(f"{s} {n}" for s, n in cancelled.items())
+        + (
+            f"; aborted in the server logs: P {len(confirmed['prefill'])}, D {len(confirmed['decode'])}"
+            if logs_available
+            else "; server logs not available (attach mode)"
+        )
+    )
     if problems:
         detail += "; " + "; ".join(problems)
-    return Check("load_aborts_fired", not problems, detail,
-                 {"cancelled_by_stage": cancelled, "landed": landed, "confirmed_by_server": confirmed, "never": never})
+    return Check(
+        "load_aborts_fired",
+        not problems,
+        detail,
+        {"cancelled_by_stage": cancelled, "landed": landed, "confirmed_by_server": confirmed, "never": never},
+    )
 
 
 def check_reuse(pools: list[Pool]) -> Check:
     missing = [p.server for p in pools if p.blocks is None]
     ok = bool(pools) and not missing and all(p.reused for p in pools)
-    detail = "; ".join(f"{p.server}: {p.needed} blocks needed by the requests it served, pool {p.blocks} blocks of {p.block_size}"
-                       + ("" if p.reused else " (no reuse)") for p in pools if p.blocks is not None)
+    detail = "; ".join(
+        f"{p.server}: {p.needed} blocks needed by the requests it served, pool {p.blocks} blocks of {p.block_size}"
+        + ("" if p.reused else " (no reuse)")
+        for p in pools
+        if p.blocks is not None
+    )
     if missing:
         detail += f"; pool size unknown for {', '.join(missing)} (neither vllm:cache_config_info nor a 'KV cache size' log line)"
     return Check("load_kv_blocks_reused", ok, detail or "no server")
@@ -182,5 +220,11 @@ def latency_summary(run: LoadRun) -> dict:
 
     ttft = [o.ttft_s for o in ok if o.ttft_s is not None]
     e2e = [o.latency_s for o in ok if o.latency_s is not None]
-    return {"ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "e2e_p50_s": pct(e2e, 0.5), "e2e_p99_s": pct(e2e, 0.99),
-            "mean_e2e_s": statistics.fmean(e2e) if e2e else None, "wall_s": run.wall_s}
+    return {
+        "ttft_p50_s": pct(ttft, 0.5),
+        "ttft_p99_s": pct(ttft, 0.99),
+        "e2e_p50_s": pct(e2e, 0.5),
+        "e2e_p99_s": pct(e2e, 0.99),
+        "mean_e2e_s": statistics.fmean(e2e) if e2e else None,
+        "wall_s": run.wall_s,
+    }

@@ -19,10 +19,17 @@ class Sourced:
 
     @property
     def exact(self) -> bool:
-        return self.measured is not None and all(self.measured.get(s, 0.0) == v for s, v in self.expected.as_dict().items())
+        return self.measured is not None and all(
+            self.measured.get(s, 0.0) == v for s, v in self.expected.as_dict().items()
+        )
 
     def to_dict(self) -> dict:
-        return {**self.case.to_dict(), "expected": self.expected.as_dict(), "measured": self.measured, "exact": self.exact}
+        return {
+            **self.case.to_dict(),
+            "expected": self.expected.as_dict(),
+            "measured": self.measured,
+            "exact": self.exact,
+        }
 
 
 def check_sources(rows: list[Sourced]) -> Check:
@@ -34,14 +41,19 @@ def check_sources(rows: list[Sourced]) -> Check:
         detail = f"D's /metrics has no prompt_tokens_by_source for {', '.join(missing)}"
     elif bad:
         first = bad[0]
-        detail = (f"{len(bad)} of {len(rows)} requests split otherwise than predicted; first {first.case.id} "
-                  f"({first.case.scenario}, {first.case.length} tokens): expected {first.expected.as_dict()}, "
-                  f"measured {_ints(first.measured)}")
+        detail = (
+            f"{len(bad)} of {len(rows)} requests split otherwise than predicted; first {first.case.id} "
+            f"({first.case.scenario}, {first.case.length} tokens): expected {first.expected.as_dict()}, "
+            f"measured {_ints(first.measured)}"
+        )
     else:
         detail = f"{len(rows)} requests split exactly as predicted ({hits} with a local prefix hit)"
-    return Check("prefix_cache_sources_exact", bool(rows) and not bad and not missing and hits > 0,
-                 detail + ("" if hits or missing or bad else "; no request hit D's prefix cache, so nothing was tested"),
-                 {"requests": [r.to_dict() for r in rows]})
+    return Check(
+        "prefix_cache_sources_exact",
+        bool(rows) and not bad and not missing and hits > 0,
+        detail + ("" if hits or missing or bad else "; no request hit D's prefix cache, so nothing was tested"),
+        {"requests": [r.to_dict() for r in rows]},
+    )
 
 
 def _ints(d: dict[str, float] | None) -> dict[str, int]:

@@ -21,8 +21,15 @@ COMPAT_PASSED = "NIXL compatibility check passed"
 # vLLM prints its engine config at start-up; this proves the policy the server really runs with.
 POLICY_FAIL = re.compile(r"kv_load_failure_policy='fail'")
 # The checks that prove KV moved; failing any of them means "no transfer" unless a log says more.
-TRANSFER_CHECKS = frozenset({"prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
-                             "prompt_tokens_from_transfer", "transfer_plan_logged"})
+TRANSFER_CHECKS = frozenset(
+    {
+        "prefill_returned_kv_transfer_params",
+        "nixl_transfers_counted",
+        "no_failed_transfers",
+        "prompt_tokens_from_transfer",
+        "transfer_plan_logged",
+    }
+)
 # The checks that read D's log (not possible for servers started elsewhere).
 LOG_CHECKS = ("transfer_plan_logged", "kv_load_failure_policy_fail")
 LEASE_PATTERNS = (
@@ -61,7 +68,9 @@ def check_prefill_params(requests_sent: int, stats: dict) -> Check:
     )
 
 
-def check_nixl_metrics(before: list[Sample], after: list[Sample], requests_sent: int, prompt_tokens: int) -> list[Check]:
+def check_nixl_metrics(
+    before: list[Sample], after: list[Sample], requests_sent: int, prompt_tokens: int
+) -> list[Check]:
     xfers = delta(before, after, XFER_COUNT)
     failed = delta(before, after, FAILED)
     expired = delta(before, after, EXPIRED)
@@ -116,8 +125,9 @@ def check_decode_log(log_text: str) -> list[Check]:
     ]
 
 
-def check_lease(logs: dict[str, str], cancels: Mapping[str, Sequence[str]] | None = None,
-                faulted: Sequence[str] = ()) -> Check:
+def check_lease(
+    logs: dict[str, str], cancels: Mapping[str, Sequence[str]] | None = None, faulted: Sequence[str] = ()
+) -> Check:
     """No lease expired, but for requests the client cancelled before any D read them (the leak check's hold) and
     requests the harness's own proxy fault changed (their reads went wrong on purpose)."""
     by_cancel, by_fault, _ = explain_expiries(expiries(logs), cancels or {}, faulted)
@@ -125,12 +135,15 @@ def check_lease(logs: dict[str, str], cancels: Mapping[str, Sequence[str]] | Non
     hits = []
     for name, text in logs.items():
         for pat in LEASE_PATTERNS:
-            hits += [f"{name}: {m.group(0).strip()}" for m in pat.finditer(text)
-                     if not any(r in m.group(0) for r in excused)]
+            hits += [
+                f"{name}: {m.group(0).strip()}" for m in pat.finditer(text) if not any(r in m.group(0) for r in excused)
+            ]
     detail = "no KV block lease expired" if not hits else f"{len(hits)} lease-expiry lines, first: {hits[0]}"
     if by_cancel:
-        detail += (f" ({len(by_cancel)} other(s) expired for requests the client cancelled before any D read them: "
-                   "see no_kv_leak)")
+        detail += (
+            f" ({len(by_cancel)} other(s) expired for requests the client cancelled before any D read them: "
+            "see no_kv_leak)"
+        )
     if by_fault:
         detail += f" ({len(by_fault)} other(s) expired for requests the proxy fault changed)"
     data = {"lines": hits[:10]} if hits else None

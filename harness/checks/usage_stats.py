@@ -26,11 +26,26 @@ def check_no_usage_reporting(environs: Mapping[str, Mapping[str, str] | None]) -
     data = {"read": read, "unreadable": unread, "lacking": lacking, "variables": NO_TRACK_ENV}
     if lacking:
         worst = "; ".join(f"{name} lacks {', '.join(miss)}" for name, miss in sorted(lacking.items())[:4])
-        return Check(CHECK_NAME, False, f"{len(lacking)} of {len(read)} server processes may report usage: {worst}", data)
+        return Check(
+            CHECK_NAME, False, f"{len(lacking)} of {len(read)} server processes may report usage: {worst}", data
+        )
     if not environs or unchecked:
-        return Check(CHECK_NAME, False, "no process environment could be read for "
-                     + (", ".join(unchecked) if unchecked else "any server"), data)
-    return Check(CHECK_NAME, True, f"{len(read)} server processes read ({', '.join(read)}) run with "
-                 f"{', '.join(f'{k}={v}' for k, v in NO_TRACK_ENV.items())}"
-                 + (f"; {len(unread)} children inherit them but show no environment from outside "
-                    f"(vLLM's process titles overwrite it): {', '.join(unread)}" if unread else ""), data)
+        return Check(
+            CHECK_NAME,
+            False,
+            "no process environment could be read for " + (", ".join(unchecked) if unchecked else "any server"),
+            data,
+        )
+    return Check(
+        CHECK_NAME,
+        True,
+        f"{len(read)} server processes read ({', '.join(read)}) run with "
+        f"{', '.join(f'{k}={v}' for k, v in NO_TRACK_ENV.items())}"
+        + (
+            f"; {len(unread)} children inherit them but show no environment from outside "
+            f"(vLLM's process titles overwrite it): {', '.join(unread)}"
+            if unread
+            else ""
+        ),
+        data,
+    )

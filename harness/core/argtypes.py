@@ -7,6 +7,7 @@ import argparse
 
 def positive(kind):
     """A parser for values of ``kind`` (int, float) that must be > 0."""
+
     def parse(s: str):
         try:
             v = kind(s)
@@ -15,6 +16,7 @@ def positive(kind):
         if v <= 0:
             raise argparse.ArgumentTypeError(f"{s!r} must be >= 1" if kind is int else f"{s!r} must be > 0")
         return v
+
     return parse
 
 

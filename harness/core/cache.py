@@ -14,7 +14,9 @@ from pathlib import Path
 
 def cache_lock_dir() -> Path:
     # Outside the cache folders, so a lock never shows up as (or inside) a cache entry.
-    return Path(os.environ.get("PD_HARNESS_CACHE_LOCK_DIR") or Path(tempfile.gettempdir()) / "vllm-pd-harness-cache-locks")
+    return Path(
+        os.environ.get("PD_HARNESS_CACHE_LOCK_DIR") or Path(tempfile.gettempdir()) / "vllm-pd-harness-cache-locks"
+    )
 
 
 @contextlib.contextmanager

@@ -88,9 +88,16 @@ class Progress:
     The status is kept and redrawn by a ticker thread, so it keeps coming while the caller blocks (a server
     that takes minutes to start, a request that hangs); ``ticker=False`` leaves that to ``tick()`` (tests)."""
 
-    def __init__(self, stream: TextIO | None = None, tty: bool | None = None, every_s: float = EVERY_S,
-                 redraw_s: float = REDRAW_S, clock: Callable[[], float] = time.monotonic, width: int | None = None,
-                 ticker: bool = True):
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        tty: bool | None = None,
+        every_s: float = EVERY_S,
+        redraw_s: float = REDRAW_S,
+        clock: Callable[[], float] = time.monotonic,
+        width: int | None = None,
+        ticker: bool = True,
+    ):
         self.stream = stream
         self.tty = bool(stream is not None and (tty if tty is not None else _is_terminal(stream)))
         self.every_s = every_s
@@ -221,9 +228,16 @@ class Progress:
         now = self.clock()
         with self._lock:
             spans = list(self._spans[mark:])
-        return [{"name": s.name, "kind": s.kind, "start_s": round(s.start - origin, 3),
-                 "end_s": round((s.end if s.end is not None else now) - origin, 3),
-                 "ok": s.ok if s.end is not None else None} for s in spans]
+        return [
+            {
+                "name": s.name,
+                "kind": s.kind,
+                "start_s": round(s.start - origin, 3),
+                "end_s": round((s.end if s.end is not None else now) - origin, 3),
+                "ok": s.ok if s.end is not None else None,
+            }
+            for s in spans
+        ]
 
 
 def _is_terminal(stream: TextIO) -> bool:

@@ -35,8 +35,10 @@ def main(a: argparse.Namespace) -> int:
             return 0
         print(f"{'environment':<24} {'version':<10} {'size':>10} {'frees':>10}  {'last use':<12} state")
         for e in envs:
-            print(f"{e.name:<24} {e.version:<10} {human(e.size_bytes):>10} {human(e.frees_bytes):>10}  {ago(e.last_use):<12} "
-                  f"{'ready' if e.ready else 'incomplete'}")
+            print(
+                f"{e.name:<24} {e.version:<10} {human(e.size_bytes):>10} {human(e.frees_bytes):>10}  {ago(e.last_use):<12} "
+                f"{'ready' if e.ready else 'incomplete'}"
+            )
         total, _ = disk_usage(venvs)
         print(f"total under {venvs} (shared files counted once, wheels and caches included): {human(total)}")
         return 0
@@ -45,8 +47,10 @@ def main(a: argparse.Namespace) -> int:
         return 2
     r = prune(venvs, a.keep, a.dry_run)
     verb = "would remove" if a.dry_run else "removed"
-    print(f"{verb} {len(r.removed)}: {', '.join(r.removed) or '-'}; kept {len(r.kept)}: {', '.join(r.kept) or '-'}; "
-          f"{'would free' if a.dry_run else 'freed'} {human(r.freed_bytes)}")
+    print(
+        f"{verb} {len(r.removed)}: {', '.join(r.removed) or '-'}; kept {len(r.kept)}: {', '.join(r.kept) or '-'}; "
+        f"{'would free' if a.dry_run else 'freed'} {human(r.freed_bytes)}"
+    )
     for why in r.refused:
         print(f"not removed: {why}")
     return 0

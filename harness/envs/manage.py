@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-GIB = 1024 ** 3
+GIB = 1024**3
 LAST_USE = ".last-use"  # touched whenever a run asks for the environment
 STAMP = ".setup-stamp"  # written when an install finished and verified
 _ENV_NAME = re.compile(r"^(?P<dist>[a-z][a-z0-9-]*?)-(?P<version>\d+(\.\d+)*[a-z0-9.+-]*)$", re.IGNORECASE)
@@ -94,8 +94,14 @@ def env_folders(venvs: Path) -> list[Path]:
     """Environment folders under ``venvs`` (named <distribution>-<version>, holding a python or a stamp)."""
     if not venvs.is_dir():
         return []
-    return sorted(p for p in venvs.iterdir() if p.is_dir() and not p.is_symlink() and _ENV_NAME.match(p.name)
-                  and ((p / "bin" / "python").exists() or (p / STAMP).exists()))
+    return sorted(
+        p
+        for p in venvs.iterdir()
+        if p.is_dir()
+        and not p.is_symlink()
+        and _ENV_NAME.match(p.name)
+        and ((p / "bin" / "python").exists() or (p / STAMP).exists())
+    )
 
 
 def list_envs(venvs: Path) -> list[EnvInfo]:
@@ -182,9 +188,11 @@ def check_free_disk(where: Path, device: str, what: str, need_gib: float | None 
         probe = probe.parent
     free = shutil.disk_usage(probe).free / GIB
     if free < need:
-        raise NotEnoughDisk(f"not enough free disk to install {what}: about {need:.1f} GiB needed in {where}, {free:.1f} GiB free; "
-                            "`python -m harness envs list` shows what the environments take, "
-                            "`python -m harness envs prune --keep N` removes the least recently used")
+        raise NotEnoughDisk(
+            f"not enough free disk to install {what}: about {need:.1f} GiB needed in {where}, {free:.1f} GiB free; "
+            "`python -m harness envs list` shows what the environments take, "
+            "`python -m harness envs prune --keep N` removes the least recently used"
+        )
 
 
 def share_files(target: Path, sources: Iterable[Path]) -> tuple[int, int]:
@@ -212,8 +220,12 @@ def share_files(target: Path, sources: Iterable[Path]) -> tuple[int, int]:
                     ost = os.lstat(other)
                 except OSError:
                     continue
-                if (not stat.S_ISREG(ost.st_mode) or ost.st_size != st.st_size or ost.st_mode != st.st_mode
-                        or ost.st_dev != st.st_dev):
+                if (
+                    not stat.S_ISREG(ost.st_mode)
+                    or ost.st_size != st.st_size
+                    or ost.st_mode != st.st_mode
+                    or ost.st_dev != st.st_dev
+                ):
                     continue
                 if ost.st_ino == st.st_ino:
                     break

@@ -27,8 +27,12 @@ def pip_network_args(env: Mapping[str, str] | None = None) -> list[str]:
     """``--timeout S --retries N`` for a pip command line; pip's own PIP_DEFAULT_TIMEOUT / PIP_RETRIES settings win,
     as a person who set them asked for them."""
     env = os.environ if env is None else env
-    return ["--timeout", env.get("PIP_DEFAULT_TIMEOUT") or str(PIP_SOCKET_TIMEOUT_S),
-            "--retries", env.get("PIP_RETRIES") or str(PIP_RETRIES)]
+    return [
+        "--timeout",
+        env.get("PIP_DEFAULT_TIMEOUT") or str(PIP_SOCKET_TIMEOUT_S),
+        "--retries",
+        env.get("PIP_RETRIES") or str(PIP_RETRIES),
+    ]
 
 
 def wall_timeout_s(env: Mapping[str, str] | None = None) -> float:
@@ -48,8 +52,9 @@ class SubprocessTimedOut(RuntimeError):
         self.timeout_s = timeout_s
         self.log = log
         where = f"; log {log}" if log else ""
-        super().__init__(f"`{shlex.join(self.cmd)}` ran past {timeout_s:.0f} s (a stalled download?) and was "
-                         f"killed{where}")
+        super().__init__(
+            f"`{shlex.join(self.cmd)}` ran past {timeout_s:.0f} s (a stalled download?) and was killed{where}"
+        )
 
 
 def log_name(log: object) -> str | None:
@@ -63,8 +68,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def run_bounded(cmd: Sequence[str], timeout_s: float, log: str | None = None, *, capture_output: bool = False,
-                **popen_kwargs) -> subprocess.CompletedProcess:
+def run_bounded(
+    cmd: Sequence[str], timeout_s: float, log: str | None = None, *, capture_output: bool = False, **popen_kwargs
+) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd)`` with a wall-clock limit that kills the command's whole process group (not only
     the command: subprocess.run's own timeout leaves pip's children running and holding its pipes).
     Raises ``SubprocessTimedOut`` naming the command and ``log``; on any other exception the group is killed too."""

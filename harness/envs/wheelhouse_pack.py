@@ -48,8 +48,9 @@ def _xz_writer(path: Path, threads: int):
     xz = shutil.which("xz")
     if xz:
         out = open(path, "wb")
-        proc = subprocess.Popen([xz, "-6", f"-T{threads}", "-c"], stdin=subprocess.PIPE, stdout=out,
-                                env=with_no_track(os.environ))
+        proc = subprocess.Popen(
+            [xz, "-6", f"-T{threads}", "-c"], stdin=subprocess.PIPE, stdout=out, env=with_no_track(os.environ)
+        )
         return proc.stdin, lambda: (proc.stdin.close(), proc.wait(), out.close(), proc.returncode)[-1]
     f = lzma.open(path, "wb", preset=6)
     return f, lambda: (f.close(), 0)[-1]
@@ -88,9 +89,12 @@ def pack(folder: Path, out: Path, part_mib: int = 60, threads: int = 2) -> Packe
             parts.append(p)
     size = whole.stat().st_size
     shutil.rmtree(out / ".stage", ignore_errors=True)
-    unpack = (f"cat {folder.name}.tar.xz.* | python3 -c \"import sys, tarfile; "
-              f"tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')\" DEST")
+    unpack = (
+        f'cat {folder.name}.tar.xz.* | python3 -c "import sys, tarfile; '
+        f"tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall(sys.argv[1], filter='data')\" DEST"
+    )
     (out / "UNPACK.txt").write_text(
         f"# {len(parts)} parts, {size / MIB:.1f} MiB; put them in one folder, then (DEST: where {folder.name}/ goes):\n"
-        f"{unpack}\n# then: make setup WHEELHOUSE=DEST/{folder.name}\n")
+        f"{unpack}\n# then: make setup WHEELHOUSE=DEST/{folder.name}\n"
+    )
     return Packed(tuple(parts), size, unpack)

@@ -21,8 +21,13 @@ from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
-from packaging.utils import (InvalidSdistFilename, InvalidWheelFilename, canonicalize_name, parse_sdist_filename,
-                             parse_wheel_filename)
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    canonicalize_name,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
 from packaging.version import InvalidVersion, Version
 
 from harness.core.files import sha256_of
@@ -31,8 +36,16 @@ from harness.envs.pip_limits import SubprocessTimedOut, log_name, pip_network_ar
 from harness.envs.pypi import Index, IndexFile, expand_platform, min_glibc, platform_machine, target_tags, wheel_rank
 
 # PIP_* settings that only say how to reach an index, not which packages to take.
-_PIP_ENV_KEPT = ("PIP_CERT", "PIP_CLIENT_CERT", "PIP_TRUSTED_HOST", "PIP_DEFAULT_TIMEOUT", "PIP_PROXY", "PIP_RETRIES",
-                 "PIP_CACHE_DIR", "PIP_NO_CACHE_DIR")
+_PIP_ENV_KEPT = (
+    "PIP_CERT",
+    "PIP_CLIENT_CERT",
+    "PIP_TRUSTED_HOST",
+    "PIP_DEFAULT_TIMEOUT",
+    "PIP_PROXY",
+    "PIP_RETRIES",
+    "PIP_CACHE_DIR",
+    "PIP_NO_CACHE_DIR",
+)
 _NO_MATCH = re.compile(r"No matching distribution found for (.+?)\s*$", re.MULTILINE)
 
 
@@ -43,8 +56,11 @@ class PipFailed(RuntimeError):
 def isolated_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment pip runs in: no config file (PIP_CONFIG_FILE=os.devnull skips global, user and site files),
     no PIP_* variables but the TLS/proxy ones."""
-    env = {k: v for k, v in (os.environ if base is None else base).items()
-           if not k.startswith("PIP_") or k in _PIP_ENV_KEPT}
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if not k.startswith("PIP_") or k in _PIP_ENV_KEPT
+    }
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     return env
 
@@ -91,8 +107,13 @@ class PipTarget:
 def interpreter_version(python: str) -> str | None:
     """``3.12`` for an interpreter that runs and has pip, else None."""
     try:
-        got = subprocess.run([python, "-c", "import sys, pip; print('%d.%d' % sys.version_info[:2])"],
-                             capture_output=True, text=True, timeout=60, env=with_no_track(os.environ))
+        got = subprocess.run(
+            [python, "-c", "import sys, pip; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=with_no_track(os.environ),
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return got.stdout.strip() if got.returncode == 0 else None
@@ -105,7 +126,10 @@ def find_python(version: str, given: str | None = None) -> str | None:
     if not given:
         home = Path.home()
         candidates += sorted(str(p) for p in (home / ".pyenv" / "versions").glob(f"{version}*/bin/python{version}"))
-        candidates += sorted(str(p) for p in (home / ".local" / "share" / "uv" / "python").glob(f"cpython-{version}*/bin/python{version}"))
+        candidates += sorted(
+            str(p)
+            for p in (home / ".local" / "share" / "uv" / "python").glob(f"cpython-{version}*/bin/python{version}")
+        )
         candidates.append(f"/usr/bin/python{version}")
     for c in candidates:
         if c and interpreter_version(c) == version:
@@ -118,7 +142,9 @@ def pip_command(python: str, args: list[str], env: dict[str, str]) -> list[str]:
     return [python, "-m", "pip", *pip_network_args(env), *args]
 
 
-def run_pip(python: str, args: list[str], log, env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def run_pip(
+    python: str, args: list[str], log, env: dict[str, str] | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     # isolated_env() (or the caller's), with usage reporting off on top: a caller cannot turn it back on.
     env = with_no_track(env or isolated_env())
     cmd = pip_command(python, args, env)
@@ -142,17 +168,35 @@ def _pip_error(text: str) -> str:
     return " ".join(lines[-3:])[:800]
 
 
-def dry_run(target: PipTarget, sources: Sources, requirements: list[str], constraints: list[str], work: Path,
-            log, extra_find_links: list[Path] = ()) -> tuple[int, str, Path]:
+def dry_run(
+    target: PipTarget,
+    sources: Sources,
+    requirements: list[str],
+    constraints: list[str],
+    work: Path,
+    log,
+    extra_find_links: list[Path] = (),
+) -> tuple[int, str, Path]:
     """One ``pip install --dry-run --report`` for the target; returns (exit code, output, report path)."""
     work.mkdir(parents=True, exist_ok=True)
     reqs, cons, report = work / "requirements.in", work / "constraints.in", work / "report.json"
     reqs.write_text("".join(r + "\n" for r in requirements))
     cons.write_text("".join(c + "\n" for c in constraints))
     report.unlink(missing_ok=True)
-    args = ["install", "--dry-run", "--ignore-installed", "--report", str(report), "--target", str(work / "target"),
-            *target.args(), *sources.args(), *[a for d in extra_find_links for a in ("--find-links", str(d))],
-            "-r", str(reqs)]
+    args = [
+        "install",
+        "--dry-run",
+        "--ignore-installed",
+        "--report",
+        str(report),
+        "--target",
+        str(work / "target"),
+        *target.args(),
+        *sources.args(),
+        *[a for d in extra_find_links for a in ("--find-links", str(d))],
+        "-r",
+        str(reqs),
+    ]
     if constraints:
         args += ["-c", str(cons)]
     got = run_pip(target.python, args, log, check=False)
@@ -165,8 +209,17 @@ class Resolved:
     built: list[Path] = field(default_factory=list)  # wheels built here from sdists
 
 
-def resolve(target: PipTarget, sources: Sources, requirements: list[str], constraints: list[str], work: Path,
-            built_dir: Path, log, index: Index | None = None, max_builds: int = 20) -> Resolved:
+def resolve(
+    target: PipTarget,
+    sources: Sources,
+    requirements: list[str],
+    constraints: list[str],
+    work: Path,
+    built_dir: Path,
+    log,
+    index: Index | None = None,
+    max_builds: int = 20,
+) -> Resolved:
     """Resolve with pip for the target (wheels only, as pip requires for another platform). A release that has only
     an sdist on the index gets a pure-Python wheel built here, so the folder installs without building: pinned
     ones before resolving (rouge-score==0.1.2 in cpu.lock), ones pip reports missing (sqlitedict, word2number for
@@ -174,8 +227,10 @@ def resolve(target: PipTarget, sources: Sources, requirements: list[str], constr
     rouge-score 0.0.4, the last release with one)."""
     built_dir.mkdir(parents=True, exist_ok=True)
     index = index or Index(sources.index_url or "https://pypi.org/simple")
-    built = [build_wheel(target, sources, line, built_dir, log)
-             for line in pinned_sdist_only(requirements + constraints, target, index, built_dir)]
+    built = [
+        build_wheel(target, sources, line, built_dir, log)
+        for line in pinned_sdist_only(requirements + constraints, target, index, built_dir)
+    ]
     newer_checked = False
     for _ in range(max_builds + 1):
         rc, out, report = dry_run(target, sources, requirements, constraints, work, log, [built_dir])
@@ -194,14 +249,19 @@ def resolve(target: PipTarget, sources: Sources, requirements: list[str], constr
             continue
         m = _NO_MATCH.search(out)
         if not m:
-            raise PipFailed(f"pip could not resolve for python {target.python_version} {target.platform}: {_pip_error(out)}")
+            raise PipFailed(
+                f"pip could not resolve for python {target.python_version} {target.platform}: {_pip_error(out)}"
+            )
         built.append(_build_missing(target, sources, m.group(1), built_dir, log, index))
     raise PipFailed(f"more than {max_builds} sdist-only requirements")
 
 
 def _in_spec_files(files: list[IndexFile], spec: SpecifierSet) -> list[IndexFile]:
-    return [f for f in files if not f.yanked and (v := _file_version(f.filename)) is not None
-            and spec.contains(v, prereleases=True)]
+    return [
+        f
+        for f in files
+        if not f.yanked and (v := _file_version(f.filename)) is not None and spec.contains(v, prereleases=True)
+    ]
 
 
 def _has_target_wheel(files: list[IndexFile], target: PipTarget) -> bool:
@@ -268,8 +328,12 @@ def newer_sdist_only(report: Path, target: PipTarget, index: Index, built_dir: P
         newer = {}
         for f in files:
             v = _file_version(f.filename)
-            if v is not None and v > wh.Version(d.version) and not v.is_prerelease and \
-                    (not f.requires_python or SpecifierSet(f.requires_python).contains(py)):
+            if (
+                v is not None
+                and v > wh.Version(d.version)
+                and not v.is_prerelease
+                and (not f.requires_python or SpecifierSet(f.requires_python).contains(py))
+            ):
                 newer.setdefault(v, []).append(f)
         if not newer or any(_has_target_wheel(fs, target) for fs in newer.values()):
             return None
@@ -286,7 +350,9 @@ def build_wheel(target: PipTarget, sources: Sources, line: str, built_dir: Path,
         run_pip(target.python, ["wheel", "--no-deps", "--no-binary", ":all:", "-w", tmp, *sources.args(), line], log)
         made = sorted(Path(tmp).glob("*.whl"))
         if len(made) != 1 or not made[0].name.endswith("-none-any.whl"):
-            raise PipFailed(f"{line} has only an sdist, and it builds {[p.name for p in made]}, not one pure-Python wheel")
+            raise PipFailed(
+                f"{line} has only an sdist, and it builds {[p.name for p in made]}, not one pure-Python wheel"
+            )
         dest = built_dir / made[0].name
         shutil.move(str(made[0]), dest)
     log.write(f"# built {dest.name} from the sdist: the index has no wheel of {line} for the target\n")
@@ -306,9 +372,11 @@ def _build_missing(target: PipTarget, sources: Sources, line: str, built_dir: Pa
         raise PipFailed(f"pip found no {line} for the target although the index has a wheel (see the log)")
     glibc = min_glibc(files, target.python_version, target.machine, str(req.specifier))
     if any(f.is_wheel for f in in_spec) and glibc:
-        raise PipFailed(f"{req.name}{req.specifier} has no wheel for {target.platform}: its wheels need manylinux_"
-                        f"{glibc[0]}_{glibc[1]} (glibc {glibc[0]}.{glibc[1]}); if the target's glibc (`ldd --version`) "
-                        f"is at least that, give --platform manylinux_{glibc[0]}_{glibc[1]}_{target.machine}")
+        raise PipFailed(
+            f"{req.name}{req.specifier} has no wheel for {target.platform}: its wheels need manylinux_"
+            f"{glibc[0]}_{glibc[1]} (glibc {glibc[0]}.{glibc[1]}); if the target's glibc (`ldd --version`) "
+            f"is at least that, give --platform manylinux_{glibc[0]}_{glibc[1]}_{target.machine}"
+        )
     if not any(not f.is_wheel for f in in_spec):
         raise PipFailed(f"no distribution of {line} on the index for python {target.python_version} {target.platform}")
     return build_wheel(target, sources, f"{req.name}{req.specifier}", built_dir, log)
@@ -326,7 +394,7 @@ def fetch(url: str, sha256: str, dest: Path, timeout: float = 300.0) -> Path:
     """Download (or copy a file:// URL) to ``dest``, checking the sha256 the resolution recorded."""
     part = dest.with_name(dest.name + ".part")
     if url.startswith("file://"):
-        shutil.copyfile(urllib.request.url2pathname(url[len("file://"):]), part)
+        shutil.copyfile(urllib.request.url2pathname(url[len("file://") :]), part)
     else:
         with urllib.request.urlopen(url, timeout=timeout) as r, open(part, "wb") as out:
             shutil.copyfileobj(r, out, 1 << 20)
@@ -340,6 +408,7 @@ def fetch(url: str, sha256: str, dest: Path, timeout: float = 300.0) -> Path:
 
 def fetch_all(items: list[tuple[str, str, Path]], threads: int = 8) -> list[Path]:
     """Fetch (url, sha256, dest) items in parallel; a file already there with the right hash is kept."""
+
     def one(item):
         url, sha, dest = item
         if dest.exists() and sha and sha256_of(dest) == sha:
@@ -362,7 +431,10 @@ def stub_wheel(folder: Path, name: str, version: str) -> Path:
     info = f"{dist}-{version}.dist-info"
     with zipfile.ZipFile(path, "w") as z:
         z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: harness-wheelhouse-stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(
+            f"{info}/WHEEL",
+            "Wheel-Version: 1.0\nGenerator: harness-wheelhouse-stub\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        )
         z.writestr(f"{info}/RECORD", f"{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
     return path
 
@@ -375,8 +447,9 @@ def pip_check(target: PipTarget, folder: Path, image: dict[str, str], requiremen
     stubs.mkdir(parents=True)
     for name, version in image.items():
         stub_wheel(stubs, name, version)
-    rc, out, report = dry_run(target, Sources(index_url=None, find_links=(str(folder), str(stubs))),
-                              [f"-r {requirements}"], [], work, log)
+    rc, out, report = dry_run(
+        target, Sources(index_url=None, find_links=(str(folder), str(stubs))), [f"-r {requirements}"], [], work, log
+    )
     if rc:
         return [f"pip --no-index: {_pip_error(out)}"]
     import json
@@ -384,7 +457,7 @@ def pip_check(target: PipTarget, folder: Path, image: dict[str, str], requiremen
     problems = []
     for item in json.loads(report.read_text()).get("install", []):
         url = (item.get("download_info") or {}).get("url", "")
-        where = Path(urllib.request.url2pathname(url[len("file://"):])).parent if url.startswith("file://") else None
+        where = Path(urllib.request.url2pathname(url[len("file://") :])).parent if url.startswith("file://") else None
         if where is None or where.resolve() not in (folder.resolve(), stubs.resolve()):
             problems.append(f"pip took {item['metadata']['name']} from {url}")
     return problems

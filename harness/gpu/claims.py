@@ -45,7 +45,7 @@ def proc_start(pid: int) -> str | None:
             raw = f.read()
     except OSError:
         return None
-    fields = raw[raw.rfind(b")") + 2:].decode().split()
+    fields = raw[raw.rfind(b")") + 2 :].decode().split()
     return None if fields[_STAT_STATE] in ("Z", "X") else fields[_STAT_START]
 
 
@@ -90,8 +90,13 @@ def live_claims(folder: Path | None) -> list[Claim]:
     for path in sorted(folder.glob("*.json")):
         try:
             d = json.loads(path.read_text())
-            claim = Claim(int(d["pid"]), str(d["start"]), tuple(int(g) for g in d["gpus"]), float(d["gib_per_gpu"]),
-                          str(d.get("name", "")))
+            claim = Claim(
+                int(d["pid"]),
+                str(d["start"]),
+                tuple(int(g) for g in d["gpus"]),
+                float(d["gib_per_gpu"]),
+                str(d.get("name", "")),
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue  # removed meanwhile, or not ours
         if proc_start(claim.pid) == claim.start:

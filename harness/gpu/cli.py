@@ -16,9 +16,14 @@ UTIL_ENV = "GPU_MEMORY_UTILIZATION"  # upstream's name, as e2e reads it (harness
 
 def add_parser(sub) -> None:
     # Values are parsed in main(), so a bad one is a single error line (argparse would print its usage too).
-    p = sub.add_parser("plan", help="GPU placement of a P/D run: CUDA_VISIBLE_DEVICES and gpu_memory_utilization per server")
+    p = sub.add_parser(
+        "plan", help="GPU placement of a P/D run: CUDA_VISIBLE_DEVICES and gpu_memory_utilization per server"
+    )
     p.add_argument("--gpus", help="GPUs present (default: counted through NVML)")
-    p.add_argument("--gpu-mem-gib", help=f"memory of each GPU in GiB (default: NVML's with --gpus absent, else {DEFAULT_GPU_MEM_GIB:g})")
+    p.add_argument(
+        "--gpu-mem-gib",
+        help=f"memory of each GPU in GiB (default: NVML's with --gpus absent, else {DEFAULT_GPU_MEM_GIB:g})",
+    )
     p.add_argument("--tp-p", default="1", help="prefill TP size (default 1)")
     p.add_argument("--tp-d", default="1", help="decode TP size (default 1)")
     p.add_argument("--num-p", default="1", help="prefill instances (default 1)")
@@ -27,9 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--weights-gib", help="weights size in GiB instead of --model's")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-util", default=str(MAX_UTIL), help="sum of gpu_memory_utilization allowed on one GPU")
-    p.add_argument("--gpu-memory-utilization",
-                   help=f"every server's share, given by hand as e2e takes it (default: ${UTIL_ENV}; "
-                        "unset: the plan's split)")
+    p.add_argument(
+        "--gpu-memory-utilization",
+        help=f"every server's share, given by hand as e2e takes it (default: ${UTIL_ENV}; unset: the plan's split)",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -63,7 +69,9 @@ def _gpus(a: argparse.Namespace):
 
 def _util(a: argparse.Namespace) -> float | None:
     given = a.gpu_memory_utilization is not None
-    name, raw = ("--gpu-memory-utilization", a.gpu_memory_utilization) if given else (UTIL_ENV, os.environ.get(UTIL_ENV))
+    name, raw = (
+        ("--gpu-memory-utilization", a.gpu_memory_utilization) if given else (UTIL_ENV, os.environ.get(UTIL_ENV))
+    )
     v = _number(name, raw or None, float, positive=False)
     if v is not None and not 0 < v <= 1:
         raise PlanError(f"{name} must be in (0, 1], got {raw}")
@@ -73,9 +81,16 @@ def _util(a: argparse.Namespace) -> float | None:
 def build(a: argparse.Namespace):
     gpus = _gpus(a)
     memory = model_memory(a.model, a.dtype, _number("--weights-gib", a.weights_gib, float, positive=False))
-    return plan_gpus(gpus, _number("--tp-p", a.tp_p), _number("--tp-d", a.tp_d), memory,
-                     num_p=_number("--num-p", a.num_p), num_d=_number("--num-d", a.num_d),
-                     max_util=_number("--max-util", a.max_util, float), util=_util(a))
+    return plan_gpus(
+        gpus,
+        _number("--tp-p", a.tp_p),
+        _number("--tp-d", a.tp_d),
+        memory,
+        num_p=_number("--num-p", a.num_p),
+        num_d=_number("--num-d", a.num_d),
+        max_util=_number("--max-util", a.max_util, float),
+        util=_util(a),
+    )
 
 
 def main(a: argparse.Namespace) -> int:

@@ -150,8 +150,9 @@ def discover(nvml=None, env: Mapping[str, str] | None = None) -> Discovery:
     if v.problem:
         return Discovery(False, reason=v.problem, driver=driver, host_count=len(gpus), visible=raw, simulated=sim)
     by_index = {g.index: g for g in gpus}
-    return Discovery(True, tuple(by_index[i] for i in v.indices), driver=driver, host_count=len(gpus), visible=raw,
-                     simulated=sim)
+    return Discovery(
+        True, tuple(by_index[i] for i in v.indices), driver=driver, host_count=len(gpus), visible=raw, simulated=sim
+    )
 
 
 def check_free(plan: GpuPlan, gpus: Sequence[GpuInfo], phase: str | None = None) -> None:
@@ -164,7 +165,9 @@ def check_free(plan: GpuPlan, gpus: Sequence[GpuInfo], phase: str | None = None)
             problems.append(f"GPU {gid} is not present (present: {sorted(present) or 'none'})")
         elif g.free_gib < need:
             held = f"; held by PIDs {', '.join(map(str, g.pids))}" if g.pids else ""
-            problems.append(f"GPU {gid} ({g.name}) has {g.free_gib:.1f} GiB free of {g.total_gib:.1f}, the plan needs {need:.1f}{held}")
+            problems.append(
+                f"GPU {gid} ({g.name}) has {g.free_gib:.1f} GiB free of {g.total_gib:.1f}, the plan needs {need:.1f}{held}"
+            )
     if problems:
         raise GpuCheckFailed("; ".join(problems))
 
@@ -179,12 +182,19 @@ class Held:
 
     def describe(self) -> str:
         parts = [f"GPU {g}: PIDs {', '.join(map(str, p))} still running" for g, p in sorted(self.pids.items())]
-        parts += [f"GPU {g}: {free:.1f} GiB free, expected {want:.1f}" for g, (free, want) in sorted(self.short.items())]
+        parts += [
+            f"GPU {g}: {free:.1f} GiB free, expected {want:.1f}" for g, (free, want) in sorted(self.short.items())
+        ]
         return "; ".join(parts)
 
 
-def still_held(gpus: Sequence[GpuInfo], pids: Iterable[int], gpu_ids: Iterable[int], free_before: Mapping[int, float] | None,
-               tolerance_gib: float = RELEASE_TOLERANCE_GIB) -> Held:
+def still_held(
+    gpus: Sequence[GpuInfo],
+    pids: Iterable[int],
+    gpu_ids: Iterable[int],
+    free_before: Mapping[int, float] | None,
+    tolerance_gib: float = RELEASE_TOLERANCE_GIB,
+) -> Held:
     """Which of our PIDs are still on the given GPUs, and which GPUs have not got their free memory back."""
     ours = set(pids)
     by_index = {g.index: g for g in gpus}
@@ -201,9 +211,17 @@ def still_held(gpus: Sequence[GpuInfo], pids: Iterable[int], gpu_ids: Iterable[i
     return held
 
 
-def wait_released(pids: Iterable[int], gpu_ids: Iterable[int], timeout_s: float, free_before: Mapping[int, float] | None = None,
-                  nvml=None, poll_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
-                  sleep: Callable[[float], None] = time.sleep, env: Mapping[str, str] | None = None) -> None:
+def wait_released(
+    pids: Iterable[int],
+    gpu_ids: Iterable[int],
+    timeout_s: float,
+    free_before: Mapping[int, float] | None = None,
+    nvml=None,
+    poll_s: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    env: Mapping[str, str] | None = None,
+) -> None:
     """After teardown: wait until none of ``pids`` is on ``gpu_ids`` and each GPU's free memory is back to
     ``free_before`` (GiB, as recorded before launch); GpuCheckFailed naming what is still held after ``timeout_s``."""
     pids, gpu_ids = list(pids), list(gpu_ids)

@@ -67,7 +67,9 @@ class ModelMemory:
         return self.weights_gib / tp * WEIGHT_OVERHEAD + HEADROOM_GIB
 
 
-def model_memory(model: str | None, dtype: str = "bfloat16", weights_gib: float | None = None, models=None) -> ModelMemory:
+def model_memory(
+    model: str | None, dtype: str = "bfloat16", weights_gib: float | None = None, models=None
+) -> ModelMemory:
     """The weights' size: given, else a local folder's weight files, else params_b of configs/models.yaml."""
     if weights_gib is not None:
         if weights_gib < 0:
@@ -91,7 +93,9 @@ def model_memory(model: str | None, dtype: str = "bfloat16", weights_gib: float 
         what = "unknown model" if entry is None else "no params_b for model"
         raise PlanError(f"{what} {model!r}: add params_b to configs/models.yaml or give the weights size in GiB")
     b = DTYPE_BYTES[dtype]
-    return ModelMemory(entry.params_b * 1e9 * b / GIB, f"params_b {entry.params_b} x {b} B ({dtype}) from configs/models.yaml")
+    return ModelMemory(
+        entry.params_b * 1e9 * b / GIB, f"params_b {entry.params_b} x {b} B ({dtype}) from configs/models.yaml"
+    )
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,10 @@ class GpuPlan:
             "gpus": [asdict(g) for g in self.gpus],
             "max_util_per_gpu": self.max_util,
             "gpu_memory_utilization_given": self.util_given,
-            "model_memory": {**asdict(self.model), "rule": f"per rank: weights/tp x {WEIGHT_OVERHEAD} + {HEADROOM_GIB} GiB headroom"},
+            "model_memory": {
+                **asdict(self.model),
+                "rule": f"per rank: weights/tp x {WEIGHT_OVERHEAD} + {HEADROOM_GIB} GiB headroom",
+            },
             "required_free_gib": {str(k): round(v, 2) for k, v in self.required_free_gib().items()},
             "notes": list(self.notes),
             **({"simulated": self.simulated} if self.simulated else {}),
@@ -186,7 +193,12 @@ def _check_inputs(gpus: Sequence[Gpu], tp_p: int, tp_d: int, num_p: int, num_d: 
         raise PlanError(f"GPU ids repeat: {ids}")
     if any(g.id < 0 or g.total_gib <= 0 for g in gpus):
         raise PlanError("GPU ids must be >= 0 and memory > 0 GiB")
-    for name, v in (("prefill TP", tp_p), ("decode TP", tp_d), ("prefill instances", num_p), ("decode instances", num_d)):
+    for name, v in (
+        ("prefill TP", tp_p),
+        ("decode TP", tp_d),
+        ("prefill instances", num_p),
+        ("decode instances", num_d),
+    ):
         if not isinstance(v, int) or v < 1:
             raise PlanError(f"{name} must be a positive integer, got {v!r}")
     if not 0 < max_util <= 1:
@@ -198,8 +210,17 @@ def _check_inputs(gpus: Sequence[Gpu], tp_p: int, tp_d: int, num_p: int, num_d: 
             raise PlanError(f"{role} TP {tp} needs {tp} GPUs (one per rank), {n} present: the largest TP here is {n}")
 
 
-def plan_gpus(gpus: Sequence[Gpu], tp_p: int, tp_d: int, memory: ModelMemory, num_p: int = 1, num_d: int = 1,
-              max_util: float = MAX_UTIL, baseline_first: bool = True, util: float | None = None) -> GpuPlan:
+def plan_gpus(
+    gpus: Sequence[Gpu],
+    tp_p: int,
+    tp_d: int,
+    memory: ModelMemory,
+    num_p: int = 1,
+    num_d: int = 1,
+    max_util: float = MAX_UTIL,
+    baseline_first: bool = True,
+    util: float | None = None,
+) -> GpuPlan:
     """Placement of ``num_p`` prefill and ``num_d`` decode servers and the baseline; PlanError if it cannot run here.
     ``util``: a gpu_memory_utilization given by hand, every server's share (UtilizationError where it cannot be)."""
     _check_inputs(gpus, tp_p, tp_d, num_p, num_d, max_util)
@@ -229,26 +250,52 @@ def plan_gpus(gpus: Sequence[Gpu], tp_p: int, tp_d: int, memory: ModelMemory, nu
         servers.append(_placed(role, idx, tp, ids, share, memory, by_id, n, ranks, max_util, load, util is not None))
     dec0 = next(s for s in servers if s.role == "decode")
     # Alone on D's GPUs at D's TP, so both sides compute on the same devices and rank layout.
-    baseline = _placed("baseline", 0, tp_d, dec0.gpus, floor_util(max_util) if util is None else util, memory, by_id, n,
-                       ranks, max_util, None, util is not None)
+    baseline = _placed(
+        "baseline",
+        0,
+        tp_d,
+        dec0.gpus,
+        floor_util(max_util) if util is None else util,
+        memory,
+        by_id,
+        n,
+        ranks,
+        max_util,
+        None,
+        util is not None,
+    )
     servers = [baseline, *servers] if baseline_first else [*servers, baseline]
     order = ("baseline", "pd") if baseline_first else ("pd", "baseline")
 
     notes = []
     if colocated:
         shared = sorted(g for g, c in load.items() if c > 1)
-        notes.append(f"{ranks} ranks on {n} GPUs: GPUs {','.join(map(str, shared))} are shared, each server's share is "
-                     f"{max_util} / (servers on its busiest GPU)")
-        notes.append("start colocated servers one after another: vLLM sizes its KV cache from the drop in free device "
-                     "memory during its profile run, which a neighbour loading at the same time would inflate")
+        notes.append(
+            f"{ranks} ranks on {n} GPUs: GPUs {','.join(map(str, shared))} are shared, each server's share is "
+            f"{max_util} / (servers on its busiest GPU)"
+        )
+        notes.append(
+            "start colocated servers one after another: vLLM sizes its KV cache from the drop in free device "
+            "memory during its profile run, which a neighbour loading at the same time would inflate"
+        )
     if util is not None:
         notes.append(f"gpu_memory_utilization {util:g} given: every server takes it as its share of each of its GPUs")
-    return GpuPlan(tuple(gpus), tuple(servers), colocated, memory, order, stagger_start=colocated, notes=tuple(notes),
-                   max_util=max_util, util_given=util)
+    return GpuPlan(
+        tuple(gpus),
+        tuple(servers),
+        colocated,
+        memory,
+        order,
+        stagger_start=colocated,
+        notes=tuple(notes),
+        max_util=max_util,
+        util_given=util,
+    )
 
 
-def plan_baseline(gpus: Sequence[Gpu], tp: int, memory: ModelMemory, max_util: float = MAX_UTIL,
-                  util: float | None = None) -> GpuPlan:
+def plan_baseline(
+    gpus: Sequence[Gpu], tp: int, memory: ModelMemory, max_util: float = MAX_UTIL, util: float | None = None
+) -> GpuPlan:
     """The baseline alone on the first ``tp`` GPUs (attach mode: P and D run elsewhere, so nothing shares them);
     its share is ``max_util`` or the ``util`` given by hand. PlanError / UtilizationError where it cannot run here."""
     _check_inputs(gpus, tp, tp, 1, 1, max_util)
@@ -256,17 +303,28 @@ def plan_baseline(gpus: Sequence[Gpu], tp: int, memory: ModelMemory, max_util: f
         raise UtilizationError(f"gpu_memory_utilization must be in (0, 1], got {util}")
     ids = tuple(g.id for g in gpus[:tp])
     share = floor_util(max_util) if util is None else util
-    base = _placed("baseline", 0, tp, ids, share, memory, {g.id: g for g in gpus}, len(gpus), tp, max_util, None,
-                   util is not None)
+    base = _placed(
+        "baseline", 0, tp, ids, share, memory, {g.id: g for g in gpus}, len(gpus), tp, max_util, None, util is not None
+    )
     notes = ["attach mode: only the baseline runs on this host (P and D run elsewhere)"]
     if util is not None:
         notes.append(f"gpu_memory_utilization {util:g} given: the baseline takes it as its share of each of its GPUs")
-    return GpuPlan(tuple(gpus), (base,), False, memory, ("baseline",), stagger_start=False, notes=tuple(notes),
-                   max_util=max_util, util_given=util)
+    return GpuPlan(
+        tuple(gpus),
+        (base,),
+        False,
+        memory,
+        ("baseline",),
+        stagger_start=False,
+        notes=tuple(notes),
+        max_util=max_util,
+        util_given=util,
+    )
 
 
-def _check_given_sum(util: float, layout: list[tuple[str, int, int, tuple[int, ...]]], load: dict[int, int],
-                     max_util: float) -> None:
+def _check_given_sum(
+    util: float, layout: list[tuple[str, int, int, tuple[int, ...]]], load: dict[int, int], max_util: float
+) -> None:
     """A given share, taken by every P/D server, must fit the GPUs they share (the plan's per-GPU cap)."""
     busiest = max(load.values())
     if busiest < 2 or util * busiest <= max_util + 1e-9:
@@ -277,24 +335,50 @@ def _check_given_sum(util: float, layout: list[tuple[str, int, int, tuple[int, .
     raise UtilizationError(
         f"{gpus} shared by {' and '.join(names)}: {busiest} x {util:g} = {util * busiest:.2f} > {max_util:g} per GPU; "
         f"give at most {floor_util(max_util / busiest):g}, or leave it unset "
-        f"(the plan then splits {max_util:g} between them)")
+        f"(the plan then splits {max_util:g} between them)"
+    )
 
 
-def _placed(role: str, idx: int, tp: int, ids: tuple[int, ...], util: float, memory: ModelMemory, by_id: dict[int, Gpu],
-            n: int, ranks: int, max_util: float, load: dict[int, int] | None, given: bool = False) -> ServerPlacement:
+def _placed(
+    role: str,
+    idx: int,
+    tp: int,
+    ids: tuple[int, ...],
+    util: float,
+    memory: ModelMemory,
+    by_id: dict[int, Gpu],
+    n: int,
+    ranks: int,
+    max_util: float,
+    load: dict[int, int] | None,
+    given: bool = False,
+) -> ServerPlacement:
     need = memory.need_per_rank_gib(tp)
     smallest = min(by_id[g].total_gib for g in ids)
     if util * smallest < need:
         if given:  # the user's value is short, not the GPUs: say which value would do
             least = math.ceil(need / smallest / UTIL_STEP) * UTIL_STEP
-            raise UtilizationError(f"{role}{idx} (TP {tp}) needs {need:.1f} GiB per GPU, {util:g} x {smallest:g} GiB = "
-                                   f"{util * smallest:.1f} GiB; give at least {least:.2f}, or leave it unset")
+            raise UtilizationError(
+                f"{role}{idx} (TP {tp}) needs {need:.1f} GiB per GPU, {util:g} x {smallest:g} GiB = "
+                f"{util * smallest:.1f} GiB; give at least {least:.2f}, or leave it unset"
+            )
         raise PlanError(_too_small(role, idx, tp, need, util, smallest, n, ranks, max_util, load, ids))
     return ServerPlacement(role, idx, tp, ids, util, round(need, 2), "baseline" if role == "baseline" else "pd")
 
 
-def _too_small(role: str, idx: int, tp: int, need: float, util: float, smallest: float, n: int, ranks: int,
-               max_util: float, load: dict[int, int] | None, ids: tuple[int, ...]) -> str:
+def _too_small(
+    role: str,
+    idx: int,
+    tp: int,
+    need: float,
+    util: float,
+    smallest: float,
+    n: int,
+    ranks: int,
+    max_util: float,
+    load: dict[int, int] | None,
+    ids: tuple[int, ...],
+) -> str:
     head = f"{role}{idx} (TP {tp}) needs {need:.1f} GiB per GPU, its share is {util:.2f} x {smallest:g} GiB = {util * smallest:.1f} GiB"
     alone_gib = need / max_util
     if load is not None and max(load[g] for g in ids) > 1 and max_util * smallest >= need:
@@ -315,15 +399,27 @@ def describe_gpus(gpus: Sequence[Gpu]) -> str:
 def render_plan(plan: GpuPlan) -> str:
     """A readable table with each server's CUDA_VISIBLE_DEVICES."""
     pd = plan.phase("pd")
-    how = (f"P/D colocated ({sum(s.tp for s in pd)} ranks on {len(plan.gpus)} GPUs)" if plan.colocated
-           else "P/D on disjoint GPUs")
-    lines = [f"GPU plan: {describe_gpus(plan.gpus)}; {how}",
-             f"model weights {plan.model.weights_gib:.2f} GiB ({plan.model.source}); per rank: weights/TP x {WEIGHT_OVERHEAD} + {HEADROOM_GIB:g} GiB headroom",
-             "order: " + ", then ".join("baseline alone" if p == "baseline" else "prefill + decode" + (" (started one after another)" if plan.stagger_start else "")
-                                        for p in plan.order),
-             f"{'server':<10} {'TP':>3}  {'CUDA_VISIBLE_DEVICES':<24} {'gpu_memory_utilization':>22}  {'need/GPU':>9}"]
+    how = (
+        f"P/D colocated ({sum(s.tp for s in pd)} ranks on {len(plan.gpus)} GPUs)"
+        if plan.colocated
+        else "P/D on disjoint GPUs"
+    )
+    lines = [
+        f"GPU plan: {describe_gpus(plan.gpus)}; {how}",
+        f"model weights {plan.model.weights_gib:.2f} GiB ({plan.model.source}); per rank: weights/TP x {WEIGHT_OVERHEAD} + {HEADROOM_GIB:g} GiB headroom",
+        "order: "
+        + ", then ".join(
+            "baseline alone"
+            if p == "baseline"
+            else "prefill + decode" + (" (started one after another)" if plan.stagger_start else "")
+            for p in plan.order
+        ),
+        f"{'server':<10} {'TP':>3}  {'CUDA_VISIBLE_DEVICES':<24} {'gpu_memory_utilization':>22}  {'need/GPU':>9}",
+    ]
     for s in plan.servers:
-        lines.append(f"{s.name:<10} {s.tp:>3}  {s.cuda_visible_devices:<24} {s.gpu_memory_utilization:>22.2f}  {s.need_gib_per_gpu:>6.1f} GiB")
+        lines.append(
+            f"{s.name:<10} {s.tp:>3}  {s.cuda_visible_devices:<24} {s.gpu_memory_utilization:>22.2f}  {s.need_gib_per_gpu:>6.1f} GiB"
+        )
     lines.append(f"(with CUDA_DEVICE_ORDER={CUDA_DEVICE_ORDER}, so the ids are nvidia-smi's)")
     if plan.colocated:
         for g in plan.gpus:

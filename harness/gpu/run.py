@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-
 from dataclasses import replace
 
 from harness.checks.check import Check
 from harness.core.errors import ConfigError
-from harness.gpu.plan import (GpuPlan, PlanError, ServerPlacement, UtilizationError, model_memory, plan_baseline,
-                              plan_gpus)
 from harness.gpu.nvml import RELEASE_TOLERANCE_GIB, GpuCheckFailed, check_free, discover, wait_released
+from harness.gpu.plan import (
+    GpuPlan,
+    PlanError,
+    ServerPlacement,
+    UtilizationError,
+    model_memory,
+    plan_baseline,
+    plan_gpus,
+)
 
 RELEASE_TIMEOUT_S = 120.0  # a driver takes a few seconds to hand memory back after the processes exit
 
@@ -29,9 +35,18 @@ class GpuRun:
     ``baseline_only``: only the baseline runs on this host (attach mode), at D's TP, alone on its GPUs; a phase with
     no server here has nothing to check."""
 
-    def __init__(self, tp_p: int, tp_d: int, model: str, nvml=None, release_timeout_s: float = RELEASE_TIMEOUT_S,
-                 sleep=time.sleep, gpu_memory_utilization: float | None = None, env: Mapping[str, str] | None = None,
-                 baseline_only: bool = False):
+    def __init__(
+        self,
+        tp_p: int,
+        tp_d: int,
+        model: str,
+        nvml=None,
+        release_timeout_s: float = RELEASE_TIMEOUT_S,
+        sleep=time.sleep,
+        gpu_memory_utilization: float | None = None,
+        env: Mapping[str, str] | None = None,
+        baseline_only: bool = False,
+    ):
         self.nvml = nvml
         self.env = env
         self.release_timeout_s = release_timeout_s
@@ -46,11 +61,16 @@ class GpuRun:
         what = f"the baseline at TP{tp_d}" if baseline_only else f"P TP{tp_p} + D TP{tp_d}"
         try:
             memory = model_memory(model)
-            self.plan: GpuPlan = (plan_baseline(d.plan_gpus(), tp_d, memory, util=util) if baseline_only
-                                  else plan_gpus(d.plan_gpus(), tp_p, tp_d, memory, util=util))
+            self.plan: GpuPlan = (
+                plan_baseline(d.plan_gpus(), tp_d, memory, util=util)
+                if baseline_only
+                else plan_gpus(d.plan_gpus(), tp_p, tp_d, memory, util=util)
+            )
         except UtilizationError as e:
-            raise ConfigError(f"gpu_memory_utilization {util:g} (--gpu-memory-utilization or GPU_MEMORY_UTILIZATION) "
-                              f"does not fit {what} here: {e}") from None
+            raise ConfigError(
+                f"gpu_memory_utilization {util:g} (--gpu-memory-utilization or GPU_MEMORY_UTILIZATION) "
+                f"does not fit {what} here: {e}"
+            ) from None
         except PlanError as e:
             raise ConfigError(f"no GPU placement for {what}: {e}") from None
         self.simulated = d.simulated  # the PD_HARNESS_SIMULATED_GPUS value when the box is simulated
@@ -76,8 +96,10 @@ class GpuRun:
         need = self.plan.required_free_gib(phase)
         free = {g.index: g.free_gib for g in d.gpus}
         tight = min(need, key=lambda g: free[g] - need[g])  # the GPU with the least to spare
-        detail = (f"NVML: GPUs {_ids(need)} have the free memory the {phase} phase's servers will take (least to "
-                  f"spare: GPU {tight}, {free[tight]:.1f} GiB free, {need[tight]:.1f} needed){self._sim()}")
+        detail = (
+            f"NVML: GPUs {_ids(need)} have the free memory the {phase} phase's servers will take (least to "
+            f"spare: GPU {tight}, {free[tight]:.1f} GiB free, {need[tight]:.1f} needed){self._sim()}"
+        )
         data = {"free_gib": _gib(free, need), "need_gib": _gib(need, need)}
         self.checks.append(Check(f"gpu_free_before_{phase}", True, detail, data))
 
@@ -86,12 +108,26 @@ class GpuRun:
         if not self.plan.phase(phase):
             return
         pids, gpu_ids, t0 = sorted(pids), self._gpu_ids(phase), time.monotonic()
-        wait_released(pids, gpu_ids, self.release_timeout_s, self._free_before.get(phase), nvml=self.nvml,
-                      sleep=self.sleep, env=self.env)
-        self.checks.append(Check(f"gpu_released_after_{phase}", True, f"NVML: none of the {phase} phase's {len(pids)} "
-                                 f"PIDs on GPUs {_ids(gpu_ids)} after teardown, free memory back to within "
-                                 f"{RELEASE_TOLERANCE_GIB:g} GiB of before, after {time.monotonic() - t0:.1f} s"
-                                 f"{self._sim()}", {"pids": pids}))
+        wait_released(
+            pids,
+            gpu_ids,
+            self.release_timeout_s,
+            self._free_before.get(phase),
+            nvml=self.nvml,
+            sleep=self.sleep,
+            env=self.env,
+        )
+        self.checks.append(
+            Check(
+                f"gpu_released_after_{phase}",
+                True,
+                f"NVML: none of the {phase} phase's {len(pids)} "
+                f"PIDs on GPUs {_ids(gpu_ids)} after teardown, free memory back to within "
+                f"{RELEASE_TOLERANCE_GIB:g} GiB of before, after {time.monotonic() - t0:.1f} s"
+                f"{self._sim()}",
+                {"pids": pids},
+            )
+        )
 
     def _sim(self) -> str:
         return f" [simulated box {self.simulated}]" if self.simulated else ""

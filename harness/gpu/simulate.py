@@ -59,8 +59,9 @@ class FakeNvml:
 
     NVMLError = NVMLError
 
-    def __init__(self, states: list[list[FakeGpu]] | None = None, init_error: str | None = None,
-                 bytes_names: bool = False):
+    def __init__(
+        self, states: list[list[FakeGpu]] | None = None, init_error: str | None = None, bytes_names: bool = False
+    ):
         self.states = states or [[]]
         self.init_error = init_error
         self.bytes_names = bytes_names
@@ -164,8 +165,9 @@ def parse_box(spec: str) -> SimulatedBox:
         elif key == "name" and value:
             kw["name"] = value
         else:
-            raise ValueError(f"{SIMULATED_ENV}={spec!r}: {opt!r} is not visible=IDS, free=GIB (<= the GPU's) "
-                             "or name=NAME")
+            raise ValueError(
+                f"{SIMULATED_ENV}={spec!r}: {opt!r} is not visible=IDS, free=GIB (<= the GPU's) or name=NAME"
+            )
     return SimulatedBox(spec, int(m.group(1)), float(m.group(2)), **kw)
 
 

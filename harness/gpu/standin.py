@@ -63,23 +63,30 @@ def take_gpus(a: argparse.Namespace, env: Mapping[str, str]) -> tuple[tuple[GpuI
     if box is None:
         return (), f"RuntimeError: {TAG} runs only on a simulated GPU box ({SIMULATED_ENV} is not set)"
     # The box as this process sees it: its own CUDA_VISIBLE_DEVICES, not the harness's visible= option.
-    child = {SIMULATED_ENV: box.for_child(), STATE_ENV: env.get(STATE_ENV, ""),
-             **{k: env[k] for k in (VISIBLE_ENV, ORDER_ENV) if k in env}}
+    child = {
+        SIMULATED_ENV: box.for_child(),
+        STATE_ENV: env.get(STATE_ENV, ""),
+        **{k: env[k] for k in (VISIBLE_ENV, ORDER_ENV) if k in env},
+    }
     d = discover(env=child)
     if not d.available:
         return (), f"RuntimeError: No CUDA GPUs are available ({d.describe()})"
     tp = a.tensor_parallel_size
     if d.count < tp:
-        return (), (f"ValueError: tensor parallel size {tp} needs {tp} GPUs, {d.count} visible "
-                    f"({VISIBLE_ENV}={env.get(VISIBLE_ENV)})")
+        return (), (
+            f"ValueError: tensor parallel size {tp} needs {tp} GPUs, {d.count} visible "
+            f"({VISIBLE_ENV}={env.get(VISIBLE_ENV)})"
+        )
     ranks = d.gpus[:tp]
     for rank, g in enumerate(ranks):
         want = a.gpu_memory_utilization * g.total_gib
         if g.free_gib < want:  # vLLM's own start-up check (worker memory profiling)
-            return (), (f"ValueError: Free memory on device cuda:{rank} ({g.free_gib:.2f}/{g.total_gib:.2f} GiB) on "
-                        f"startup is less than desired GPU memory utilization ({a.gpu_memory_utilization}, "
-                        f"{want:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
-                        f"processes. [GPU {g.index}, held by PIDs {', '.join(map(str, g.pids)) or 'none'}]")
+            return (), (
+                f"ValueError: Free memory on device cuda:{rank} ({g.free_gib:.2f}/{g.total_gib:.2f} GiB) on "
+                f"startup is less than desired GPU memory utilization ({a.gpu_memory_utilization}, "
+                f"{want:.2f} GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+                f"processes. [GPU {g.index}, held by PIDs {', '.join(map(str, g.pids)) or 'none'}]"
+            )
     return ranks, None
 
 
@@ -91,29 +98,50 @@ class StandIn:
         self.simulated = simulated
         self.lock = threading.Lock()
         self.running = 0
-        self.counters = {"vllm:prompt_tokens_total": 0.0, "vllm:generation_tokens_total": 0.0,
-                         "vllm:request_success_total": 0.0}
+        self.counters = {
+            "vllm:prompt_tokens_total": 0.0,
+            "vllm:generation_tokens_total": 0.0,
+            "vllm:request_success_total": 0.0,
+        }
         self.engine_id = f"standin-{os.getpid()}"
         self.side_port = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "0") or 0)
 
     def models(self) -> dict:
         a = self.a
-        return {"object": "list", "data": [{"id": a.served_model_name, "object": "model", "root": a.model,
-                                            "owned_by": "pd-harness stand-in", "max_model_len": a.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": a.served_model_name,
+                    "object": "model",
+                    "root": a.model,
+                    "owned_by": "pd-harness stand-in",
+                    "max_model_len": a.max_model_len,
+                }
+            ],
+        }
 
     def metrics(self) -> str:
         a = self.a
         with self.lock:
             running, counters = self.running, dict(self.counters)
-        return model.metrics_text(a.served_model_name, running, a.num_gpu_blocks_override or DEFAULT_POOL_BLOCKS,
-                                  a.block_size, counters, self.simulated)
+        return model.metrics_text(
+            a.served_model_name,
+            running,
+            a.num_gpu_blocks_override or DEFAULT_POOL_BLOCKS,
+            a.block_size,
+            counters,
+            self.simulated,
+        )
 
     def too_long(self, req: model.Request) -> str | None:
         total = len(req.ids) + req.max_tokens
         if total <= self.a.max_model_len:
             return None
-        return (f"This model's maximum context length is {self.a.max_model_len} tokens. However, you requested "
-                f"{total} tokens ({len(req.ids)} in the messages, {req.max_tokens} in the completion).")
+        return (
+            f"This model's maximum context length is {self.a.max_model_len} tokens. However, you requested "
+            f"{total} tokens ({len(req.ids)} in the messages, {req.max_tokens} in the completion)."
+        )
 
     def begin(self) -> None:
         with self.lock:
@@ -204,8 +232,11 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             s.end(req, len(steps), ok)
             if s.a.enable_log_requests:
-                print(f"{TAG} request {rid}: {len(req.ids)} prompt tokens, {len(steps)} generated, "
-                      f"{'answered' if ok else 'client went away'}", flush=True)
+                print(
+                    f"{TAG} request {rid}: {len(req.ids)} prompt tokens, {len(steps)} generated, "
+                    f"{'answered' if ok else 'client went away'}",
+                    flush=True,
+                )
 
     def _stream(self, rid: str, req: model.Request, steps: list[model.Step]) -> bool:
         """Server-sent events, one chunk per token; False when the client went away meanwhile."""
@@ -236,15 +267,23 @@ def _serve(a: argparse.Namespace, simulated: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     a = parse(sys.argv[1:] if argv is None else argv)
     spec = os.environ.get(SIMULATED_ENV, "")
-    print(f"{TAG} NOT vLLM: a stand-in for vllm.entrypoints.openai.api_server on a simulated GPU box "
-          f"({SIMULATED_ENV}={spec}); role {a.kv_role or 'plain server'}, TP {a.tensor_parallel_size}", flush=True)
+    print(
+        f"{TAG} NOT vLLM: a stand-in for vllm.entrypoints.openai.api_server on a simulated GPU box "
+        f"({SIMULATED_ENV}={spec}); role {a.kv_role or 'plain server'}, TP {a.tensor_parallel_size}",
+        flush=True,
+    )
     ranks, why = take_gpus(a, os.environ)
     if why:
         print(why, flush=True)
         return 1
     folder, pid = box_state(), os.getpid()
-    claim = Claim(pid, proc_start(pid) or "", tuple(g.index for g in ranks),
-                  a.gpu_memory_utilization * ranks[0].total_gib, f"{a.kv_role or 'server'}:{a.port}")
+    claim = Claim(
+        pid,
+        proc_start(pid) or "",
+        tuple(g.index for g in ranks),
+        a.gpu_memory_utilization * ranks[0].total_gib,
+        f"{a.kv_role or 'server'}:{a.port}",
+    )
 
     def leave(signum, frame) -> None:  # as a server that exits: its memory goes back to the GPUs
         release(folder, pid)
@@ -253,9 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, leave)
     register(folder, claim)
-    print(f"{TAG} holding {claim.gib_per_gpu:.1f} GiB on each of GPUs {','.join(map(str, claim.gpus))} "
-          f"({VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)}, gpu_memory_utilization {a.gpu_memory_utilization}); "
-          f"registered in {folder}", flush=True)
+    print(
+        f"{TAG} holding {claim.gib_per_gpu:.1f} GiB on each of GPUs {','.join(map(str, claim.gpus))} "
+        f"({VISIBLE_ENV}={os.environ.get(VISIBLE_ENV)}, gpu_memory_utilization {a.gpu_memory_utilization}); "
+        f"registered in {folder}",
+        flush=True,
+    )
     try:
         _serve(a, spec)
     finally:

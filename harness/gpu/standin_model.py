@@ -49,7 +49,7 @@ def next_candidates(ids: Sequence[int], k: int) -> list[tuple[int, float]]:
     out: list[tuple[int, float]] = []
     best = -0.05 - h[0] / 2560  # the chosen token's logprob: in (-0.15, -0.05]
     for j in range(max(1, k)):
-        raw = int.from_bytes(h[4 * (j % 7): 4 * (j % 7) + 4], "little") + 104729 * j
+        raw = int.from_bytes(h[4 * (j % 7) : 4 * (j % 7) + 4], "little") + 104729 * j
         tok = FIRST_WORD_ID + raw % (VOCAB - FIRST_WORD_ID)
         while any(tok == t for t, _ in out):
             tok = FIRST_WORD_ID + (tok + 7919) % (VOCAB - FIRST_WORD_ID)
@@ -95,10 +95,16 @@ class Request:
     @classmethod
     def from_body(cls, body: dict) -> Request:
         lp = body.get("logprobs")
-        return cls(prompt_ids(body["prompt"]), int(body.get("max_tokens") or 16), None if lp is None else int(lp),
-                   bool(body.get("return_tokens_as_token_ids")), bool(body.get("stream")),
-                   bool((body.get("stream_options") or {}).get("include_usage")), body.get("kv_transfer_params"),
-                   str(body.get("model") or ""))
+        return cls(
+            prompt_ids(body["prompt"]),
+            int(body.get("max_tokens") or 16),
+            None if lp is None else int(lp),
+            bool(body.get("return_tokens_as_token_ids")),
+            bool(body.get("stream")),
+            bool((body.get("stream_options") or {}).get("include_usage")),
+            body.get("kv_transfer_params"),
+            str(body.get("model") or ""),
+        )
 
 
 def _name(token: int, as_ids: bool) -> str:
@@ -108,10 +114,12 @@ def _name(token: int, as_ids: bool) -> str:
 def logprobs_block(steps: Sequence[Step], req: Request, offset: int = 0) -> dict | None:
     if req.top_k is None:
         return None
-    return {"tokens": [_name(s.token, req.as_ids) for s in steps],
-            "token_logprobs": [s.logprob for s in steps],
-            "top_logprobs": [{_name(t, req.as_ids): lp for t, lp in s.top[:max(1, req.top_k)]} for s in steps],
-            "text_offset": list(range(offset, offset + len(steps)))}
+    return {
+        "tokens": [_name(s.token, req.as_ids) for s in steps],
+        "token_logprobs": [s.logprob for s in steps],
+        "top_logprobs": [{_name(t, req.as_ids): lp for t, lp in s.top[: max(1, req.top_k)]} for s in steps],
+        "text_offset": list(range(offset, offset + len(steps))),
+    }
 
 
 def usage(req: Request, n: int) -> dict:
@@ -120,10 +128,23 @@ def usage(req: Request, n: int) -> dict:
 
 def completion_body(rid: str, served: str, req: Request, steps: Sequence[Step], kv_params: dict | None) -> dict:
     """A non-streamed answer, as vLLM's OpenAI server shapes it (kv_transfer_params at the top level)."""
-    return {"id": f"cmpl-{rid}", "object": "text_completion", "created": int(time.time()), "model": served,
-            "choices": [{"index": 0, "text": "".join(token_text(s.token) for s in steps),
-                         "logprobs": logprobs_block(steps, req), "finish_reason": "length", "stop_reason": None}],
-            "usage": usage(req, len(steps)), "kv_transfer_params": kv_params}
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served,
+        "choices": [
+            {
+                "index": 0,
+                "text": "".join(token_text(s.token) for s in steps),
+                "logprobs": logprobs_block(steps, req),
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        ],
+        "usage": usage(req, len(steps)),
+        "kv_transfer_params": kv_params,
+    }
 
 
 def stream_chunks(rid: str, served: str, req: Request, steps: Sequence[Step]) -> list[dict]:
@@ -132,8 +153,13 @@ def stream_chunks(rid: str, served: str, req: Request, steps: Sequence[Step]) ->
     out = []
     for i, s in enumerate(steps):
         last = i == len(steps) - 1
-        choice = {"index": 0, "text": token_text(s.token), "logprobs": logprobs_block([s], req, i),
-                  "finish_reason": "length" if last else None, "stop_reason": None}
+        choice = {
+            "index": 0,
+            "text": token_text(s.token),
+            "logprobs": logprobs_block([s], req, i),
+            "finish_reason": "length" if last else None,
+            "stop_reason": None,
+        }
         out.append({**base, "choices": [choice]})
     if req.include_usage:
         out.append({**base, "choices": [], "usage": usage(req, len(steps))})
@@ -147,19 +173,32 @@ def prefill_params(req: Request, engine_id: str, block_size: int, host: str, por
     if not asked.get("do_remote_decode"):
         return None
     blocks = -(-len(req.ids) // block_size)
-    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": list(range(blocks)),
-            "remote_engine_id": engine_id, "remote_host": host, "remote_port": port, "tp_size": tp}
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": list(range(blocks)),
+        "remote_engine_id": engine_id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": tp,
+    }
 
 
-def metrics_text(served: str, running: int, blocks: int, block_size: int, counters: dict[str, float],
-                 simulated: str) -> str:
+def metrics_text(
+    served: str, running: int, blocks: int, block_size: int, counters: dict[str, float], simulated: str
+) -> str:
     """The Prometheus text of /metrics: idle gauges (leak.py), the pool (cache_config_info), request counters."""
     lab = METRIC_LABELS.format(name=served)
-    lines = ["# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{lab}}} {float(running)}",
-             "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{lab}}} 0.0",
-             "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{lab}}} 0.0",
-             "# TYPE vllm:cache_config_info gauge",
-             f'vllm:cache_config_info{{block_size="{block_size}",engine="0",num_gpu_blocks="{blocks}"}} 1.0']
+    lines = [
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{lab}}} {float(running)}",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{{{lab}}} 0.0",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{{{lab}}} 0.0",
+        "# TYPE vllm:cache_config_info gauge",
+        f'vllm:cache_config_info{{block_size="{block_size}",engine="0",num_gpu_blocks="{blocks}"}} 1.0',
+    ]
     for name, value in sorted(counters.items()):
         lines += [f"# TYPE {name} counter", f"{name}{{{lab}}} {float(value)}"]
     lines += ["# TYPE pd_harness:standin_info gauge", f'pd_harness:standin_info{{simulated="{simulated}"}} 1.0']

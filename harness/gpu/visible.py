@@ -35,8 +35,9 @@ class Visible:
     problem: str | None = None  # why the caller's list cannot be taken as it is (one line)
 
 
-def resolve_visible(raw: str | None, uuids: Sequence[str], names: Sequence[str] = (),
-                    order: str | None = None) -> Visible:
+def resolve_visible(
+    raw: str | None, uuids: Sequence[str], names: Sequence[str] = (), order: str | None = None
+) -> Visible:
     """``raw``: the caller's CUDA_VISIBLE_DEVICES (None: unset); ``uuids``/``names``: NVML's, by NVML index."""
     n = len(uuids)
     if raw is None:
@@ -49,15 +50,21 @@ def resolve_visible(raw: str | None, uuids: Sequence[str], names: Sequence[str] 
         if why is None and index in out:
             why = "repeats an earlier entry"
         if why is not None:
-            return Visible(tuple(out), f"{VISIBLE_ENV}={raw!r}: {entry!r} {why} (CUDA would hide it and every entry "
-                                       "after it); fix it or unset it")
+            return Visible(
+                tuple(out),
+                f"{VISIBLE_ENV}={raw!r}: {entry!r} {why} (CUDA would hide it and every entry "
+                "after it); fix it or unset it",
+            )
         out.append(index)  # type: ignore[arg-type]
     numeric = any(e.strip().isdigit() for e in raw.split(","))
     if numeric and len(set(names)) > 1 and (order or "").strip() != PCI_BUS_ID:
         models = ", ".join(sorted(set(names)))
-        return Visible(tuple(out), f"{VISIBLE_ENV}={raw!r} gives indices on a host of different GPU models ({models}) "
-                                   f"without {ORDER_ENV}={PCI_BUS_ID}: CUDA may number them otherwise than NVML; "
-                                   f"set {ORDER_ENV}={PCI_BUS_ID} or give GPU UUIDs")
+        return Visible(
+            tuple(out),
+            f"{VISIBLE_ENV}={raw!r} gives indices on a host of different GPU models ({models}) "
+            f"without {ORDER_ENV}={PCI_BUS_ID}: CUDA may number them otherwise than NVML; "
+            f"set {ORDER_ENV}={PCI_BUS_ID} or give GPU UUIDs",
+        )
     return Visible(tuple(out))
 
 

@@ -11,18 +11,23 @@ from harness.core.argtypes import non_negative_int, positive_int
 from harness.core.cpuinfo import cpu_flags
 from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
+from harness.envs.vllm_env import versions_from
 from harness.gpu.detect import count_gpus, default_device
 from harness.run.config import E2EConfig
 from harness.workload.load import LoadSettings
-from harness.envs.vllm_env import versions_from
 
 
 def add_parser(sub) -> None:
     mx = sub.add_parser("matrix", help="the GQA-replication matrix: plan which pairs run here (--list)")
     mx.add_argument("file", nargs="?", type=Path, help="default: configs/gqa_replication.yaml")
-    mx.add_argument("--list", action="store_true", help="print the plan with predictions and skip reasons; launch nothing")
-    mx.add_argument("--vllm-version", help="comma-separated versions to run, each from its own environment under .venvs/ "
-                                           "(default: $VLLM_VERSION or the version requirements/ pins)")
+    mx.add_argument(
+        "--list", action="store_true", help="print the plan with predictions and skip reasons; launch nothing"
+    )
+    mx.add_argument(
+        "--vllm-version",
+        help="comma-separated versions to run, each from its own environment under .venvs/ "
+        "(default: $VLLM_VERSION or the version requirements/ pins)",
+    )
     mx.add_argument("--run-dir", type=Path, help="matrix folder (default: runs/<timestamp>-matrix)")
     mx.add_argument("--only", help="comma-separated entry ids")
     mx.add_argument("--model", help="entries of this model (id in configs/models.yaml or hub id)")
@@ -31,17 +36,23 @@ def add_parser(sub) -> None:
     mx.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
     mx.add_argument("--gpus", type=int, help="GPUs present (default: counted from /proc/driver/nvidia/gpus)")
     mx.add_argument("--json", action="store_true")
-    mx.add_argument("--load-requests", type=non_negative_int,
-                    help=f"requests of each pair's load phase (default {LoadSettings.requests}; 0: none)")
-    mx.add_argument("--fresh-baseline", action="store_true",
-                    help="compute each baseline again instead of reusing cached answers from earlier runs")
+    mx.add_argument(
+        "--load-requests",
+        type=non_negative_int,
+        help=f"requests of each pair's load phase (default {LoadSettings.requests}; 0: none)",
+    )
+    mx.add_argument(
+        "--fresh-baseline",
+        action="store_true",
+        help="compute each baseline again instead of reusing cached answers from earlier runs",
+    )
 
 
 def main(a: argparse.Namespace) -> int:
     import json
 
-    from harness.matrix.plan import plan, render_plan
     from harness.matrix.config import MATRIX_YAML, load_matrix
+    from harness.matrix.plan import plan, render_plan
 
     try:
         matrix, models = load_matrix(a.file or MATRIX_YAML)
@@ -59,7 +70,9 @@ def main(a: argparse.Namespace) -> int:
         return 2
     if a.list:
         if a.json:
-            print(json.dumps([{**p.to_dict(), "vllm_version": v} for v, pairs in plans.items() for p in pairs], indent=2))
+            print(
+                json.dumps([{**p.to_dict(), "vllm_version": v} for v, pairs in plans.items() for p in pairs], indent=2)
+            )
         else:
             print("\n".join(render_plan(pairs, v) for v, pairs in plans.items()))
         return 0
@@ -67,8 +80,8 @@ def main(a: argparse.Namespace) -> int:
 
 
 def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: str) -> int:
-    from harness.matrix.run import new_matrix_dir, run_matrix, summary
     from harness.envs.vllm_env import EnvSetupFailed, ensure_env
+    from harness.matrix.run import new_matrix_dir, run_matrix, summary
 
     catch_interrupts()
     try:
@@ -78,8 +91,11 @@ def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: st
         print(f"error: {e}", file=sys.stderr)
         return 1
     pythons.update({v: "-" for v in plans if v not in pythons})
-    base = E2EConfig(device=device, fresh_baseline=a.fresh_baseline,
-                     load=LoadSettings() if a.load_requests is None else LoadSettings(requests=a.load_requests))
+    base = E2EConfig(
+        device=device,
+        fresh_baseline=a.fresh_baseline,
+        load=LoadSettings() if a.load_requests is None else LoadSettings(requests=a.load_requests),
+    )
     run_dir = a.run_dir or new_matrix_dir(base.runs_root)
     print(f"matrix folder: {run_dir}", flush=True)
     try:

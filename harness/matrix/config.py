@@ -8,8 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
+from harness.core.paths import REPO_ROOT
 from harness.models.config import ModelEntry, load_models, load_yaml, require_unique_ids
 from harness.models.topology import ModelShape
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
@@ -122,7 +122,9 @@ class MatrixEntry(BaseModel):
 
     def settings(self) -> dict[str, object]:
         """What this entry sets beyond the TP pair (for listings and reports): block sizes, layout, axes."""
-        out: dict[str, object] = {k: v for k in ("block_size_p", "block_size_d", "kv_layout_d") if (v := getattr(self, k)) is not None}
+        out: dict[str, object] = {
+            k: v for k in ("block_size_p", "block_size_d", "kv_layout_d") if (v := getattr(self, k)) is not None
+        }
         out.update(self.axes.server_axes().set())
         return out
 
@@ -163,7 +165,9 @@ class FamilyBounds(BaseModel):
 class MatrixFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
     entries: list[MatrixEntry] = Field(min_length=1)
-    families: dict[Family, FamilyBounds] = Field(default_factory=dict)  # measured boundaries (harness/models/topology.py reads them)
+    families: dict[Family, FamilyBounds] = Field(
+        default_factory=dict
+    )  # measured boundaries (harness/models/topology.py reads them)
 
     @model_validator(mode="after")
     def _unique(self) -> MatrixFile:
@@ -177,8 +181,13 @@ class MatrixFile(BaseModel):
 def shape_of(entry: MatrixEntry, model: ModelEntry) -> ModelShape:
     k = entry.kv_heads if entry.kv_heads is not None and not model.mla else model.kv_heads
     # The tiny model runs in float32 on CPU; real models in bfloat16. The dtype only scales block lengths.
-    return ModelShape(model.attention_heads, k, model.head_dim or 64, "float32" if entry.device == "cpu" else "bfloat16",
-                      mla=model.mla)
+    return ModelShape(
+        model.attention_heads,
+        k,
+        model.head_dim or 64,
+        "float32" if entry.device == "cpu" else "bfloat16",
+        mla=model.mla,
+    )
 
 
 def load_matrix(path: Path = MATRIX_YAML) -> tuple[MatrixFile, dict[str, ModelEntry]]:
@@ -188,8 +197,12 @@ def load_matrix(path: Path = MATRIX_YAML) -> tuple[MatrixFile, dict[str, ModelEn
     models = {m.id: m for m in load_models().models}
     for i, e in enumerate(matrix.entries):
         if e.model not in models:
-            raise ConfigError(f"{path}: entries.{i}.model: unknown model {e.model!r} (known: {', '.join(sorted(models))})")
+            raise ConfigError(
+                f"{path}: entries.{i}.model: unknown model {e.model!r} (known: {', '.join(sorted(models))})"
+            )
         k = e.kv_heads if e.kv_heads is not None else models[e.model].kv_heads
         if models[e.model].attention_heads % k:
-            raise ConfigError(f"{path}: entries.{i}.kv_heads: {k} does not divide {models[e.model].attention_heads} attention heads")
+            raise ConfigError(
+                f"{path}: entries.{i}.kv_heads: {k} does not divide {models[e.model].attention_heads} attention heads"
+            )
     return matrix, models

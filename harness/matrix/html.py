@@ -13,9 +13,14 @@ from harness.run.html import esc, href, page
 
 # Outcomes with a colour of their own; every other failure class is coloured as a failure.
 OUTCOME_CLASS = {"ok": "o-ok", "assert-45330": "o-assert-45330", "rejected": "o-rejected"}
-LEGEND = (("o-ok", "ok: handshake passed, outputs match the baseline"), ("o-assert-45330", "assert-45330: the #45330 assertion"),
-          ("o-rejected", "rejected at handshake (by design)"), ("o-fail", "another failure"), ("o-skipped", "not run here"),
-          ("o-ok unexpected", "bold outline: not what the entry expects"))
+LEGEND = (
+    ("o-ok", "ok: handshake passed, outputs match the baseline"),
+    ("o-assert-45330", "assert-45330: the #45330 assertion"),
+    ("o-rejected", "rejected at handshake (by design)"),
+    ("o-fail", "another failure"),
+    ("o-skipped", "not run here"),
+    ("o-ok unexpected", "bold outline: not what the entry expects"),
+)
 
 
 def outcome_class(pair: dict) -> str:
@@ -45,7 +50,9 @@ def _cell(pair: dict, matrix_dir: Path) -> str:
     lines = [f"<b>{esc(observed if observed is not None else 'not run')}</b>", esc(verdict)]
     if observed is None and pair.get("skip_reason"):
         lines[1] = esc(pair["skip_reason"])
-    lines.append(f'<small>{esc(pair.get("id"))} &middot; regime {esc(pair.get("regime"))} &middot; predicted {esc(pair.get("predicted"))}</small>')
+    lines.append(
+        f"<small>{esc(pair.get('id'))} &middot; regime {esc(pair.get('regime'))} &middot; predicted {esc(pair.get('predicted'))}</small>"
+    )
     inner = "<br>".join(lines)
     link = _report_link(pair, matrix_dir)
     if link:
@@ -65,8 +72,14 @@ def grid_table(pairs: list[dict], matrix_dir: Path) -> str:
             if not here:
                 cells.append('<td class="empty">&ndash;</td>')
                 continue
-            cls = outcome_class(here[0]) + (" unexpected" if any(p.get("verdict") == "UNEXPECTED" for p in here) else "")
-            cells.append(f'<td class="cell {cls}" data-tp-p="{tp_p}" data-tp-d="{tp_d}">' + "<hr>".join(_cell(p, matrix_dir) for p in here) + "</td>")
+            cls = outcome_class(here[0]) + (
+                " unexpected" if any(p.get("verdict") == "UNEXPECTED" for p in here) else ""
+            )
+            cells.append(
+                f'<td class="cell {cls}" data-tp-p="{tp_p}" data-tp-d="{tp_d}">'
+                + "<hr>".join(_cell(p, matrix_dir) for p in here)
+                + "</td>"
+            )
         rows.append(f"<tr><th>P TP{tp_p}</th>{''.join(cells)}</tr>")
     return f'<table class="grid"><tr><th>P \\ D</th>{head}</tr>{"".join(rows)}</table>'
 
@@ -78,16 +91,26 @@ def render_page(data: dict, matrix_dir: Path) -> str:
     ok = bool(ran) and data.get("all_as_expected") and not unexpected
     verdict = "all as expected" if ok else ("UNEXPECTED" if unexpected else "nothing ran")
     state = "" if data.get("complete", True) else f" (in progress: {len(pairs)} pairs so far)"
-    top = (f'<header class="top {"v-pass" if ok else "v-fail"}"><div class="inner"><h1>GQA-replication matrix '
-           f'<span class="badge" id="verdict">{esc(verdict)}</span></h1>'
-           f"<div>{len(ran)} of {len(pairs)} pairs ran; {len(unexpected)} unexpected{esc(state)}</div></div></header>")
-    lines = "".join(f'<li data-version="{esc(v)}"><b>{esc(line)}</b></li>' for v, line in (data.get("versions") or {}).items())
+    top = (
+        f'<header class="top {"v-pass" if ok else "v-fail"}"><div class="inner"><h1>GQA-replication matrix '
+        f'<span class="badge" id="verdict">{esc(verdict)}</span></h1>'
+        f"<div>{len(ran)} of {len(pairs)} pairs ran; {len(unexpected)} unexpected{esc(state)}</div></div></header>"
+    )
+    lines = "".join(
+        f'<li data-version="{esc(v)}"><b>{esc(line)}</b></li>' for v, line in (data.get("versions") or {}).items()
+    )
     legend = "".join(f'<span class="{c}">{esc(t)}</span>' for c, t in LEGEND)
-    body = [top, "<main>", f"<h2>#45330 by vLLM version</h2><ul id=\"version-lines\">{lines}</ul>",
-            f'<div class="legend">{legend}</div>']
+    body = [
+        top,
+        "<main>",
+        f'<h2>#45330 by vLLM version</h2><ul id="version-lines">{lines}</ul>',
+        f'<div class="legend">{legend}</div>',
+    ]
     for (model, k, device, version), ps in grids(pairs).items():
-        body.append(f'<h2 class="grid-title">{esc(model)} (K={esc(k)}, {esc(device)}) on vLLM {esc(version)}</h2>'
-                    f'<div class="grid-wrap" data-model="{esc(model)}" data-version="{esc(version)}">{grid_table(ps, matrix_dir)}</div>')
+        body.append(
+            f'<h2 class="grid-title">{esc(model)} (K={esc(k)}, {esc(device)}) on vLLM {esc(version)}</h2>'
+            f'<div class="grid-wrap" data-model="{esc(model)}" data-version="{esc(version)}">{grid_table(ps, matrix_dir)}</div>'
+        )
     body.append(_pair_table(pairs, matrix_dir))
     body.append("</main>")
     return page(f"GQA-replication matrix: {verdict}", "\n".join(body))
@@ -97,12 +120,21 @@ def _pair_table(pairs: list[dict], matrix_dir: Path) -> str:
     rows = []
     for p in pairs:
         link = _report_link(p, matrix_dir)
-        run = (f'<a href="{link}">{esc(os.path.relpath(os.path.abspath(p["run_dir"]), os.path.abspath(matrix_dir)))}</a>'
-               if link else esc(p.get("skip_reason") or ""))
+        run = (
+            f'<a href="{link}">{esc(os.path.relpath(os.path.abspath(p["run_dir"]), os.path.abspath(matrix_dir)))}</a>'
+            if link
+            else esc(p.get("skip_reason") or "")
+        )
         tol = f" (intermittent: {p['tolerated']})" if p.get("tolerated") else ""
-        rows.append(f"<tr><td>{esc(p.get('vllm_version'))}</td><td>{esc(p.get('id'))}</td><td>{esc(p.get('kv_heads'))}</td>"
-                    f"<td>{esc(p.get('tp_p'))}&rarr;{esc(p.get('tp_d'))}</td><td>{esc(p.get('regime'))}</td><td>{esc(p.get('predicted'))}</td>"
-                    f"<td>{esc(p.get('expected'))}{esc(tol)}</td><td class=\"{outcome_class(p)}\">{esc(p.get('observed') or '-')}</td>"
-                    f"<td>{esc(p.get('verdict'))}</td><td>{run}</td><td>{esc(p.get('detail'))}</td></tr>")
-    return ('<h2>Every pair</h2><table id="pairs"><tr><th>vLLM</th><th>id</th><th>K</th><th>P&rarr;D</th><th>regime</th>'
-            "<th>predicted</th><th>expected</th><th>observed</th><th>verdict</th><th>run</th><th>detail</th></tr>" + "".join(rows) + "</table>")
+        rows.append(
+            f"<tr><td>{esc(p.get('vllm_version'))}</td><td>{esc(p.get('id'))}</td><td>{esc(p.get('kv_heads'))}</td>"
+            f"<td>{esc(p.get('tp_p'))}&rarr;{esc(p.get('tp_d'))}</td><td>{esc(p.get('regime'))}</td><td>{esc(p.get('predicted'))}</td>"
+            f'<td>{esc(p.get("expected"))}{esc(tol)}</td><td class="{outcome_class(p)}">{esc(p.get("observed") or "-")}</td>'
+            f"<td>{esc(p.get('verdict'))}</td><td>{run}</td><td>{esc(p.get('detail'))}</td></tr>"
+        )
+    return (
+        '<h2>Every pair</h2><table id="pairs"><tr><th>vLLM</th><th>id</th><th>K</th><th>P&rarr;D</th><th>regime</th>'
+        "<th>predicted</th><th>expected</th><th>observed</th><th>verdict</th><th>run</th><th>detail</th></tr>"
+        + "".join(rows)
+        + "</table>"
+    )

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.run.config import E2EConfig
-from harness.matrix.plan import PlannedPair
-from harness.models.config import ModelEntry
 from harness.core import progress
 from harness.core.files import write_atomic
 from harness.matrix import html as matrix_html
+from harness.matrix.plan import PlannedPair
+from harness.models.config import ModelEntry
+from harness.run.config import E2EConfig
 
 # A run's failure class -> the matrix outcome it stands for (the rest keep their class name).
 OUTCOME_OF_CLASS = {"assert-45330": "assert-45330", "rejected-replicated-p-gt-d": "rejected"}
@@ -54,8 +54,15 @@ class PairResult:
         return "as expected" if self.as_expected else "UNEXPECTED"
 
     def to_dict(self) -> dict:
-        return {**self.pair.to_dict(), "vllm_version": self.vllm_version, "observed": self.observed,
-                "verdict": self.verdict, "run_dir": self.run_dir, "detail": self.detail, "simulated": self.simulated}
+        return {
+            **self.pair.to_dict(),
+            "vllm_version": self.vllm_version,
+            "observed": self.observed,
+            "verdict": self.verdict,
+            "run_dir": self.run_dir,
+            "detail": self.detail,
+            "simulated": self.simulated,
+        }
 
 
 def observed_outcome(report: dict) -> str:
@@ -89,8 +96,10 @@ def version_line(version: str, results: list[PairResult]) -> str:
     if ok:
         return f"#45330 NOT REPRODUCED on vLLM {version} (outputs match baseline: {', '.join(r.pair.id for r in ok)})"
     if in_b:
-        return (f"#45330 NOT TESTED on vLLM {version}: every regime-B pair failed as its entry expects, for another "
-                f"reason ({', '.join(f'{r.pair.id}: {r.observed}' for r in in_b)})")
+        return (
+            f"#45330 NOT TESTED on vLLM {version}: every regime-B pair failed as its entry expects, for another "
+            f"reason ({', '.join(f'{r.pair.id}: {r.observed}' for r in in_b)})"
+        )
     return f"#45330 NOT TESTED on vLLM {version}: no regime-B pair (P <= K < D) ran"
 
 
@@ -113,13 +122,18 @@ def render_markdown(results: list[PairResult], versions: list[str], run_dir: Pat
     if not complete:
         lines += [f"In progress: {len(results)} pairs done; the lines below cover only those.", ""]
     lines += [f"- **{version_line(v, results)}**" for v in versions]
-    lines += ["", "| vLLM | id | K | P→D | regime | predicted | expected | observed | verdict | run |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| vLLM | id | K | P→D | regime | predicted | expected | observed | verdict | run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         p = r.pair
         run = os.path.relpath(r.run_dir, run_dir) if r.run_dir else (p.skip_reason or "")
-        lines.append(f"| {r.vllm_version} | {p.id} | {p.kv_heads} | {p.tp_p}→{p.tp_d} | {p.regime} | {p.predicted} | "
-                     f"{p.expected}{f' (intermittent: {p.tolerated})' if p.tolerated else ''} | {r.observed or '-'}{' (simulated GPUs)' if r.simulated else ''} | {r.verdict} | {run} |")
+        lines.append(
+            f"| {r.vllm_version} | {p.id} | {p.kv_heads} | {p.tp_p}→{p.tp_d} | {p.regime} | {p.predicted} | "
+            f"{p.expected}{f' (intermittent: {p.tolerated})' if p.tolerated else ''} | {r.observed or '-'}{' (simulated GPUs)' if r.simulated else ''} | {r.verdict} | {run} |"
+        )
     details = [r for r in results if r.detail or r.known_upstream]
     if details:
         lines += ["", "## Details", ""] + [f"- {r.vllm_version} {r.pair.id}: {_detail(r)}" for r in details]
@@ -128,9 +142,12 @@ def render_markdown(results: list[PairResult], versions: list[str], run_dir: Pat
 
 def write_matrix_report(results: list[PairResult], versions: list[str], run_dir: Path, complete: bool = True) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = {"complete": complete, "versions": {v: version_line(v, results) for v in versions},
-            "all_as_expected": all(r.as_expected is not False for r in results),
-            "pairs": [r.to_dict() for r in results]}
+    data = {
+        "complete": complete,
+        "versions": {v: version_line(v, results) for v in versions},
+        "all_as_expected": all(r.as_expected is not False for r in results),
+        "pairs": [r.to_dict() for r in results],
+    }
     write_atomic(run_dir / "report.json", json.dumps(data, indent=2) + "\n")
     write_atomic(run_dir / "report.md", render_markdown(results, versions, run_dir, complete))
     write_atomic(run_dir / "report.html", matrix_html.render_page(data, run_dir))
@@ -150,16 +167,32 @@ def config_for(base: E2EConfig, pair: PlannedPair, model: str, python: str, run_
     """The run of one pair: the TP sizes and the entry's other settings over the matrix's base config."""
     s = dict(pair.settings)
     sizes = {k: s.pop(k) for k in ("block_size_p", "block_size_d", "kv_layout_d") if k in s}
-    return replace(base, tp_p=pair.tp_p, tp_d=pair.tp_d, model=model, device=pair.device, python=python, run_dir=run_dir,
-                   axes=replace(base.axes, **s), **sizes)
+    return replace(
+        base,
+        tp_p=pair.tp_p,
+        tp_d=pair.tp_d,
+        model=model,
+        device=pair.device,
+        python=python,
+        run_dir=run_dir,
+        axes=replace(base.axes, **s),
+        **sizes,
+    )
 
 
 def new_matrix_dir(runs_root: Path) -> Path:
     return runs_root / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-matrix-{os.getpid()}"
 
 
-def run_matrix(plans: dict[str, list[PlannedPair]], pythons: dict[str, str], models: dict[str, ModelEntry], base: E2EConfig,
-               run_dir: Path, out=sys.stdout, run_pair: Callable[[E2EConfig, dict], dict] | None = None) -> list[PairResult]:
+def run_matrix(
+    plans: dict[str, list[PlannedPair]],
+    pythons: dict[str, str],
+    models: dict[str, ModelEntry],
+    base: E2EConfig,
+    run_dir: Path,
+    out=sys.stdout,
+    run_pair: Callable[[E2EConfig, dict], dict] | None = None,
+) -> list[PairResult]:
     """Every planned pair of every version, in order; the report is rewritten after each pair so an interrupt keeps it."""
     from harness.run.pipeline import PDRun
 
@@ -180,23 +213,43 @@ def run_matrix(plans: dict[str, list[PlannedPair]], pythons: dict[str, str], mod
             if not p.run:
                 results.append(PairResult(p, version, None, None))
             elif p.predicted == "invalid":
-                results.append(PairResult(p, version, None, None, detail="vLLM refuses these TP sizes for this model; not launched"))
+                results.append(
+                    PairResult(
+                        p, version, None, None, detail="vLLM refuses these TP sizes for this model; not launched"
+                    )
+                )
             else:
                 left = progress.eta_s(took, total - len(took))
-                rep.phase(f"matrix pair {len(took) + 1}/{total}: {p.id} on vLLM {version}, P TP{p.tp_p} -> D TP{p.tp_d}; "
-                          + (f"about {progress.duration(left)} left (median of {len(took)} pair(s) done)" if left is not None
-                             else "no estimate before the first pair ends"))
+                rep.phase(
+                    f"matrix pair {len(took) + 1}/{total}: {p.id} on vLLM {version}, P TP{p.tp_p} -> D TP{p.tp_d}; "
+                    + (
+                        f"about {progress.duration(left)} left (median of {len(took)} pair(s) done)"
+                        if left is not None
+                        else "no estimate before the first pair ends"
+                    )
+                )
                 t_pair = rep.clock()  # the pair's time includes building its model (the estimate must, too)
                 cfg = config_for(base, p, model_for(p, models), pythons[version], run_dir / f"vllm-{version}" / p.id)
                 rep.clear()
-                print(f"  {p.id}: running P TP{p.tp_p} -> D TP{p.tp_d} (run folder {cfg.run_dir})", file=out, flush=True)
+                print(
+                    f"  {p.id}: running P TP{p.tp_p} -> D TP{p.tp_d} (run folder {cfg.run_dir})", file=out, flush=True
+                )
                 report = run_pair(cfg, cache)
                 took.append(rep.clock() - t_pair)
                 rep.phase(f"matrix pair {len(took)}/{total}: {p.id} done in {progress.duration(took[-1])}")
                 observed = observed_outcome(report)
                 detail = "" if observed == "ok" else str(report.get("reason") or "")[:300]
-                results.append(PairResult(p, version, observed, judge(p, observed), str(cfg.run_dir), detail,
-                                          simulated=bool(report.get("simulated"))))
+                results.append(
+                    PairResult(
+                        p,
+                        version,
+                        observed,
+                        judge(p, observed),
+                        str(cfg.run_dir),
+                        detail,
+                        simulated=bool(report.get("simulated")),
+                    )
+                )
             rep.clear()
             print(pair_line(results[-1]), file=out, flush=True)
             write_matrix_report(results, versions, run_dir, complete=False)
@@ -209,8 +262,14 @@ def summary(results: list[PairResult], versions: list[str]) -> str:
     bad = [r for r in ran if not r.as_expected]
     lines = [version_line(v, results) for v in versions]
     flaky = sum(r.intermittent for r in ran)
-    lines.append(f"matrix: {len(ran) - len(bad)}/{len(ran)} pairs as expected"
-                 + (f" ({flaky} with a known intermittent failure)" if flaky else "") + f", {len(results) - len(ran)} skipped"
-                 + (f"; unexpected: {', '.join(f'{r.pair.id} on {r.vllm_version} ({r.observed}, expected {r.pair.expected})' for r in bad)}" if bad else ""))
+    lines.append(
+        f"matrix: {len(ran) - len(bad)}/{len(ran)} pairs as expected"
+        + (f" ({flaky} with a known intermittent failure)" if flaky else "")
+        + f", {len(results) - len(ran)} skipped"
+        + (
+            f"; unexpected: {', '.join(f'{r.pair.id} on {r.vllm_version} ({r.observed}, expected {r.pair.expected})' for r in bad)}"
+            if bad
+            else ""
+        )
+    )
     return "\n".join(lines)
-

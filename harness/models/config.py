@@ -8,8 +8,8 @@ from typing import TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from harness.core.paths import REPO_ROOT
 from harness.core.errors import ConfigError
+from harness.core.paths import REPO_ROOT
 
 MODELS_YAML = REPO_ROOT / "configs" / "models.yaml"
 
@@ -22,7 +22,9 @@ class ModelEntry(BaseModel):
     description: str | None = None
     attention_heads: int = Field(ge=1)
     kv_heads: int = Field(ge=1)
-    params_b: float | None = Field(default=None, gt=0)  # parameters in billions, for GPU memory planning (harness/gpu/plan.py)
+    params_b: float | None = Field(
+        default=None, gt=0
+    )  # parameters in billions, for GPU memory planning (harness/gpu/plan.py)
     gsm8k_expected: float | None = Field(default=None, ge=0, le=1)
     # The KV cache's shape beyond the heads (harness/models/heads.py); a hub_id-less entry is built by
     # harness/models/tiny.py spec_for_model_entry from these.
@@ -34,7 +36,9 @@ class ModelEntry(BaseModel):
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelEntry:
         if self.attention_heads % self.kv_heads:
-            raise ValueError(f"attention_heads ({self.attention_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise ValueError(
+                f"attention_heads ({self.attention_heads}) must be a multiple of kv_heads ({self.kv_heads})"
+            )
         return self
 
 
@@ -71,10 +75,17 @@ def entry_from_files(model: str) -> ModelEntry | None:
     w = weights(loc.folder)
     where = "the local Hugging Face cache" if loc.from_cache else "a local folder"
     try:
-        return ModelEntry(id=Path(model).name, description=f"read from {where}: {loc.folder}",
-                          attention_heads=shape["attention_heads"], kv_heads=shape["kv_heads"],
-                          params_b=w.params / 1e9 if w and w.params else None, family=shape["family"],
-                          head_dim=shape["head_dim"], sliding_window=shape["sliding_window"], mla=shape["mla"])
+        return ModelEntry(
+            id=Path(model).name,
+            description=f"read from {where}: {loc.folder}",
+            attention_heads=shape["attention_heads"],
+            kv_heads=shape["kv_heads"],
+            params_b=w.params / 1e9 if w and w.params else None,
+            family=shape["family"],
+            head_dim=shape["head_dim"],
+            sliding_window=shape["sliding_window"],
+            mla=shape["mla"],
+        )
     except ValidationError:  # a config without heads (or inconsistent ones): the preflight says what is wrong
         return None
 

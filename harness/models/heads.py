@@ -22,8 +22,23 @@ def model_heads(model: str) -> dict[str, int | str | bool | None]:
         return config_shape(cfg)
     entry = load_models().find(model, files=False)
     if entry is None:
-        return {"attention_heads": None, "kv_heads": None, "family": None, "head_dim": None, "sliding_window": None,
-                "mla": False, "kv_cache_groups": 1, "layers": None}
-    return {"attention_heads": entry.attention_heads, "kv_heads": entry.kv_heads, "family": entry.family,
-            "head_dim": entry.head_dim, "sliding_window": entry.sliding_window, "mla": entry.mla, "kv_cache_groups": 1,
-            "layers": None}
+        return {
+            "attention_heads": None,
+            "kv_heads": None,
+            "family": None,
+            "head_dim": None,
+            "sliding_window": None,
+            "mla": False,
+            "kv_cache_groups": 1,
+            "layers": None,
+        }
+    return {
+        "attention_heads": entry.attention_heads,
+        "kv_heads": entry.kv_heads,
+        "family": entry.family,
+        "head_dim": entry.head_dim,
+        "sliding_window": entry.sliding_window,
+        "mla": entry.mla,
+        "kv_cache_groups": 1,
+        "layers": None,
+    }

@@ -138,9 +138,11 @@ def availability(model: str, env: Mapping[str, str] | None = None) -> str | None
     if loc is None:
         if not is_hub_id(model):
             return f"model folder {model} does not exist"
-        return (f"model {model} is not in the local Hugging Face cache ({hub_cache_dir(env)}) and is no local folder; "
-                f"servers run offline: fetch it first with `{fetch_command(model)}` "
-                f"(or `huggingface-cli download {model}`)")
+        return (
+            f"model {model} is not in the local Hugging Face cache ({hub_cache_dir(env)}) and is no local folder; "
+            f"servers run offline: fetch it first with `{fetch_command(model)}` "
+            f"(or `huggingface-cli download {model}`)"
+        )
     if not (loc.folder / "config.json").is_file():
         return f"model folder {model} has no config.json"
     try:
@@ -149,8 +151,10 @@ def availability(model: str, env: Mapping[str, str] | None = None) -> str | None
         return f"model {model}: {loc.folder / SAFETENSORS_INDEX} cannot be read"
     if missing:
         fetch = f"; fetch it with `{fetch_command(model)}`" if loc.from_cache else ""
-        return (f"model {model} is incomplete in {loc.folder}: {len(missing)} of {len(shards)} weight files missing "
-                f"(e.g. {missing[0]}){fetch}")
+        return (
+            f"model {model} is incomplete in {loc.folder}: {len(missing)} of {len(shards)} weight files missing "
+            f"(e.g. {missing[0]}){fetch}"
+        )
     return None
 
 
@@ -174,6 +178,13 @@ def config_shape(c: dict) -> dict:
     # Layers of different attention kinds (Gemma 3: sliding and full) are separate KV cache groups in vLLM, each
     # taking its own blocks of the one pool: a pool sized for one group serves a shorter context.
     groups = len(set(c["layer_types"])) if isinstance(c.get("layer_types"), list) and c["layer_types"] else 1
-    return {"attention_heads": heads, "kv_heads": c.get("num_key_value_heads", heads), "family": c.get("model_type"),
-            "head_dim": head_dim, "sliding_window": window, "mla": mla, "kv_cache_groups": groups,
-            "layers": c.get("num_hidden_layers")}
+    return {
+        "attention_heads": heads,
+        "kv_heads": c.get("num_key_value_heads", heads),
+        "family": c.get("model_type"),
+        "head_dim": head_dim,
+        "sliding_window": window,
+        "mla": mla,
+        "kv_cache_groups": groups,
+        "layers": c.get("num_hidden_layers"),
+    }

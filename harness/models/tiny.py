@@ -36,13 +36,101 @@ if TYPE_CHECKING:
 DEFAULT_CACHE = CACHE_ROOT / "models"
 BUILDER_VERSION = 2  # bump when the recipe changes, so caches are rebuilt
 
-_WORDS = (
-    "the a one two three four five six seven eight nine ten red blue green cat dog bird tree river "
-    "stone house city road cloud rain sun moon star light dark fast slow big small old new first last "
-    "north south east west paris rome berlin london tokyo water fire earth wind gold silver iron "
-    "apple bread milk cheese book page word number answer question sum total plus minus times equals "
-    "is are was were has have had will can may and or but if then so because when where who what how"
-).split()
+_WORDS = [
+    "the",
+    "a",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
+    "six",
+    "seven",
+    "eight",
+    "nine",
+    "ten",
+    "red",
+    "blue",
+    "green",
+    "cat",
+    "dog",
+    "bird",
+    "tree",
+    "river",
+    "stone",
+    "house",
+    "city",
+    "road",
+    "cloud",
+    "rain",
+    "sun",
+    "moon",
+    "star",
+    "light",
+    "dark",
+    "fast",
+    "slow",
+    "big",
+    "small",
+    "old",
+    "new",
+    "first",
+    "last",
+    "north",
+    "south",
+    "east",
+    "west",
+    "paris",
+    "rome",
+    "berlin",
+    "london",
+    "tokyo",
+    "water",
+    "fire",
+    "earth",
+    "wind",
+    "gold",
+    "silver",
+    "iron",
+    "apple",
+    "bread",
+    "milk",
+    "cheese",
+    "book",
+    "page",
+    "word",
+    "number",
+    "answer",
+    "question",
+    "sum",
+    "total",
+    "plus",
+    "minus",
+    "times",
+    "equals",
+    "is",
+    "are",
+    "was",
+    "were",
+    "has",
+    "have",
+    "had",
+    "will",
+    "can",
+    "may",
+    "and",
+    "or",
+    "but",
+    "if",
+    "then",
+    "so",
+    "because",
+    "when",
+    "where",
+    "who",
+    "what",
+    "how",
+]
 
 
 @dataclass(frozen=True)
@@ -98,8 +186,7 @@ class TinyModelSpec:
 
     def dirname(self) -> str:
         window = f"-w{self.sliding_window}" if self.sliding_window else ""
-        return (f"tiny-{self.family}-h{self.heads}-k{self.kv_heads}-l{self.layers}-d{self.head_dim}{window}"
-                f"-{self.key()}")
+        return f"tiny-{self.family}-h{self.heads}-k{self.kv_heads}-l{self.layers}-d{self.head_dim}{window}-{self.key()}"
 
 
 def corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
@@ -175,18 +262,31 @@ MLA_ROPE_DIM = 64
 
 
 def _common(spec: TinyModelSpec, vocab_size: int) -> dict:
-    return {"vocab_size": vocab_size, "intermediate_size": spec.intermediate, "num_hidden_layers": spec.layers,
-            "num_attention_heads": spec.heads, "num_key_value_heads": spec.kv_heads,
-            "max_position_embeddings": spec.max_positions, "initializer_range": spec.init_std,
-            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    return {
+        "vocab_size": vocab_size,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "max_position_embeddings": spec.max_positions,
+        "initializer_range": spec.init_std,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    }
 
 
 def qwen3_config(spec: TinyModelSpec, vocab_size: int):
     from transformers import Qwen3Config
 
     # hidden size half of heads * head_dim: Qwen3's head_dim is its own setting, and this shows it is read as such.
-    return Qwen3Config(**_common(spec, vocab_size), hidden_size=spec.heads * spec.head_dim // 2, head_dim=spec.head_dim,
-                       use_sliding_window=False)
+    return Qwen3Config(
+        **_common(spec, vocab_size),
+        hidden_size=spec.heads * spec.head_dim // 2,
+        head_dim=spec.head_dim,
+        use_sliding_window=False,
+    )
 
 
 def qwen2_config(spec: TinyModelSpec, vocab_size: int):
@@ -199,8 +299,12 @@ def qwen2_config(spec: TinyModelSpec, vocab_size: int):
 def mistral_config(spec: TinyModelSpec, vocab_size: int):
     from transformers import MistralConfig
 
-    return MistralConfig(**_common(spec, vocab_size), hidden_size=spec.heads * spec.head_dim, head_dim=spec.head_dim,
-                         sliding_window=spec.sliding_window)
+    return MistralConfig(
+        **_common(spec, vocab_size),
+        hidden_size=spec.heads * spec.head_dim,
+        head_dim=spec.head_dim,
+        sliding_window=spec.sliding_window,
+    )
 
 
 def gemma3_config(spec: TinyModelSpec, vocab_size: int):
@@ -208,18 +312,35 @@ def gemma3_config(spec: TinyModelSpec, vocab_size: int):
 
     # Text-only Gemma3ForCausalLM; every other layer slides (sliding first), so 2 layers hold one of each.
     layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)]
-    return Gemma3TextConfig(**_common(spec, vocab_size), hidden_size=spec.heads * spec.head_dim, head_dim=spec.head_dim,
-                            query_pre_attn_scalar=spec.head_dim, sliding_window=spec.sliding_window, layer_types=layer_types)
+    return Gemma3TextConfig(
+        **_common(spec, vocab_size),
+        hidden_size=spec.heads * spec.head_dim,
+        head_dim=spec.head_dim,
+        query_pre_attn_scalar=spec.head_dim,
+        sliding_window=spec.sliding_window,
+        layer_types=layer_types,
+    )
 
 
 def deepseek_v2_config(spec: TinyModelSpec, vocab_size: int):
     from transformers import DeepseekV2Config
 
     # MLA without q compression (as V2-Lite); every layer dense (first_k_dense_replace = layers) keeps MoE out.
-    return DeepseekV2Config(**_common(spec, vocab_size), hidden_size=spec.heads * spec.head_dim, q_lora_rank=None,
-                            kv_lora_rank=MLA_KV_LORA_RANK, qk_rope_head_dim=MLA_ROPE_DIM, qk_nope_head_dim=spec.head_dim,
-                            v_head_dim=spec.head_dim, head_dim=MLA_ROPE_DIM, first_k_dense_replace=spec.layers,
-                            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=64)
+    return DeepseekV2Config(
+        **_common(spec, vocab_size),
+        hidden_size=spec.heads * spec.head_dim,
+        q_lora_rank=None,
+        kv_lora_rank=MLA_KV_LORA_RANK,
+        qk_rope_head_dim=MLA_ROPE_DIM,
+        qk_nope_head_dim=spec.head_dim,
+        v_head_dim=spec.head_dim,
+        head_dim=MLA_ROPE_DIM,
+        first_k_dense_replace=spec.layers,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+    )
 
 
 def granitemoehybrid_config(spec: TinyModelSpec, vocab_size: int):
@@ -231,12 +352,21 @@ def granitemoehybrid_config(spec: TinyModelSpec, vocab_size: int):
     # Mamba heads are 2 x heads of head_dim each (intermediate 2 x hidden): they divide by any TP the heads divide by.
     # One B/C group, as Granite 4.0-H: vLLM replicates it on every TP rank, where NIXL's conv-state slicing errs.
     layer_types = ["attention" if i % 2 else "mamba" for i in range(spec.layers)]
-    return GraniteMoeHybridConfig(**_common(spec, vocab_size), hidden_size=spec.heads * spec.head_dim,
-                                  layer_types=layer_types, position_embedding_type="rope",
-                                  attention_multiplier=spec.head_dim ** -0.5, num_local_experts=0,
-                                  shared_intermediate_size=spec.intermediate, mamba_n_heads=2 * spec.heads,
-                                  mamba_d_head=spec.head_dim, mamba_expand=2, mamba_n_groups=1, mamba_d_state=16,
-                                  mamba_d_conv=4)
+    return GraniteMoeHybridConfig(
+        **_common(spec, vocab_size),
+        hidden_size=spec.heads * spec.head_dim,
+        layer_types=layer_types,
+        position_embedding_type="rope",
+        attention_multiplier=spec.head_dim**-0.5,
+        num_local_experts=0,
+        shared_intermediate_size=spec.intermediate,
+        mamba_n_heads=2 * spec.heads,
+        mamba_d_head=spec.head_dim,
+        mamba_expand=2,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+    )
 
 
 FAMILIES = {
@@ -267,7 +397,9 @@ def spec_for_model_entry(entry: ModelEntry, kv_heads: int | None = None) -> Tiny
     k = entry.attention_heads if family in MLA_FAMILIES else (kv_heads or entry.kv_heads)
     # An MLA entry's head_dim is its latent width (heads.py), not this recipe's knob.
     extra = {"head_dim": entry.head_dim} if entry.head_dim and family not in MLA_FAMILIES else {}
-    return TinyModelSpec(kv_heads=k, heads=entry.attention_heads, family=family, sliding_window=entry.sliding_window, **extra)
+    return TinyModelSpec(
+        kv_heads=k, heads=entry.attention_heads, family=family, sliding_window=entry.sliding_window, **extra
+    )
 
 
 def write_model(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
@@ -285,7 +417,9 @@ def ensure_tiny_model(spec: TinyModelSpec = TinyModelSpec(), cache_dir: Path = D
     def build(tmp: Path) -> None:
         vocab_size = train_tokenizer(spec, tmp)
         write_model(spec, tmp, vocab_size)
-        (tmp / "harness_tiny_model.json").write_text(json.dumps({**spec.record(), "builder": BUILDER_VERSION}, indent=2))
+        (tmp / "harness_tiny_model.json").write_text(
+            json.dumps({**spec.record(), "builder": BUILDER_VERSION}, indent=2)
+        )
 
     return build_cached(Path(cache_dir) / spec.dirname(), is_built, build)
 
@@ -298,7 +432,9 @@ def export(spec: TinyModelSpec, out: Path, cache_dir: Path = DEFAULT_CACHE) -> P
         return out
     if out.exists() and any(out.iterdir()):
         existing = out / "harness_tiny_model.json"
-        if not existing.exists() or json.loads(existing.read_text()) != json.loads((src / "harness_tiny_model.json").read_text()):
+        if not existing.exists() or json.loads(existing.read_text()) != json.loads(
+            (src / "harness_tiny_model.json").read_text()
+        ):
             raise FileExistsError(f"{out} exists and holds something else; choose an empty folder")
         return out
     shutil.copytree(src, out, dirs_exist_ok=True)

@@ -138,8 +138,15 @@ def version_family(v: str | None, fixed_in: tuple[int, ...] | None = None) -> st
     return "pre-fix" if parse_version(v) < (fixed_in or measured_fixed_in()) else "fixed"
 
 
-def predict(shape: ModelShape, tp_p: int, tp_d: int, block_size_p: int = 16, block_size_d: int | None = None,
-            vllm_version: str | None = None, fixed_in: tuple[int, ...] | None = None) -> Topology:
+def predict(
+    shape: ModelShape,
+    tp_p: int,
+    tp_d: int,
+    block_size_p: int = 16,
+    block_size_d: int | None = None,
+    vllm_version: str | None = None,
+    fixed_in: tuple[int, ...] | None = None,
+) -> Topology:
     bs_d = block_size_d or block_size_p
     k = shape.kv_heads
     reasons = validity(shape, tp_p, tp_d, block_size_p, bs_d)
@@ -167,9 +174,34 @@ def predict(shape: ModelShape, tp_p: int, tp_d: int, block_size_p: int = 16, blo
         if p_len == d_len * ratio // bsr:
             expected, why = "ok", "block lengths agree with tp_ratio"
         else:
-            expected, why = "assert-45330", (f"P block length {p_len} != D block length {d_len} * tp_ratio {ratio} // "
-                                            f"block_size_ratio {bsr} = {d_len * ratio // bsr} (issue #45330)")
+            expected, why = (
+                "assert-45330",
+                (
+                    f"P block length {p_len} != D block length {d_len} * tp_ratio {ratio} // "
+                    f"block_size_ratio {bsr} = {d_len * ratio // bsr} (issue #45330)"
+                ),
+            )
     else:
         expected, why = "ok", "handshake compatible"
-    return Topology(tp_p, tp_d, k, shape.attention_heads, hp, hd, ratio, block_size_p, bs_d, bsr, p_len, d_len, reg,
-                    REGIMES[reg], valid, tuple(reasons), vllm_version, family, expected, why)
+    return Topology(
+        tp_p,
+        tp_d,
+        k,
+        shape.attention_heads,
+        hp,
+        hd,
+        ratio,
+        block_size_p,
+        bs_d,
+        bsr,
+        p_len,
+        d_len,
+        reg,
+        REGIMES[reg],
+        valid,
+        tuple(reasons),
+        vllm_version,
+        family,
+        expected,
+        why,
+    )

@@ -33,6 +33,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness.core.cache import build_cached
+from harness.models.tiny import DEFAULT_CACHE, TinyModelSpec, build_model, train_tokenizer
 from harness.tasks.gsm8k_offline import (
     FEWSHOT_DELIMITER,
     GENERATOR_VERSION,
@@ -45,8 +47,6 @@ from harness.tasks.gsm8k_offline import (
     splits,
     stream,
 )
-from harness.core.cache import build_cached
-from harness.models.tiny import DEFAULT_CACHE, TinyModelSpec, build_model, train_tokenizer
 
 # The name the trained model is served under; it marks a run whose accuracy baseline must be meaningful.
 TRAINED_NAME = "tiny-llama-trained"
@@ -97,8 +97,10 @@ class TrainedModelSpec:
 
     def key(self) -> str:
         # The generator version too: the training text comes from it.
-        blob = json.dumps({**asdict(self), "arch": self.arch.record(), "trainer": TRAINER_VERSION, "generator": GENERATOR_VERSION},
-                          sort_keys=True)
+        blob = json.dumps(
+            {**asdict(self), "arch": self.arch.record(), "trainer": TRAINER_VERSION, "generator": GENERATOR_VERSION},
+            sort_keys=True,
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def dirname(self) -> str:
@@ -235,7 +237,10 @@ def train(spec: TrainedModelSpec, model, tokenizer, log_every: int = 50) -> Trai
         opt.step()
         losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
-            print(f"step {step + 1}/{t.steps} loss {sum(losses[-log_every:]) / log_every:.4f} {time.monotonic() - start:.0f}s", flush=True)
+            print(
+                f"step {step + 1}/{t.steps} loss {sum(losses[-log_every:]) / log_every:.4f} {time.monotonic() - start:.0f}s",
+                flush=True,
+            )
     seconds = time.monotonic() - start
     model.eval()
     tail = losses[-max(1, t.steps // 10) :]
@@ -264,7 +269,13 @@ def cut_at_stops(text: str, until: list[str] = UNTIL) -> str:
     return text[:cut]
 
 
-def greedy_accuracy(model_dir: Path, task: TaskSpec = TaskSpec(), limit: int | None = None, batch_size: int = 25, max_new_tokens: int = 24) -> EvalResult:
+def greedy_accuracy(
+    model_dir: Path,
+    task: TaskSpec = TaskSpec(),
+    limit: int | None = None,
+    batch_size: int = 25,
+    max_new_tokens: int = 24,
+) -> EvalResult:
     """Greedy strict-match accuracy on the test split with lm-eval's exact few-shot prompts."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -273,7 +284,9 @@ def greedy_accuracy(model_dir: Path, task: TaskSpec = TaskSpec(), limit: int | N
     return evaluate(model, tokenizer, task, limit, batch_size, max_new_tokens)
 
 
-def evaluate(model, tokenizer, task: TaskSpec, limit: int | None = None, batch_size: int = 25, max_new_tokens: int = 24) -> EvalResult:
+def evaluate(
+    model, tokenizer, task: TaskSpec, limit: int | None = None, batch_size: int = 25, max_new_tokens: int = 24
+) -> EvalResult:
     import torch
 
     data = splits(task)
@@ -291,21 +304,37 @@ def evaluate(model, tokenizer, task: TaskSpec, limit: int | None = None, batch_s
         attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
         with torch.no_grad():
             out = model.generate(
-                input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                input_ids=ids,
+                attention_mask=attn,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+                eos_token_id=tokenizer.eos_token_id,
             )
         for d, row in zip(chunk, out[:, width:]):
             completion = cut_at_stops(tokenizer.decode(row, skip_special_tokens=True))
-            samples.append({"question": d["question"], "target": answer_number(d["answer"]) or "", "completion": completion})
+            samples.append(
+                {"question": d["question"], "target": answer_number(d["answer"]) or "", "completion": completion}
+            )
     correct = sum(answer_number(s["completion"]) == s["target"] for s in samples)
-    return EvalResult(accuracy=correct / max(1, len(samples)), correct=correct, n=len(samples), seconds=time.monotonic() - start, samples=samples)
+    return EvalResult(
+        accuracy=correct / max(1, len(samples)),
+        correct=correct,
+        n=len(samples),
+        seconds=time.monotonic() - start,
+        samples=samples,
+    )
 
 
 # ---------------------------------------------------------------- cache
 
 
 def is_built(folder: Path) -> bool:
-    return (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists() and (folder / META_FILE).exists()
+    return (
+        (folder / "model.safetensors").exists()
+        and (folder / "tokenizer.json").exists()
+        and (folder / META_FILE).exists()
+    )
 
 
 def build(spec: TrainedModelSpec, out: Path, log_every: int = 50) -> dict:
@@ -318,7 +347,9 @@ def build(spec: TrainedModelSpec, out: Path, log_every: int = 50) -> dict:
     with torch_settings(spec.train.threads):
         model = build_model(spec.arch, vocab_size)
         result = train(spec, model, tokenizer, log_every)
-        print(f"training: {result.steps} steps in {result.seconds:.1f}s, final loss {result.final_loss:.4f}", flush=True)
+        print(
+            f"training: {result.steps} steps in {result.seconds:.1f}s, final loss {result.final_loss:.4f}", flush=True
+        )
         ev = evaluate(model, tokenizer, spec.task, spec.eval_limit)
     print(f"held-out greedy accuracy {ev.accuracy:.3f} ({ev.correct}/{ev.n}) in {ev.seconds:.1f}s", flush=True)
     model.generation_config.pad_token_id = tokenizer.eos_token_id
@@ -339,7 +370,9 @@ def build(spec: TrainedModelSpec, out: Path, log_every: int = 50) -> dict:
     return meta
 
 
-def ensure_trained_model(spec: TrainedModelSpec = TrainedModelSpec(), cache_dir: Path = DEFAULT_CACHE, log_every: int = 50) -> Path:
+def ensure_trained_model(
+    spec: TrainedModelSpec = TrainedModelSpec(), cache_dir: Path = DEFAULT_CACHE, log_every: int = 50
+) -> Path:
     """Return the cached trained model folder for ``spec``, training it first if needed."""
     spec.validate()
     # Trained once even when two runs ask at the same time; never seen half-written (see core.cache.build_cached).
@@ -357,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", action="store_true", help="also score the saved folder with HF greedy decoding")
     a = p.parse_args(argv)
     arch = default_arch()
-    spec = TrainedModelSpec(arch=TinyModelSpec(**{**asdict(arch), "kv_heads": a.kv_heads}), train=TrainSpec(steps=a.steps))
+    spec = TrainedModelSpec(
+        arch=TinyModelSpec(**{**asdict(arch), "kv_heads": a.kv_heads}), train=TrainSpec(steps=a.steps)
+    )
     path = ensure_trained_model(spec)
     print(path)
     print(json.dumps({k: v for k, v in read_meta(path).items() if k != "spec"}, sort_keys=True))

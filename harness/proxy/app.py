@@ -77,7 +77,11 @@ class HopError(Exception):
         headers = {"X-Request-Id": request_id, "X-Proxy-Hop": self.hop}
         if self.passthrough and self.body is not None:
             return Response(self.body, status_code=self.status, headers=headers, media_type="application/json")
-        return JSONResponse({"error": {"message": self.message, "type": "proxy_error", "hop": self.hop}}, status_code=self.status, headers=headers)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": "proxy_error", "hop": self.hop}},
+            status_code=self.status,
+            headers=headers,
+        )
 
 
 class BadRequest(Exception):
@@ -251,7 +255,7 @@ def create_app(
             stage[0] = "prefill"
             p_raw = await read("prefill", p_url, await send("prefill", p_url, path, p_body, headers))
             stage[0] = "between_hops"
-            stats.prefill_hop_ms = [*stats.prefill_hop_ms[-(KEEP_HOP_TIMES - 1):], 1000 * (time.monotonic() - t0)]
+            stats.prefill_hop_ms = [*stats.prefill_hop_ms[-(KEEP_HOP_TIMES - 1) :], 1000 * (time.monotonic() - t0)]
             try:
                 kv = json.loads(p_raw).get("kv_transfer_params")
             except (ValueError, AttributeError):
@@ -259,7 +263,11 @@ def create_app(
             if not kv:
                 stats.prefill_missing_kv_transfer_params += 1
                 if not skip:
-                    raise HopError(502, "prefill", f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, so no KV transfer can happen")
+                    raise HopError(
+                        502,
+                        "prefill",
+                        f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, so no KV transfer can happen",
+                    )
             else:
                 stats.prefill_with_kv_transfer_params += 1
                 stats.last_kv_transfer_params = kv
@@ -269,8 +277,18 @@ def create_app(
             stage[0] = "decode"
             d_resp = await send("decode", d_url, path, d_body, headers)
             if body.get("stream"):
-                log.debug("req %s P=%s D=%s stream started kv=yes %.1f ms", request_id, p_url, d_url, 1000 * (time.monotonic() - t0))
-                return StreamingResponse(relay(d_resp, d_url, request_id), media_type="text/event-stream", headers={"X-Request-Id": request_id})
+                log.debug(
+                    "req %s P=%s D=%s stream started kv=yes %.1f ms",
+                    request_id,
+                    p_url,
+                    d_url,
+                    1000 * (time.monotonic() - t0),
+                )
+                return StreamingResponse(
+                    relay(d_resp, d_url, request_id),
+                    media_type="text/event-stream",
+                    headers={"X-Request-Id": request_id},
+                )
             d_raw = await read("decode", d_url, d_resp)
         except HopError as e:
             stats.errors[e.hop] = stats.errors.get(e.hop, 0) + 1
@@ -289,14 +307,22 @@ def create_app(
                 body = validate_body(raw, path)
             except ValueError as e:
                 raise BadRequest(400, str(e)) from None
-            return await until_disconnect(request, route(request, path, body, request_id, stage := ["before_prefill"]),
-                                          stage, request_id)
+            return await until_disconnect(
+                request, route(request, path, body, request_id, stage := ["before_prefill"]), stage, request_id
+            )
         except BadRequest as e:
-            return JSONResponse({"error": {"message": e.message, "type": "invalid_request_error"}}, status_code=e.status, headers={"X-Request-Id": request_id})
+            return JSONResponse(
+                {"error": {"message": e.message, "type": "invalid_request_error"}},
+                status_code=e.status,
+                headers={"X-Request-Id": request_id},
+            )
         except Exception as e:  # noqa: BLE001 - a bug here must still answer JSON, never a bare 500 with a traceback
             log.exception("req %s: proxy error", request_id)
-            return JSONResponse({"error": {"message": f"proxy error: {type(e).__name__}: {e}", "type": "proxy_error"}},
-                                status_code=500, headers={"X-Request-Id": request_id})
+            return JSONResponse(
+                {"error": {"message": f"proxy error: {type(e).__name__}: {e}", "type": "proxy_error"}},
+                status_code=500,
+                headers={"X-Request-Id": request_id},
+            )
 
     async def until_disconnect(request: Request, work, stage: list[str], request_id: str) -> Response:
         """Run ``work`` (the hops) until it answers or the client goes away; then cancel it, which closes the
@@ -327,7 +353,13 @@ def create_app(
             stats.completed += 1
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             stats.errors["decode"] += 1
-            msg = {"error": {"message": f"decode hop to {url} failed mid-stream: {type(e).__name__}: {e}", "type": "proxy_error", "hop": "decode"}}
+            msg = {
+                "error": {
+                    "message": f"decode hop to {url} failed mid-stream: {type(e).__name__}: {e}",
+                    "type": "proxy_error",
+                    "hop": "decode",
+                }
+            }
             log.warning("req %s stream broke: %s: %s", request_id, type(e).__name__, e)
             yield f"data: {json.dumps(msg)}\n\n".encode()
         except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
@@ -364,9 +396,13 @@ def create_app(
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 return {"role": role, "url": url, "ok": False, "detail": f"{type(e).__name__}: {e}"}
 
-        results = await asyncio.gather(*[probe("prefill", u) for u in prefill_urls], *[probe("decode", u) for u in decode_urls])
+        results = await asyncio.gather(
+            *[probe("prefill", u) for u in prefill_urls], *[probe("decode", u) for u in decode_urls]
+        )
         ok = all(r["ok"] for r in results)
-        return JSONResponse({"status": "ok" if ok else "degraded", "backends": list(results)}, status_code=200 if ok else 503)
+        return JSONResponse(
+            {"status": "ok" if ok else "degraded", "backends": list(results)}, status_code=200 if ok else 503
+        )
 
     @app.get("/proxy/stats")
     async def proxy_stats() -> dict:

@@ -66,22 +66,37 @@ class BisectResult:
     def line(self) -> str:
         """The one line a maintainer reads."""
         latest = {p.version: p for p in self.probes}  # an end given first and run later shows what the run saw
-        tested = ", ".join(f"{v}={p.observation.outcome}" + (" (given)" if p.observation.source == "given" else "")
-                           + (" (skipped)" if p.verdict == "skip" else "")
-                           for v, p in sorted(latest.items(), key=lambda kv: self.versions.index(kv[0])))
+        tested = ", ".join(
+            f"{v}={p.observation.outcome}"
+            + (" (given)" if p.observation.source == "given" else "")
+            + (" (skipped)" if p.verdict == "skip" else "")
+            for v, p in sorted(latest.items(), key=lambda kv: self.versions.index(kv[0]))
+        )
         head = f"{self.entry}: {self.old_outcome} up to {self.last_old}, {self.new_outcome} from {self.first_new}"
         if self.exhausted:
             head += " (NOT PINNED: the probe budget ran out; the change lies between those two)"
         elif self.skipped_between:
-            head += (f" (NOT PINNED to one release: {', '.join(self.skipped_between)} could not be judged, so the change "
-                     f"is in one of {', '.join([*self.skipped_between, self.first_new])})")
+            head += (
+                f" (NOT PINNED to one release: {', '.join(self.skipped_between)} could not be judged, so the change "
+                f"is in one of {', '.join([*self.skipped_between, self.first_new])})"
+            )
         return f"{head} (tested: {tested})"
 
     def to_dict(self) -> dict:
-        return {"entry": self.entry, "versions": list(self.versions), "old_outcome": self.old_outcome,
-                "new_outcome": self.new_outcome, "last_old": self.last_old, "first_new": self.first_new,
-                "skipped_between": list(self.skipped_between), "exact": self.exact, "exhausted": self.exhausted,
-                "probes_run": len(self.runs), "probes": [p.to_dict() for p in self.probes], "line": self.line()}
+        return {
+            "entry": self.entry,
+            "versions": list(self.versions),
+            "old_outcome": self.old_outcome,
+            "new_outcome": self.new_outcome,
+            "last_old": self.last_old,
+            "first_new": self.first_new,
+            "skipped_between": list(self.skipped_between),
+            "exact": self.exact,
+            "exhausted": self.exhausted,
+            "probes_run": len(self.runs),
+            "probes": [p.to_dict() for p in self.probes],
+            "line": self.line(),
+        }
 
 
 class BisectError(ValueError):
@@ -110,9 +125,17 @@ def next_index(lo: int, hi: int, tried: set[int]) -> int | None:
     return min(free, key=lambda i: (abs(i - mid), i))
 
 
-def bisect(entry: str, versions: list[str], oracle: Callable[[str], Observation], old_outcome: str | None, new_outcome: str,
-           ends: dict[str, Observation] | None = None, aliases: dict[str, str] | None = None, max_probes: int = 12,
-           confirm: bool = True) -> BisectResult:
+def bisect(
+    entry: str,
+    versions: list[str],
+    oracle: Callable[[str], Observation],
+    old_outcome: str | None,
+    new_outcome: str,
+    ends: dict[str, Observation] | None = None,
+    aliases: dict[str, str] | None = None,
+    max_probes: int = 12,
+    confirm: bool = True,
+) -> BisectResult:
     """Find the boundary between the old outcome (oldest release) and the new one (newest).
 
     ``ends``: observations of the two ends already known (from the store, or given by the user); an end
@@ -144,8 +167,10 @@ def bisect(entry: str, versions: list[str], oracle: Callable[[str], Observation]
         got = verdict(o.outcome, old, new_outcome, aliases)
         probes.append(Probe(versions[i], o, got))
         if got != want:
-            raise BisectError(f"{versions[i]} shows {o.outcome}, not the {old if want == 'old' else new_outcome} "
-                              f"its end of the range needs ({o.source})")
+            raise BisectError(
+                f"{versions[i]} shows {o.outcome}, not the {old if want == 'old' else new_outcome} "
+                f"its end of the range needs ({o.source})"
+            )
 
     lo, hi, tried = 0, len(versions) - 1, set()
     exhausted = False
@@ -179,7 +204,9 @@ def bisect(entry: str, versions: list[str], oracle: Callable[[str], Observation]
                 if got != ("old" if i == lo else "new"):
                     raise BisectError(f"{versions[i]} was given as {'old' if i == lo else 'new'} but shows {o.outcome}")
     skipped = tuple(versions[k] for k in range(lo + 1, hi))
-    return BisectResult(entry, tuple(versions), old, new_outcome, versions[lo], versions[hi], skipped, tuple(probes), exhausted)
+    return BisectResult(
+        entry, tuple(versions), old, new_outcome, versions[lo], versions[hi], skipped, tuple(probes), exhausted
+    )
 
 
 def max_probes_needed(n_between: int) -> int:

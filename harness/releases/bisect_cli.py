@@ -12,27 +12,42 @@ import time
 from pathlib import Path
 
 from harness.core.errors import ConfigError
-from harness.core.interrupts import catch_interrupts
 from harness.core.files import write_atomic
+from harness.core.interrupts import catch_interrupts
 from harness.core.paths import RUNS_ROOT
 from harness.releases.bisect import BisectError, BisectResult, Observation, bisect
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bisect", help="binary-search the releases between --good and --bad for the first where an entry's outcome changes")
+    b = sub.add_parser(
+        "bisect",
+        help="binary-search the releases between --good and --bad for the first where an entry's outcome changes",
+    )
     b.add_argument("entry", help="an entry id of the matrix config, e.g. tiny-k1-p1-d2")
     b.add_argument("--good", required=True, help="a release where the entry shows the good outcome")
     b.add_argument("--bad", required=True, help="a release where it shows the bad outcome")
-    b.add_argument("--versions", help="comma-separated releases to search (default: every release the package index lists between the ends)")
+    b.add_argument(
+        "--versions",
+        help="comma-separated releases to search (default: every release the package index lists between the ends)",
+    )
     b.add_argument("--config", type=Path, help="matrix config (default: configs/gqa_replication.yaml)")
     b.add_argument("--good-outcome", default="ok", help="the good outcome (default ok)")
-    b.add_argument("--bad-outcome", help="the bad outcome (default: the failure the entry expects of a version family, e.g. assert-45330)")
+    b.add_argument(
+        "--bad-outcome",
+        help="the bad outcome (default: the failure the entry expects of a version family, e.g. assert-45330)",
+    )
     b.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
     b.add_argument("--run-dir", type=Path, help="default: runs/<timestamp>-bisect-<entry>")
     b.add_argument("--max-probes", type=int, default=8, help="most releases to run (default 8)")
     b.add_argument("--fresh", action="store_true", help="measure again instead of reusing stored results")
-    b.add_argument("--fresh-baseline", action="store_true", help="compute baselines again instead of reusing cached answers")
-    b.add_argument("--run-lock", type=Path, help="hold this file's lock around each run (not installs): a machine shared with other runs")
+    b.add_argument(
+        "--fresh-baseline", action="store_true", help="compute baselines again instead of reusing cached answers"
+    )
+    b.add_argument(
+        "--run-lock",
+        type=Path,
+        help="hold this file's lock around each run (not installs): a machine shared with other runs",
+    )
     b.add_argument("--json", action="store_true", help="print bisect.json instead of the line")
 
 
@@ -93,9 +108,21 @@ def main(a: argparse.Namespace) -> int:
         return 2
     store = ResultStore()
     run_dir = a.run_dir or RUNS_ROOT / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-bisect-{a.entry}"
-    command = "python -m harness " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else shlex.join(sys.argv)
-    prober = Prober(matrix, models, store, run_dir / "probes", device, count_gpus() if device == "gpu" else 0,
-                    fresh=a.fresh, fresh_baseline=a.fresh_baseline, run_lock=a.run_lock, by=command)
+    command = (
+        "python -m harness " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else shlex.join(sys.argv)
+    )
+    prober = Prober(
+        matrix,
+        models,
+        store,
+        run_dir / "probes",
+        device,
+        count_gpus() if device == "gpu" else 0,
+        fresh=a.fresh,
+        fresh_baseline=a.fresh_baseline,
+        run_lock=a.run_lock,
+        by=command,
+    )
     aliases = aliases_for(entry)
     ends: dict[str, Observation] = {}
     for v, outcome in ((versions[0], old_outcome), (versions[-1], new_outcome)):
@@ -104,15 +131,26 @@ def main(a: argparse.Namespace) -> int:
             ends[v] = Observation(got.outcome, "store", 0.0, got.run_dir, got.detail)
         elif outcome is not None:
             ends[v] = Observation(outcome, "given")
-    print(f"bisect {a.entry} over {len(versions)} releases ({versions[0]} .. {versions[-1]}): {len(versions) - 2} between the ends; "
-          f"old outcome {old_outcome or '(what ' + versions[0] + ' shows)'}, new outcome {new_outcome}"
-          + (f"; {', '.join(f'{k} counts as {v}' for k, v in aliases.items())} (known intermittent)" if aliases else "")
-          + f"; harness revision {store.revision}; folder {run_dir}", flush=True)
+    print(
+        f"bisect {a.entry} over {len(versions)} releases ({versions[0]} .. {versions[-1]}): {len(versions) - 2} between the ends; "
+        f"old outcome {old_outcome or '(what ' + versions[0] + ' shows)'}, new outcome {new_outcome}"
+        + (f"; {', '.join(f'{k} counts as {v}' for k, v in aliases.items())} (known intermittent)" if aliases else "")
+        + f"; harness revision {store.revision}; folder {run_dir}",
+        flush=True,
+    )
     catch_interrupts()  # SIGTERM too: the run in progress tears its servers down
     t0 = time.monotonic()
     try:
-        result = bisect(a.entry, versions, lambda v: prober.observe(a.entry, v), old_outcome, new_outcome, ends, aliases,
-                        a.max_probes)
+        result = bisect(
+            a.entry,
+            versions,
+            lambda v: prober.observe(a.entry, v),
+            old_outcome,
+            new_outcome,
+            ends,
+            aliases,
+            a.max_probes,
+        )
     except BisectError as e:
         print(f"bisect: {e}", file=sys.stderr)
         return 1
@@ -129,20 +167,46 @@ def main(a: argparse.Namespace) -> int:
     return 0
 
 
-def write_bisect(result: BisectResult, run_dir: Path, command: str, wall_s: float, revision: str, aliases: dict[str, str]) -> None:
+def write_bisect(
+    result: BisectResult, run_dir: Path, command: str, wall_s: float, revision: str, aliases: dict[str, str]
+) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    d = {**result.to_dict(), "command": command, "date": dt.date.today().isoformat(), "wall_s": round(wall_s, 1),
-         "harness_revision": revision, "aliases": aliases}
+    d = {
+        **result.to_dict(),
+        "command": command,
+        "date": dt.date.today().isoformat(),
+        "wall_s": round(wall_s, 1),
+        "harness_revision": revision,
+        "aliases": aliases,
+    }
     write_atomic(run_dir / "bisect.json", json.dumps(d, indent=2) + "\n")
-    lines = [f"# Bisect: {result.entry}", "", f"**{result.line()}**", "",
-             f"- command: `{command}`", f"- date: {d['date']}; harness revision {revision}",
-             f"- releases searched ({len(result.versions)}): {', '.join(result.versions)}",
-             f"- probes run: {len(result.runs)} in {wall_s:.0f} s wall"
-             + (f"; counted as their expected outcome: {', '.join(f'{k} -> {v}' for k, v in aliases.items())}" if aliases else ""),
-             "", "| release | outcome | verdict | source | seconds | run folder | detail |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Bisect: {result.entry}",
+        "",
+        f"**{result.line()}**",
+        "",
+        f"- command: `{command}`",
+        f"- date: {d['date']}; harness revision {revision}",
+        f"- releases searched ({len(result.versions)}): {', '.join(result.versions)}",
+        f"- probes run: {len(result.runs)} in {wall_s:.0f} s wall"
+        + (
+            f"; counted as their expected outcome: {', '.join(f'{k} -> {v}' for k, v in aliases.items())}"
+            if aliases
+            else ""
+        ),
+        "",
+        "| release | outcome | verdict | source | seconds | run folder | detail |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for p in result.probes:
         o = p.observation
-        run = os.path.relpath(o.run_dir, run_dir) if o.run_dir and o.run_dir.startswith(str(run_dir)) else (o.run_dir or "")
-        lines.append(f"| {p.version} | {o.outcome} | {p.verdict} | {o.source} | {o.seconds:.0f} | {run} | "
-                     f"{o.detail.replace('|', '/').replace(chr(10), ' ')[:200]} |")
+        run = (
+            os.path.relpath(o.run_dir, run_dir)
+            if o.run_dir and o.run_dir.startswith(str(run_dir))
+            else (o.run_dir or "")
+        )
+        lines.append(
+            f"| {p.version} | {o.outcome} | {p.verdict} | {o.source} | {o.seconds:.0f} | {run} | "
+            f"{o.detail.replace('|', '/').replace(chr(10), ' ')[:200]} |"
+        )
     write_atomic(run_dir / "bisect.md", "\n".join(lines) + "\n")

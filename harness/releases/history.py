@@ -73,31 +73,49 @@ class HistoryTable:
         return out
 
     def to_dict(self) -> dict:
-        return {"versions": self.versions, "columns": [asdict(c) for c in self.columns], "revision": self.revision,
-                "command": self.command, "date": self.date,
-                "cells": [{"version": v, "entry": e, **asdict(c)} for (v, e), c in sorted(self.cells.items())]}
+        return {
+            "versions": self.versions,
+            "columns": [asdict(c) for c in self.columns],
+            "revision": self.revision,
+            "command": self.command,
+            "date": self.date,
+            "cells": [{"version": v, "entry": e, **asdict(c)} for (v, e), c in sorted(self.cells.items())],
+        }
 
 
 def render_markdown(t: HistoryTable, png_name: str | None = "history.png") -> str:
     lines = ["# Release history", ""]
     if t.command:
         lines += [f"- command: `{t.command}`"]
-    lines += [f"- date: {t.date}; harness revision {t.revision}" if t.date else f"- harness revision {t.revision}",
-              f"- releases: {t.versions[0]} .. {t.versions[-1]} ({len(t.versions)})", ""]
+    lines += [
+        f"- date: {t.date}; harness revision {t.revision}" if t.date else f"- harness revision {t.revision}",
+        f"- releases: {t.versions[0]} .. {t.versions[-1]} ({len(t.versions)})",
+        "",
+    ]
     if png_name:
         lines += [f"![release history]({png_name})", ""]
-    lines += ["| vLLM | " + " | ".join(f"{c.id} ({c.label})" for c in t.columns) + " |",
-              "|---|" + "---|" * len(t.columns)]
+    lines += [
+        "| vLLM | " + " | ".join(f"{c.id} ({c.label})" for c in t.columns) + " |",
+        "|---|" + "---|" * len(t.columns),
+    ]
     for v in t.versions:
         row = []
         for c in t.columns:
             cell = t.cell(v, c.id)
             mark = "" if cell.source != "store" else " ·"
-            unexpected = " ⚠" if cell.expected and cell.source != "missing" and cell.outcome not in (cell.expected, "install-failed") else ""
+            unexpected = (
+                " ⚠"
+                if cell.expected and cell.source != "missing" and cell.outcome not in (cell.expected, "install-failed")
+                else ""
+            )
             row.append(f"{cell.outcome}{mark}{unexpected}")
         lines.append(f"| {v} | " + " | ".join(row) + " |")
-    lines += ["", "`·` reused from the results store (same entry, release and harness revision); "
-              "`⚠` differs from what the config's version families expect of that release.", ""]
+    lines += [
+        "",
+        "`·` reused from the results store (same entry, release and harness revision); "
+        "`⚠` differs from what the config's version families expect of that release.",
+        "",
+    ]
     lines += ["## Where outcomes change", ""]
     for c in t.columns:
         b = t.boundaries(c.id)
@@ -106,7 +124,11 @@ def render_markdown(t: HistoryTable, png_name: str | None = "history.png") -> st
     if details:
         lines += ["", "## Details", ""] + [f"- {v} {e}: {c.outcome}: {c.detail[:300]}" for v, e, c in details]
     lines += known_section(t)
-    lines += ["", "## Legend", ""] + [f"- {k}: {v}" for k, v in LEGEND.items()] + ["- any other class: another failure of the run"]
+    lines += (
+        ["", "## Legend", ""]
+        + [f"- {k}: {v}" for k, v in LEGEND.items()]
+        + ["- any other class: another failure of the run"]
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -148,8 +170,15 @@ def render_png(t: HistoryTable, path) -> None:
         for j, c in enumerate(t.columns):
             cell = t.cell(v, c.id)
             dark = cell.outcome in ("assert-45330", "server-exited", "install-failed") or cell.outcome not in COLOURS
-            ax.text(j, i, cell.outcome + (" ·" if cell.source == "store" else ""), ha="center", va="center", fontsize=8,
-                    color="white" if dark else "black")
+            ax.text(
+                j,
+                i,
+                cell.outcome + (" ·" if cell.source == "store" else ""),
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white" if dark else "black",
+            )
     ax.set_xticks(range(cols), [f"{c.id}\n{c.label}" for c in t.columns], fontsize=8)
     ax.set_yticks(range(rows), [f"vllm {v}" for v in t.versions], fontsize=8)
     ax.xaxis.tick_top()
@@ -159,8 +188,15 @@ def render_png(t: HistoryTable, path) -> None:
     ax.tick_params(which="minor", length=0)
     seen = sorted({t.cell(v, c.id).outcome for v in t.versions for c in t.columns}, key=lambda o: (o not in COLOURS, o))
     handles = [Patch(facecolor=colour(o), edgecolor="#999999", label=o) for o in seen]
-    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False,
-              title="outcome (· reused)", title_fontsize=8)
+    ax.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1.0),
+        fontsize=8,
+        frameon=False,
+        title="outcome (· reused)",
+        title_fontsize=8,
+    )
     ax.set_title(f"P/D outcome by release (harness revision {t.revision})", fontsize=9, pad=28)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

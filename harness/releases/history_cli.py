@@ -10,23 +10,33 @@ import sys
 from pathlib import Path
 
 from harness.core.errors import ConfigError
-from harness.core.interrupts import catch_interrupts
 from harness.core.files import write_atomic
+from harness.core.interrupts import catch_interrupts
 from harness.core.paths import RUNS_ROOT
 from harness.releases.history import Cell, Column, HistoryTable, render_markdown, render_png
 
 
 def add_parser(sub) -> None:
-    h = sub.add_parser("history", help="each entry's outcome on each release (reusing stored results): history.md + history.png")
+    h = sub.add_parser(
+        "history", help="each entry's outcome on each release (reusing stored results): history.md + history.png"
+    )
     h.add_argument("--config", type=Path, help="matrix config (default: configs/gqa_replication.yaml)")
     h.add_argument("--only", help="comma-separated entry ids (default: every entry of this device)")
-    h.add_argument("--versions", required=True, help="A..B (every release the package index lists between, ends included) or A,B,C")
+    h.add_argument(
+        "--versions", required=True, help="A..B (every release the package index lists between, ends included) or A,B,C"
+    )
     h.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
-    h.add_argument("--out", type=Path, help="folder for history.md/.png/.json and the runs (default: runs/<timestamp>-history)")
+    h.add_argument(
+        "--out", type=Path, help="folder for history.md/.png/.json and the runs (default: runs/<timestamp>-history)"
+    )
     h.add_argument("--no-run", action="store_true", help="draw only stored results; run nothing (missing cells say so)")
     h.add_argument("--fresh", action="store_true", help="measure every cell again")
-    h.add_argument("--fresh-baseline", action="store_true", help="compute baselines again instead of reusing cached answers")
-    h.add_argument("--import-runs", type=Path, help="first store the pairs of matrix reports (report.json) found under this folder")
+    h.add_argument(
+        "--fresh-baseline", action="store_true", help="compute baselines again instead of reusing cached answers"
+    )
+    h.add_argument(
+        "--import-runs", type=Path, help="first store the pairs of matrix reports (report.json) found under this folder"
+    )
     h.add_argument("--keep-envs", type=int, help="after each release, prune .venvs/ to this many environments (disk)")
     h.add_argument("--run-lock", type=Path, help="hold this file's lock around each run (not installs)")
 
@@ -41,9 +51,20 @@ def import_runs(folder: Path, store, by: str) -> int:
             continue
         for p in d.get("pairs") or []:
             if p.get("observed") and p.get("vllm_version"):
-                if store.put(p["id"], p["vllm_version"], p["observed"], seconds=0.0, run_dir=p.get("run_dir"),
-                             detail=p.get("detail") or "", expected=p.get("expected"), regime=p.get("regime"),
-                             by=f"{by} (imported from {report})") is not None:
+                if (
+                    store.put(
+                        p["id"],
+                        p["vllm_version"],
+                        p["observed"],
+                        seconds=0.0,
+                        run_dir=p.get("run_dir"),
+                        detail=p.get("detail") or "",
+                        expected=p.get("expected"),
+                        regime=p.get("regime"),
+                        by=f"{by} (imported from {report})",
+                    )
+                    is not None
+                ):
                     n += 1
     return n
 
@@ -64,7 +85,9 @@ def main(a: argparse.Namespace) -> int:
         device = a.device or default_device()
         only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
         versions = parse_range(a.versions, list_releases(DISTRIBUTION[device]))
-        ids = [e.id for e in matrix.entries if (only is None and e.device == device) or (only is not None and e.id in only)]
+        ids = [
+            e.id for e in matrix.entries if (only is None and e.device == device) or (only is not None and e.id in only)
+        ]
         if only and (unknown := sorted(only - {e.id for e in matrix.entries})):
             raise ConfigError(f"unknown matrix id(s): {', '.join(unknown)}")
         if not ids:
@@ -77,18 +100,36 @@ def main(a: argparse.Namespace) -> int:
         return 2
     out = a.out or RUNS_ROOT / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-history"
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m harness " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else shlex.join(sys.argv)
+    command = (
+        "python -m harness " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else shlex.join(sys.argv)
+    )
     store = ResultStore()
     if a.import_runs:
         print(f"history: stored {import_runs(a.import_runs, store, command)} pairs from {a.import_runs}", flush=True)
-    plans = {v: {p.id: p for p in plan(matrix, models, v, device, 10 ** 6, set(ids))} for v in versions}
+    plans = {v: {p.id: p for p in plan(matrix, models, v, device, 10**6, set(ids))} for v in versions}
     first = plans[versions[0]]
-    columns = [Column(i, f"K={first[i].kv_heads} P{first[i].tp_p}→D{first[i].tp_d} regime {first[i].regime}", first[i].regime) for i in ids]
+    columns = [
+        Column(i, f"K={first[i].kv_heads} P{first[i].tp_p}→D{first[i].tp_d} regime {first[i].regime}", first[i].regime)
+        for i in ids
+    ]
     table = HistoryTable(versions, columns, revision=store.revision, command=command, date=dt.date.today().isoformat())
-    prober = Prober(matrix, models, store, out / "runs", device, count_gpus() if device == "gpu" else 0, fresh=a.fresh,
-                    fresh_baseline=a.fresh_baseline, run_lock=a.run_lock, by=command)
-    print(f"history: {len(ids)} entries x {len(versions)} releases ({versions[0]} .. {versions[-1]}); harness revision "
-          f"{store.revision}; folder {out}", flush=True)
+    prober = Prober(
+        matrix,
+        models,
+        store,
+        out / "runs",
+        device,
+        count_gpus() if device == "gpu" else 0,
+        fresh=a.fresh,
+        fresh_baseline=a.fresh_baseline,
+        run_lock=a.run_lock,
+        by=command,
+    )
+    print(
+        f"history: {len(ids)} entries x {len(versions)} releases ({versions[0]} .. {versions[-1]}); harness revision "
+        f"{store.revision}; folder {out}",
+        flush=True,
+    )
     catch_interrupts()  # SIGTERM too: the run in progress tears its servers down
     ran = reused = 0
     try:
@@ -117,7 +158,9 @@ def main(a: argparse.Namespace) -> int:
         print(f"interrupted; partial history: {out / 'history.md'}", file=sys.stderr)
         return 130
     write_table(table, out)
-    print(f"history: {ran} cells run, {reused} reused, {sum(1 for v in versions for i in ids if (v, i) not in table.cells)} not measured")
+    print(
+        f"history: {ran} cells run, {reused} reused, {sum(1 for v in versions for i in ids if (v, i) not in table.cells)} not measured"
+    )
     for c in columns:
         print(f"  {c.id}: " + ("; ".join(table.boundaries(c.id)) or "no change over the measured releases"))
     print(f"history: {out / 'history.md'} and {out / 'history.png'}")

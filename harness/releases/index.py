@@ -97,5 +97,7 @@ def parse_range(spec: str, releases: list[str]) -> list[str]:
         raise ConfigError("--versions needs A..B or a comma-separated list of releases")
     unknown = [p for p in picked if p not in releases]
     if unknown:
-        raise ConfigError(f"{unknown[0]} is not a release the index lists (nearest: {', '.join(nearest(releases, unknown[0]))})")
+        raise ConfigError(
+            f"{unknown[0]} is not a release the index lists (nearest: {', '.join(nearest(releases, unknown[0]))})"
+        )
     return sorted(set(picked), key=Version)

@@ -39,7 +39,9 @@ class Prober:
     def entry(self, entry_id: str) -> MatrixEntry:
         e = self.matrix.get(entry_id)
         if e is None:
-            raise ValueError(f"unknown matrix entry {entry_id!r} (known: {', '.join(x.id for x in self.matrix.entries)})")
+            raise ValueError(
+                f"unknown matrix entry {entry_id!r} (known: {', '.join(x.id for x in self.matrix.entries)})"
+            )
         return e
 
     def observe(self, entry_id: str, version: str) -> Observation:
@@ -47,8 +49,11 @@ class Prober:
         if not self.fresh:
             got = self.store.get(entry_id, version)
             if got is not None:
-                print(f"  {entry_id} on {version}: {got.outcome} (stored {got.measured_at}, harness revision {got.revision})",
-                      file=self.out, flush=True)
+                print(
+                    f"  {entry_id} on {version}: {got.outcome} (stored {got.measured_at}, harness revision {got.revision})",
+                    file=self.out,
+                    flush=True,
+                )
                 return Observation(got.outcome, "store", 0.0, got.run_dir, got.detail)
         return self._run(entry_id, version)
 
@@ -72,16 +77,31 @@ class Prober:
         run_dir = self.run_root / entry_id / f"vllm-{version}"
         with self._locked():
             t1 = time.monotonic()
-            results = run_matrix({version: pairs}, {version: python}, self.models, E2EConfig(device=self.device, fresh_baseline=self.fresh_baseline), run_dir,
-                                 out=self.out)
+            results = run_matrix(
+                {version: pairs},
+                {version: python},
+                self.models,
+                E2EConfig(device=self.device, fresh_baseline=self.fresh_baseline),
+                run_dir,
+                out=self.out,
+            )
             run_s = time.monotonic() - t1
         r = results[0]
         if r.observed is None:  # planned but not launched (vLLM refuses the TP sizes)
             return Observation("not-run", "run", time.monotonic() - t0, None, r.detail)
         pair_dir = r.run_dir
         detail = f"install {install_s:.0f} s, run {run_s:.0f} s" + (f"; {r.detail}" if r.detail else "")
-        self.store.put(entry_id, version, r.observed, seconds=install_s + run_s, run_dir=pair_dir, detail=detail,
-                       expected=pair.expected, regime=pair.regime, by=self.by)
+        self.store.put(
+            entry_id,
+            version,
+            r.observed,
+            seconds=install_s + run_s,
+            run_dir=pair_dir,
+            detail=detail,
+            expected=pair.expected,
+            regime=pair.regime,
+            by=self.by,
+        )
         return Observation(r.observed, "run", install_s + run_s, pair_dir, detail)
 
     @contextlib.contextmanager

@@ -22,9 +22,20 @@ from harness.core.paths import CACHE_ROOT, REPO_ROOT
 # The code a pair's outcome depends on: launching (serve), the workload, the checks, the run's phases,
 # the proxy and the matrix's judging of a run. Planning, reporting on releases and bundles are left out.
 # (An environment is installed once per release and reused whatever the revision, so the installer is not part of it.)
-REVISION_GLOBS = ("harness/workload/*.py", "harness/models/tiny.py", "harness/models/heads.py", "harness/serve/*.py",
-                  "harness/serve/cpu_tuning/*.py", "harness/proxy/*.py", "harness/checks/*.py", "harness/run/*.py",
-                  "harness/matrix/run.py", "toy_proxy_server.py", "requirements/cpu.txt", "requirements/gpu.txt")
+REVISION_GLOBS = (
+    "harness/workload/*.py",
+    "harness/models/tiny.py",
+    "harness/models/heads.py",
+    "harness/serve/*.py",
+    "harness/serve/cpu_tuning/*.py",
+    "harness/proxy/*.py",
+    "harness/checks/*.py",
+    "harness/run/*.py",
+    "harness/matrix/run.py",
+    "toy_proxy_server.py",
+    "requirements/cpu.txt",
+    "requirements/gpu.txt",
+)
 NOT_STORED = frozenset({"install-failed", "not-run", "harness-error", "interrupted"})
 
 
@@ -74,13 +85,35 @@ class ResultStore:
         except (OSError, ValueError, TypeError):
             return None
 
-    def put(self, entry: str, version: str, outcome: str, *, seconds: float, run_dir: str | None, detail: str = "",
-            expected: str | None = None, regime: str | None = None, by: str = "") -> StoredResult | None:
+    def put(
+        self,
+        entry: str,
+        version: str,
+        outcome: str,
+        *,
+        seconds: float,
+        run_dir: str | None,
+        detail: str = "",
+        expected: str | None = None,
+        regime: str | None = None,
+        by: str = "",
+    ) -> StoredResult | None:
         """Keep a judged result (an unjudgeable one is not kept: it says nothing about the release)."""
         if outcome in NOT_STORED:
             return None
-        r = StoredResult(entry, version, self.revision, outcome, expected, regime, round(seconds, 1), run_dir, detail[:500],
-                         dt.datetime.now().isoformat(timespec="seconds"), by)
+        r = StoredResult(
+            entry,
+            version,
+            self.revision,
+            outcome,
+            expected,
+            regime,
+            round(seconds, 1),
+            run_dir,
+            detail[:500],
+            dt.datetime.now().isoformat(timespec="seconds"),
+            by,
+        )
         p = self._path(entry, version)
         p.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(p, json.dumps(r.to_dict(), indent=1) + "\n")
@@ -90,5 +123,8 @@ class ResultStore:
         """Revisions other than this one that hold a result for the pair (shown, never reused)."""
         if not self.root.is_dir():
             return []
-        return sorted(d.name for d in self.root.iterdir() if d.is_dir() and d.name != self.revision
-                      and (d / entry / f"{version}.json").exists())
+        return sorted(
+            d.name
+            for d in self.root.iterdir()
+            if d.is_dir() and d.name != self.revision and (d / entry / f"{version}.json").exists()
+        )

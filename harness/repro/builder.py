@@ -36,7 +36,7 @@ from pathlib import Path
 
 '''
 
-FOOTER = '''
+FOOTER = """
 
 def main(out: Path) -> int:
     spec = types.SimpleNamespace(**SPEC)
@@ -59,7 +59,7 @@ if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     sys.exit(main(Path(sys.argv[1])))
-'''
+"""
 
 
 def tiny_spec(model_dir: Path) -> dict | None:
@@ -79,10 +79,12 @@ def weights_sha256(model_dir: Path) -> str | None:
 
 def builder_script(spec: dict, run_weights_sha256: str | None) -> str:
     """The standalone script's text: the recipe's corpus, tokenizer and model functions with the run's parameters."""
-    parts = [HEADER,
-             f"SPEC = {pprint.pformat(spec, indent=4)}\n",  # a Python literal (a JSON null is not one)
-             f"RUN_WEIGHTS_SHA256 = {run_weights_sha256!r}\n",
-             f"_WORDS = {list(tiny._WORDS)!r}\n\n"]
+    parts = [
+        HEADER,
+        f"SPEC = {pprint.pformat(spec, indent=4)}\n",  # a Python literal (a JSON null is not one)
+        f"RUN_WEIGHTS_SHA256 = {run_weights_sha256!r}\n",
+        f"_WORDS = {list(tiny._WORDS)!r}\n\n",
+    ]
     for fn in (tiny.corpus, tiny.train_tokenizer, tiny.build_model):
         parts.append("\n" + inspect.getsource(fn))
     family = spec.get("family", "llama")

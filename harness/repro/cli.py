@@ -10,8 +10,12 @@ from harness.core.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    r = sub.add_parser("repro", help="write a folder that reproduces a run without this project: repro.sh, a model builder, ISSUE.md")
-    r.add_argument("run_dir", type=Path, help="a run folder (holding report.json), e.g. runs/latest or a matrix pair's folder")
+    r = sub.add_parser(
+        "repro", help="write a folder that reproduces a run without this project: repro.sh, a model builder, ISSUE.md"
+    )
+    r.add_argument(
+        "run_dir", type=Path, help="a run folder (holding report.json), e.g. runs/latest or a matrix pair's folder"
+    )
     r.add_argument("--out", type=Path, help="bundle folder (default: <run_dir>/repro)")
     r.add_argument("--signature", help="the failure class repro.sh looks for (default: the run's, else assert-45330)")
 

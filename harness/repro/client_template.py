@@ -1,13 +1,13 @@
 """repro_client.py: the small Python side of repro.sh (standard library only; copied into every bundle as is).
 
-  ports SIZE...             free blocks of consecutive ports on 127.0.0.1, one base per size
-  wait URL PID LOG          until URL/health answers 200 (or the process exits, or the timeout)
-  send P_URL D_URL FILE     each request of FILE to P (prefill, max_tokens 1), then to D with P's kv_transfer_params
-  verdict PATTERN LOG...    REPRODUCED with the first matching log line, else NOT REPRODUCED / INCONCLUSIVE
-  baseline URL FILE         each request of FILE to a plain server, text prompts first turned into token ids by its
-                            /tokenize (--ids-out: the requests as sent, for P and D)
-  compare BASE ANSWERS      D's answers against the plain server's with the run's rule (rule/compare.py, copied
-                            from the harness): REPRODUCED / NOT REPRODUCED / INCONCLUSIVE
+ports SIZE...             free blocks of consecutive ports on 127.0.0.1, one base per size
+wait URL PID LOG          until URL/health answers 200 (or the process exits, or the timeout)
+send P_URL D_URL FILE     each request of FILE to P (prefill, max_tokens 1), then to D with P's kv_transfer_params
+verdict PATTERN LOG...    REPRODUCED with the first matching log line, else NOT REPRODUCED / INCONCLUSIVE
+baseline URL FILE         each request of FILE to a plain server, text prompts first turned into token ids by its
+                          /tokenize (--ids-out: the requests as sent, for P and D)
+compare BASE ANSWERS      D's answers against the plain server's with the run's rule (rule/compare.py, copied
+                          from the harness): REPRODUCED / NOT REPRODUCED / INCONCLUSIVE
 """
 
 import argparse
@@ -22,8 +22,14 @@ import urllib.error
 import urllib.request
 import uuid
 
-PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
+PREFILL_KV_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
 
 
 def bindable(port):
@@ -54,8 +60,12 @@ def ports(sizes):
 
 
 def post(url, body, rid, timeout):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "X-Request-Id": rid})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "X-Request-Id": rid},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
@@ -111,7 +121,9 @@ def baseline(url, path, timeout, out, ids_out):
     sent, results = [], []
     for pid, body in items(path):
         if isinstance(body.get("prompt"), str):
-            status, text = post(url + "/tokenize", {"model": body["model"], "prompt": body["prompt"]}, f"tok-{pid}", timeout)
+            status, text = post(
+                url + "/tokenize", {"model": body["model"], "prompt": body["prompt"]}, f"tok-{pid}", timeout
+            )
             if status != 200:
                 print(f"  {pid}: /tokenize answered HTTP {status}: {text[:300]}")
                 return 3
@@ -137,8 +149,12 @@ def no_pd_control(url, pid, body, answer, timeout):
     if len(toks) < 2:
         return None
     first = int(toks[0].split(":", 1)[1])
-    status, text = post(url + "/v1/completions", dict(body, prompt=body["prompt"] + [first], max_tokens=1),
-                        f"ctl-{pid}-{uuid.uuid4().hex[:8]}", timeout)
+    status, text = post(
+        url + "/v1/completions",
+        dict(body, prompt=body["prompt"] + [first], max_tokens=1),
+        f"ctl-{pid}-{uuid.uuid4().hex[:8]}",
+        timeout,
+    )
     return {"status": status, "response": json.loads(text) if status == 200 else text}
 
 
@@ -157,8 +173,10 @@ def control_line(base, top_k, threshold):
     shown = "n/a" if delta is None else f"{delta:.3g}"
     if decode_tok == prefill_tok and delta is not None and delta <= threshold:
         return True, f"passes: decode step and fresh prefill agree (token {decode_tok}, |Δlogprob| {shown})"
-    return False, (f"FAILS: decode step {decode_tok} vs fresh prefill {prefill_tok}, |Δlogprob| {shown} > {threshold:g}: "
-                   "the backend disagrees with itself without P/D")
+    return False, (
+        f"FAILS: decode step {decode_tok} vs fresh prefill {prefill_tok}, |Δlogprob| {shown} > {threshold:g}: "
+        "the backend disagrees with itself without P/D"
+    )
 
 
 def send(p_url, d_url, path, timeout, out):
@@ -209,11 +227,15 @@ def verdict(pattern, logs, answers, wait_s):
         results = []
     served = [r for r in results if r.get("decode_status") == 200]
     if results and len(served) == len(results):
-        print(f"NOT REPRODUCED: no line matching /{pattern}/ in {', '.join(map(os.path.basename, logs))}; "
-              f"P handed over KV and D answered all {len(served)} request(s) (HTTP 200)")
+        print(
+            f"NOT REPRODUCED: no line matching /{pattern}/ in {', '.join(map(os.path.basename, logs))}; "
+            f"P handed over KV and D answered all {len(served)} request(s) (HTTP 200)"
+        )
         return 1
-    print(f"INCONCLUSIVE: no line matching /{pattern}/, and the requests did not get through "
-          f"({len(served)} of {len(results)} answered by D); see the logs: {', '.join(logs)}")
+    print(
+        f"INCONCLUSIVE: no line matching /{pattern}/, and the requests did not get through "
+        f"({len(served)} of {len(results)} answered by D); see the logs: {', '.join(logs)}"
+    )
     return 3
 
 
@@ -236,8 +258,11 @@ def compare(base_path, answers_path, cls, threshold, top_k):
         if r.get("decode_status") != 200 or not b or b.get("status") != 200:
             failed.append(r["id"])
             continue
-        got.append(compare_one(parse_completion(r["id"], b["response"]), parse_completion(r["id"], r["decode_response"]),
-                               top_k))
+        got.append(
+            compare_one(
+                parse_completion(r["id"], b["response"]), parse_completion(r["id"], r["decode_response"]), top_k
+            )
+        )
     hits = [c for c in got if c.status == "mismatch"]
     if cls == "logprob-mismatch":
         hits += [c for c in got if c.status != "mismatch" and (c.max_logprob_delta or 0) > threshold]
@@ -247,23 +272,34 @@ def compare(base_path, answers_path, cls, threshold, top_k):
     if hits:
         c = hits[0]
         d = c.divergence
-        at = (f"first divergence at token {d.position} (D {d.pd_token} vs baseline {d.baseline_token})"
-              if d is not None and c.status == "mismatch" else "tokens equal where compared")
+        at = (
+            f"first divergence at token {d.position} (D {d.pd_token} vs baseline {d.baseline_token})"
+            if d is not None and c.status == "mismatch"
+            else "tokens equal where compared"
+        )
         delta = "n/a" if c.max_logprob_delta is None else f"{c.max_logprob_delta:.3g}"
-        print(f"REPRODUCED: prompt {c.prompt_id}, {at}, max |Δlogprob| {delta} ({len(hits)} of {len(got)} replayed "
-              f"request(s) fail as {cls}; top-{top_k}, threshold {threshold:g})")
+        print(
+            f"REPRODUCED: prompt {c.prompt_id}, {at}, max |Δlogprob| {delta} ({len(hits)} of {len(got)} replayed "
+            f"request(s) fail as {cls}; top-{top_k}, threshold {threshold:g})"
+        )
         return 0
     if failed or not got:
-        print(f"INCONCLUSIVE: {len(failed)} of {len(answers)} request(s) were not answered by both sides "
-              f"({', '.join(failed) or 'none sent'}); see the logs")
+        print(
+            f"INCONCLUSIVE: {len(failed)} of {len(answers)} request(s) were not answered by both sides "
+            f"({', '.join(failed) or 'none sent'}); see the logs"
+        )
         return 3
     worst = max((c.max_logprob_delta or 0.0) for c in got)
     if worst > threshold:  # only for output-mismatch: the tokens agree, the logprobs do not
-        print(f"NOT REPRODUCED: no replayed request's tokens leave the other side's top-{top_k}, but max |Δlogprob| "
-              f"{worst:.3g} > {threshold:g} (that is logprob-mismatch, not {cls})")
+        print(
+            f"NOT REPRODUCED: no replayed request's tokens leave the other side's top-{top_k}, but max |Δlogprob| "
+            f"{worst:.3g} > {threshold:g} (that is logprob-mismatch, not {cls})"
+        )
         return 1
-    print(f"NOT REPRODUCED: all {len(got)} replayed request(s) match the plain server (top-{top_k}, max |Δlogprob| "
-          f"{worst:.3g} <= {threshold:g})")
+    print(
+        f"NOT REPRODUCED: all {len(got)} replayed request(s) match the plain server (top-{top_k}, max |Δlogprob| "
+        f"{worst:.3g} <= {threshold:g})"
+    )
     return 1
 
 

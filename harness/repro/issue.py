@@ -15,12 +15,29 @@ def model_config(report: dict) -> dict:
     """K, heads, head_dim (and the rest of the shape) of the served model: its config.json, else the report's heads."""
     cfg = report.get("config") or {}
     heads = cfg.get("model_heads") or {}
-    out = {"num_attention_heads": heads.get("attention_heads"), "num_key_value_heads": heads.get("kv_heads"), "head_dim": None}
+    out = {
+        "num_attention_heads": heads.get("attention_heads"),
+        "num_key_value_heads": heads.get("kv_heads"),
+        "head_dim": None,
+    }
     p = Path(str(cfg.get("resolved_model") or "")) / "config.json"
     if p.exists():
         c = json.loads(p.read_text())
-        out.update({k: c.get(k) for k in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
-                                         "num_hidden_layers", "vocab_size", "torch_dtype") if c.get(k) is not None})
+        out.update(
+            {
+                k: c.get(k)
+                for k in (
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                    "head_dim",
+                    "hidden_size",
+                    "num_hidden_layers",
+                    "vocab_size",
+                    "torch_dtype",
+                )
+                if c.get(k) is not None
+            }
+        )
         if out.get("head_dim") is None and c.get("hidden_size") and c.get("num_attention_heads"):
             out["head_dim"] = c["hidden_size"] // c["num_attention_heads"]
     return out
@@ -52,7 +69,12 @@ def harness_command(report: dict, run_dir: Path) -> str:
         for p in pairs:
             if p.get("run_dir") and Path(p["run_dir"]).resolve() == run_dir.resolve():
                 return f"python -m harness matrix --only {p['id']} --vllm-version {p['vllm_version']}"
-    parts = ["python -m harness e2e", f"--tp-p {cfg.get('tp_p')}", f"--tp-d {cfg.get('tp_d')}", f"--device {cfg.get('device')}"]
+    parts = [
+        "python -m harness e2e",
+        f"--tp-p {cfg.get('tp_p')}",
+        f"--tp-d {cfg.get('tp_d')}",
+        f"--device {cfg.get('device')}",
+    ]
     if cfg.get("model"):
         parts.append(f"--model {cfg['model']}")
     if version:
@@ -60,12 +82,23 @@ def harness_command(report: dict, run_dir: Path) -> str:
     return " ".join(parts)
 
 
-WRONG_ANSWER = {"output-mismatch": "P/D answers differ from a non-disaggregated server's (greedy tokens outside the top-k)",
-                "logprob-mismatch": "P/D logprobs differ from a non-disaggregated server's beyond numerical noise"}
+WRONG_ANSWER = {
+    "output-mismatch": "P/D answers differ from a non-disaggregated server's (greedy tokens outside the top-k)",
+    "logprob-mismatch": "P/D logprobs differ from a non-disaggregated server's beyond numerical noise",
+}
 
 
-def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec, locked: bool, base=None,
-                   replayed: list[dict] | None = None) -> str:
+def issue_markdown(
+    report: dict,
+    run_dir: Path,
+    cls: str,
+    pattern: str,
+    pre,
+    dec,
+    locked: bool,
+    base=None,
+    replayed: list[dict] | None = None,
+) -> str:
     """ISSUE.md. ``base`` and ``replayed``: a wrong answer, replayed against that plain server (its command and the
     failing requests are shown); otherwise the log line of ``cls`` is the evidence."""
     cfg = report.get("config") or {}
@@ -85,90 +118,168 @@ def issue_markdown(report: dict, run_dir: Path, cls: str, pattern: str, pre, dec
         what = re.split(r" [\[({]", said.group(1))[0] if said else meaning  # the message without its shapes and values
         if len(what) > 110:
             what = what[:110].rsplit(" ", 1)[0] + " ..."
-        blocks = (f", block size {cfg.get('block_size_p')} -> {cfg.get('block_size_d')}"
-                  if cfg.get("block_size_p") != cfg.get("block_size_d") else "")
-        title = (f"[Bug]: NixlConnector{' heterogeneous TP' if cfg.get('tp_p') != cfg.get('tp_d') else ''}: {what} at "
-                 f"prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}{blocks}, num_key_value_heads={k} "
-                 f"({dist} {v.get('vllm')})")
+        blocks = (
+            f", block size {cfg.get('block_size_p')} -> {cfg.get('block_size_d')}"
+            if cfg.get("block_size_p") != cfg.get("block_size_d")
+            else ""
+        )
+        title = (
+            f"[Bug]: NixlConnector{' heterogeneous TP' if cfg.get('tp_p') != cfg.get('tp_d') else ''}: {what} at "
+            f"prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}{blocks}, num_key_value_heads={k} "
+            f"({dist} {v.get('vllm')})"
+        )
     else:
-        title = (f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} on {dist} "
-                 f"{v.get('vllm')}: {report.get('verdict')} ({observed_cls or 'no failure'}); {cls} not seen")
-    gpu = "none (CPU run)" if cfg.get("device") == "cpu" else json.dumps((cfg.get("gpu_plan") or {}).get("gpus") or "see the run's GPU plan")
-    lines = [f"# {title}", "",
-             "## Your current environment", "",
-             f"- vLLM: {dist} {v.get('vllm')}",
-             f"- NIXL: {v.get('nixl')}",
-             f"- torch: {v.get('torch')}",
-             f"- Python: {v.get('python')}",
-             f"- platform: {platform.platform()} (the machine that wrote this bundle)",
-             f"- GPU / driver: {gpu}",
-             f"- exact package versions: `requirements.lock` of the bundle ({'the whole closure of the run' if locked else 'only the top-level versions: the run environment was gone'})",
-             "", "## Model", "",
-             f"- served model: `{cfg.get('served_model_name')}` "
-             + ("(a tiny random-weights Llama; `build_model.py` of the bundle rebuilds it offline, same weights)"
-                if Path(str(cfg.get('resolved_model') or '')).joinpath('harness_tiny_model.json').exists() else f"({cfg.get('resolved_model')})"),
-             f"- K (num_key_value_heads): {k}; attention heads: {mc.get('num_attention_heads')}; head_dim: {mc.get('head_dim')}"
-             + "".join(f"; {n}: {mc[n]}" for n in ("hidden_size", "num_hidden_layers", "vocab_size") if mc.get(n) is not None),
-             f"- dtype: {'float32' if '--dtype' in dec.argv and dec.flag('--dtype') == 'float32' else (dec.flag('--dtype') or 'auto')}",
-             "", "## Topology", "",
-             f"- prefill TP {cfg.get('tp_p')}, decode TP {cfg.get('tp_d')}; tp_ratio {topo.get('tp_ratio')}",
-             f"- KV heads per rank: prefill {topo.get('p_heads_per_rank')}, decode {topo.get('d_heads_per_rank')}",
-             f"- regime {topo.get('regime')}: {topo.get('regime_description')}",
-             f"- KV block length per layer: prefill {topo.get('p_block_len')} B, decode {topo.get('d_block_len')} B "
-             f"(block size {topo.get('block_size_p')} / {topo.get('block_size_d')})",
-             "", "## Commands", "",
-             "Prefill and decode, exactly as the run started them (each on 127.0.0.1; `repro.sh` uses the same with its own ports):", "",
-             "```bash", report["commands"]["prefill"], "", report["commands"]["decode"], "```", "",
-             "Then one request to the prefill server with `max_tokens: 1` and `\"kv_transfer_params\": {\"do_remote_decode\": true, ...}`, "
-             "and the same request to the decode server with the `kv_transfer_params` the prefill server returned "
-             "(`repro_client.py send`, the body is in `requests.json`).", ""]
+        title = (
+            f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} on {dist} "
+            f"{v.get('vllm')}: {report.get('verdict')} ({observed_cls or 'no failure'}); {cls} not seen"
+        )
+    gpu = (
+        "none (CPU run)"
+        if cfg.get("device") == "cpu"
+        else json.dumps((cfg.get("gpu_plan") or {}).get("gpus") or "see the run's GPU plan")
+    )
+    lines = [
+        f"# {title}",
+        "",
+        "## Your current environment",
+        "",
+        f"- vLLM: {dist} {v.get('vllm')}",
+        f"- NIXL: {v.get('nixl')}",
+        f"- torch: {v.get('torch')}",
+        f"- Python: {v.get('python')}",
+        f"- platform: {platform.platform()} (the machine that wrote this bundle)",
+        f"- GPU / driver: {gpu}",
+        f"- exact package versions: `requirements.lock` of the bundle ({'the whole closure of the run' if locked else 'only the top-level versions: the run environment was gone'})",
+        "",
+        "## Model",
+        "",
+        f"- served model: `{cfg.get('served_model_name')}` "
+        + (
+            "(a tiny random-weights Llama; `build_model.py` of the bundle rebuilds it offline, same weights)"
+            if Path(str(cfg.get("resolved_model") or "")).joinpath("harness_tiny_model.json").exists()
+            else f"({cfg.get('resolved_model')})"
+        ),
+        f"- K (num_key_value_heads): {k}; attention heads: {mc.get('num_attention_heads')}; head_dim: {mc.get('head_dim')}"
+        + "".join(
+            f"; {n}: {mc[n]}" for n in ("hidden_size", "num_hidden_layers", "vocab_size") if mc.get(n) is not None
+        ),
+        f"- dtype: {'float32' if '--dtype' in dec.argv and dec.flag('--dtype') == 'float32' else (dec.flag('--dtype') or 'auto')}",
+        "",
+        "## Topology",
+        "",
+        f"- prefill TP {cfg.get('tp_p')}, decode TP {cfg.get('tp_d')}; tp_ratio {topo.get('tp_ratio')}",
+        f"- KV heads per rank: prefill {topo.get('p_heads_per_rank')}, decode {topo.get('d_heads_per_rank')}",
+        f"- regime {topo.get('regime')}: {topo.get('regime_description')}",
+        f"- KV block length per layer: prefill {topo.get('p_block_len')} B, decode {topo.get('d_block_len')} B "
+        f"(block size {topo.get('block_size_p')} / {topo.get('block_size_d')})",
+        "",
+        "## Commands",
+        "",
+        "Prefill and decode, exactly as the run started them (each on 127.0.0.1; `repro.sh` uses the same with its own ports):",
+        "",
+        "```bash",
+        report["commands"]["prefill"],
+        "",
+        report["commands"]["decode"],
+        "```",
+        "",
+        'Then one request to the prefill server with `max_tokens: 1` and `"kv_transfer_params": {"do_remote_decode": true, ...}`, '
+        "and the same request to the decode server with the `kv_transfer_params` the prefill server returned "
+        "(`repro_client.py send`, the body is in `requests.json`).",
+        "",
+    ]
     if base is not None:
-        lines += ["The reference is a plain server (no KV connector) started alone before P and D, with the run's baseline "
-                  "command:", "", "```bash", " ".join(f"{k}={v}" for k, v in sorted(base.env.items())) + " "
-                  + " ".join(base.argv), "```", "",
-                  "The failing request(s) replayed, as the run saw them (prompts sent as token ids to both sides):", ""]
+        lines += [
+            "The reference is a plain server (no KV connector) started alone before P and D, with the run's baseline "
+            "command:",
+            "",
+            "```bash",
+            " ".join(f"{k}={v}" for k, v in sorted(base.env.items())) + " " + " ".join(base.argv),
+            "```",
+            "",
+            "The failing request(s) replayed, as the run saw them (prompts sent as token ids to both sides):",
+            "",
+        ]
         lines += [f"- `{r['id']}`: {r['why']}" for r in replayed or []] + [""]
-        lines += ["Control without P/D (run by `repro.sh` for each replayed prompt, printed as `no-P/D control, <id>: ...`): "
-                  "the plain server's own decode step after the prompt against its fresh prefill of prompt + its first "
-                  "token. D's first token is computed over KV it did not compute itself; if the backend's two paths "
-                  "already disagree without P/D, the divergence need not be P/D's.", ""]
+        lines += [
+            "Control without P/D (run by `repro.sh` for each replayed prompt, printed as `no-P/D control, <id>: ...`): "
+            "the plain server's own decode step after the prompt against its fresh prefill of prompt + its first "
+            "token. D's first token is computed over KV it did not compute itself; if the backend's two paths "
+            "already disagree without P/D, the divergence need not be P/D's.",
+            "",
+        ]
     if any("PD_HARNESS_" in k for k in {**pre.env, **dec.env}):
-        lines += ["The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): on a small CPU "
-                  "machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning and shortens idle "
-                  "spinning. It changes scheduling only, never what is computed.", ""]
+        lines += [
+            "The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): on a small CPU "
+            "machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning and shortens idle "
+            "spinning. It changes scheduling only, never what is computed.",
+            "",
+        ]
     lines += ["## Log excerpt", ""]
     if hit:
         lines += [f"First line of the run's `{hit[0]}` log matching the {cls} signature:", "", "```", hit[1], "```", ""]
     if failure.get("excerpt"):
-        lines += [f"The run's failure (`{observed_cls}`, from {failure.get('source')}):", "", "```", str(failure["excerpt"])[:3000], "```", ""]
+        lines += [
+            f"The run's failure (`{observed_cls}`, from {failure.get('source')}):",
+            "",
+            "```",
+            str(failure["excerpt"])[:3000],
+            "```",
+            "",
+        ]
     if not hit and not failure:
         lines += ["The run passed: no failure line.", ""]
-    expected = "The decode server accepts the NIXL handshake, reads the prompt's KV blocks from the prefill server, and its " \
-               "completion matches a non-disaggregated server's (greedy)."
+    expected = (
+        "The decode server accepts the NIXL handshake, reads the prompt's KV blocks from the prefill server, and its "
+        "completion matches a non-disaggregated server's (greedy)."
+    )
     if reproduced:
-        observed = f"{meaning}. The run's verdict: {report.get('verdict')} - {report.get('reason') or failure.get('reason')}"
+        observed = (
+            f"{meaning}. The run's verdict: {report.get('verdict')} - {report.get('reason') or failure.get('reason')}"
+        )
     elif report.get("verdict") == "pass":
         observed = "As expected: the handshake passed, KV moved over NIXL and the outputs matched the baseline."
     else:
         observed = f"{observed_cls}: {report.get('reason') or failure.get('reason')}"
     known = (report.get("known_upstream") or known_upstream_line(failure, v.get("vllm"))) if failure else None
-    lines += ["## Expected", "", expected, "", "## Observed", "", observed, "",
-              *(["## Known upstream reports", "", f"{known}." + (" Read the threads' current state before filing."
-                                                                    if known.startswith("known") else ""), ""]
-                if known else []),
-              *smallest_section(run_dir),
-              "## Not established", "",
-              "The cause. Everything above is what the run measured; the harness states no cause, and a cause read "
-              "from vLLM's code is a hypothesis until a control or a KV-level check shows it"
-              + (" (the control without P/D that `repro.sh` prints is one such control)." if base is not None else "."),
-              "",
-              "## How it was found", "",
-              f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
-              ("`repro.sh` in this folder replays it without the harness: the plain server's answers, then P and D's, "
-               "compared by the run's rule; it prints REPRODUCED with the prompt and its first divergence, or NOT REPRODUCED."
-               if base is not None else
-               "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching log line, "
-               "or NOT REPRODUCED."), ""]
+    lines += [
+        "## Expected",
+        "",
+        expected,
+        "",
+        "## Observed",
+        "",
+        observed,
+        "",
+        *(
+            [
+                "## Known upstream reports",
+                "",
+                f"{known}." + (" Read the threads' current state before filing." if known.startswith("known") else ""),
+                "",
+            ]
+            if known
+            else []
+        ),
+        *smallest_section(run_dir),
+        "## Not established",
+        "",
+        "The cause. Everything above is what the run measured; the harness states no cause, and a cause read "
+        "from vLLM's code is a hypothesis until a control or a KV-level check shows it"
+        + (" (the control without P/D that `repro.sh` prints is one such control)." if base is not None else "."),
+        "",
+        "## How it was found",
+        "",
+        f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
+        (
+            "`repro.sh` in this folder replays it without the harness: the plain server's answers, then P and D's, "
+            "compared by the run's rule; it prints REPRODUCED with the prompt and its first divergence, or NOT REPRODUCED."
+            if base is not None
+            else "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching log line, "
+            "or NOT REPRODUCED."
+        ),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -178,9 +289,18 @@ def smallest_section(run_dir: Path) -> list[str]:
         sh = json.loads((Path(run_dir) / "shrink" / "shrink.json").read_text())
     except (OSError, ValueError):
         return []
-    lines = ["## Smallest failing configuration", "",
-             f"`python -m harness shrink` ({len(sh.get('probes') or [])} real runs"
-             + (f", cut short: {sh['cut']}" if sh.get("cut") else "") + "): still `" + str(sh.get("class")) + "` with",
-             "", "```", "python -m harness e2e " + " ".join(sh.get("carried_flags", []) + sh.get("minimal_flags", [])),
-             "```", ""]
+    lines = [
+        "## Smallest failing configuration",
+        "",
+        f"`python -m harness shrink` ({len(sh.get('probes') or [])} real runs"
+        + (f", cut short: {sh['cut']}" if sh.get("cut") else "")
+        + "): still `"
+        + str(sh.get("class"))
+        + "` with",
+        "",
+        "```",
+        "python -m harness e2e " + " ".join(sh.get("carried_flags", []) + sh.get("minimal_flags", [])),
+        "```",
+        "",
+    ]
     return lines + [f"- {a['axis']}: {a['words']}" for a in sh.get("axes") or []] + [""]

@@ -54,8 +54,10 @@ def failing(report: dict, rule: ReplayRule) -> list[tuple[str, str]]:
         delta = p.get("max_logprob_delta")
         d = p.get("divergence") or {}
         if p.get("status") == "mismatch":
-            why = (f"first divergence at token {d.get('position')} (D {d.get('pd_token')} vs baseline "
-                   f"{d.get('baseline_token')})")
+            why = (
+                f"first divergence at token {d.get('position')} (D {d.get('pd_token')} vs baseline "
+                f"{d.get('baseline_token')})"
+            )
             rows.append((0, d.get("position") or 0, -(delta or 0.0), p["prompt_id"], why))
         elif delta is not None and delta > rule.threshold:
             rows.append((1, 0, -delta, p["prompt_id"], f"|Δlogprob| {delta:.3g} > {rule.threshold:g}"))
@@ -67,10 +69,14 @@ def replayed(report: dict, prompts: dict[str, str | list[int]], rule: ReplayRule
     failed none, or none of them has a recorded prompt."""
     bad = failing(report, rule)
     if not bad:
-        raise ConfigError("the run has no request that failed the comparison (no token mismatch, no |Δlogprob| over "
-                          f"{rule.threshold:g}): nothing to replay for a wrong answer")
+        raise ConfigError(
+            "the run has no request that failed the comparison (no token mismatch, no |Δlogprob| over "
+            f"{rule.threshold:g}): nothing to replay for a wrong answer"
+        )
     out = [Replayed(pid, prompts[pid], why) for pid, why in bad if pid in prompts][:MAX_REPLAYED]
     if not out:
-        raise ConfigError(f"the run folder records none of its failing prompts ({', '.join(p for p, _ in bad[:5])}): "
-                          "it has no prompts.json (a run made before runs recorded their prompts); run it again")
+        raise ConfigError(
+            f"the run folder records none of its failing prompts ({', '.join(p for p, _ in bad[:5])}): "
+            "it has no prompts.json (a run made before runs recorded their prompts); run it again"
+        )
     return out

@@ -44,22 +44,45 @@ class _DiskLookup:
     info: dict[str, Any] | None = None
 
 
-def run_baseline(ctx: RunContext, alloc: PortAllocator, block_size: int | None, cpu_bind: str | None,
-                 attached_url: str | None = None, cache: dict[tuple, BaselineResult] | None = None) -> BaselineResult:
+def run_baseline(
+    ctx: RunContext,
+    alloc: PortAllocator,
+    block_size: int | None,
+    cpu_bind: str | None,
+    attached_url: str | None = None,
+    cache: dict[tuple, BaselineResult] | None = None,
+) -> BaselineResult:
     """The baseline's answers: from ``cache`` (shared by the pairs of one matrix) when it has them, from a server
     started elsewhere (``attached_url``), from the disk cache, or from one launched here on D's cores.
     ``config.baseline_cache`` of the report says which, and from which run."""
     cfg = ctx.cfg
     t0 = time.monotonic()
     if attached_url:  # a server someone else runs: nothing here knows what it loaded, so nothing is cached
-        ctx.report.config["baseline_cache"] = {"used": False, "key": None, "reason": "attach mode: the baseline server was started elsewhere"}
+        ctx.report.config["baseline_cache"] = {
+            "used": False,
+            "key": None,
+            "reason": "attach mode: the baseline server was started elsewhere",
+        }
         return _attached(ctx, attached_url, t0)
     base = ctx.server(alloc, "baseline", cfg.tp_d, block_size, cpu_bind)  # not started: its command is part of the keys
     # the command whose answers the run compares with, launched or not (a repro bundle starts it again)
     ctx.report.config["baseline_command"] = base.command
     server_id = disk.command_identity(base.proc.spec.argv, base.proc.spec.env)
-    key = (ctx.model, cfg.tp_d, block_size, cfg.python, cfg.max_tokens, cfg.seed, cfg.device, ctx.accuracy, cfg.load,
-           ctx.pool_blocks(block_size), cfg.model_len, disk.canonical(server_id), cfg.axes.prefix_caching_d)
+    key = (
+        ctx.model,
+        cfg.tp_d,
+        block_size,
+        cfg.python,
+        cfg.max_tokens,
+        cfg.seed,
+        cfg.device,
+        ctx.accuracy,
+        cfg.load,
+        ctx.pool_blocks(block_size),
+        cfg.model_len,
+        disk.canonical(server_id),
+        cfg.axes.prefix_caching_d,
+    )
     if cache is not None and key in cache:
         hit = cache[key]
         _not_launched(ctx)
@@ -72,11 +95,18 @@ def run_baseline(ctx: RunContext, alloc: PortAllocator, block_size: int | None, 
         _not_launched(ctx)
         result = BaselineResult(e.completions, e.eval, e.load, e.prefix, origin=_origin(look.key, e.meta))
         ctx.timed("baseline_cache_read", t0)
-        ctx.report.config["baseline_cache"] = {"used": True, "where": "disk", **(result.origin or {}),
-                                               "entry": str(disk.entry_path(disk.cache_root(), look.key or "")),
-                                               "source_timings_s": e.meta.get("timings_s", {}), **_notes(look)}
-        progress.current().phase(f"baseline: answers from the cache, computed by {e.meta.get('from_run')} "
-                                 f"at {e.meta.get('created')} (--fresh-baseline computes them again)")
+        ctx.report.config["baseline_cache"] = {
+            "used": True,
+            "where": "disk",
+            **(result.origin or {}),
+            "entry": str(disk.entry_path(disk.cache_root(), look.key or "")),
+            "source_timings_s": e.meta.get("timings_s", {}),
+            **_notes(look),
+        }
+        progress.current().phase(
+            f"baseline: answers from the cache, computed by {e.meta.get('from_run')} "
+            f"at {e.meta.get('created')} (--fresh-baseline computes them again)"
+        )
         if cache is not None:
             cache[key] = result
         return result
@@ -89,11 +119,24 @@ def run_baseline(ctx: RunContext, alloc: PortAllocator, block_size: int | None, 
             meta = disk.new_meta(ctx, base.command)
             try:
                 assert look.inputs is not None
-                disk.write_entry(disk.cache_root(), look.key, look.inputs, result, meta, ctx.load_requests, ctx.load_prompts,
-                                 ctx.prefix_cases, ctx.prefix_prompts)
+                disk.write_entry(
+                    disk.cache_root(),
+                    look.key,
+                    look.inputs,
+                    result,
+                    meta,
+                    ctx.load_requests,
+                    ctx.load_prompts,
+                    ctx.prefix_cases,
+                    ctx.prefix_prompts,
+                )
                 info["stored"] = True
                 result.origin = _origin(look.key, meta)
-            except (OSError, ValueError, TypeError) as e:  # a cache that cannot be written costs the next run time, not this one
+            except (
+                OSError,
+                ValueError,
+                TypeError,
+            ) as e:  # a cache that cannot be written costs the next run time, not this one
                 info["stored"] = False
                 info["store_error"] = f"{type(e).__name__}: {e}"
         else:
@@ -124,10 +167,18 @@ def _lookup(ctx: RunContext, server_id: dict[str, Any], block_size: int | None) 
     """The disk cache's key and entry for this baseline; whatever goes wrong is a miss with its reason, never an error."""
     cfg = ctx.cfg
     if disk.disabled():
-        return _DiskLookup(info={"used": False, "key": None, "reason": f"{disk.ENV_DISABLE}={os.environ.get(disk.ENV_DISABLE)}"})
+        return _DiskLookup(
+            info={"used": False, "key": None, "reason": f"{disk.ENV_DISABLE}={os.environ.get(disk.ENV_DISABLE)}"}
+        )
     if cfg.device != "cpu":
-        return _DiskLookup(info={"used": False, "key": None, "reason": "GPU baselines are not cached (their numerics depend on "
-                                                                   "the GPU and the kernels it picks, which the key does not hold)"})
+        return _DiskLookup(
+            info={
+                "used": False,
+                "key": None,
+                "reason": "GPU baselines are not cached (their numerics depend on "
+                "the GPU and the kernels it picks, which the key does not hold)",
+            }
+        )
     try:
         inputs = disk.key_inputs(ctx, server_id, block_size)
     except Exception as e:  # noqa: BLE001 - e.g. the interpreter cannot report its environment: launch, as without a cache
@@ -135,8 +186,18 @@ def _lookup(ctx: RunContext, server_id: dict[str, Any], block_size: int | None) 
     key = disk.cache_key(inputs)
     vllm = (inputs.get("python") or {}).get("vllm") or {}
     if vllm.get("editable"):  # its source can change under the same version and installed-files list
-        return _DiskLookup(info={"used": False, "key": None, "reason": "vLLM is an editable install: its answers are not cached"})
-    look = _DiskLookup(key, inputs, info={"used": False, "key": key, **({"model_note": inputs["model"]["note"]} if inputs["model"].get("note") else {})})
+        return _DiskLookup(
+            info={"used": False, "key": None, "reason": "vLLM is an editable install: its answers are not cached"}
+        )
+    look = _DiskLookup(
+        key,
+        inputs,
+        info={
+            "used": False,
+            "key": key,
+            **({"model_note": inputs["model"]["note"]} if inputs["model"].get("note") else {}),
+        },
+    )
     if cfg.fresh_baseline:
         look.info["reason"] = "--fresh-baseline"  # type: ignore[index]
         return look
@@ -159,7 +220,9 @@ def _restore_load_plan(ctx: RunContext, look: _DiskLookup) -> bool:
     if not ctx.load_requests:
         ctx.load_requests, ctx.load_prompts = list(e.load_requests), dict(e.load_prompts)
         return True
-    if [r.to_dict() for r in ctx.load_requests] == [r.to_dict() for r in e.load_requests] and ctx.load_prompts == e.load_prompts:
+    if [r.to_dict() for r in ctx.load_requests] == [
+        r.to_dict() for r in e.load_requests
+    ] and ctx.load_prompts == e.load_prompts:
         return True
     look.info["reason"] = "the entry answered other load prompts than this run's"
     look.entry = None

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from harness.accuracy.lm_eval import EvalRun, Sample, lm_eval_argv
-from harness.core.files import sha256_of
 from harness.checks.compare import COMPARISON_VERSION
+from harness.core.files import sha256_of
 from harness.core.paths import CACHE_ROOT
 from harness.run.context import RunContext
 from harness.run.launch import RUN_TAG_ENV
@@ -53,9 +53,27 @@ LIBRARY_SET_ENV = ("KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "TORCHINDUCTOR_CA
 VOLATILE_FLAGS = ("--port",)
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 # What a server inherits from the harness's environment and can change numerics or what is loaded.
-INHERITED_PREFIXES = ("VLLM_", "OMP_", "KMP_", "GOMP_", "MKL_", "ONEDNN_", "DNNL_", "TORCH", "PYTORCH_", "CUDA_",
-                      "NCCL_", "HF_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME",
-                      "LD_PRELOAD", "LD_LIBRARY_PATH")
+INHERITED_PREFIXES = (
+    "VLLM_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "ONEDNN_",
+    "DNNL_",
+    "TORCH",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "HF_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "PYTHONPATH",
+    "PYTHONHASHSEED",
+    "PYTHONHOME",
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+)
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "_KEY")  # never written to disk; cannot change answers
 
 
@@ -119,10 +137,15 @@ def command_identity(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, A
 def inherited_env(environ: Mapping[str, str], overridden: Mapping[str, str] | None = None) -> dict[str, str]:
     """The harness's own variables a server inherits that can change what it computes (the command's own win)."""
     overridden = overridden or {}
-    return {k: v for k, v in environ.items()
-            if k.startswith(INHERITED_PREFIXES) and k not in overridden and k not in VOLATILE_ENV
-            and k not in LIBRARY_SET_ENV
-            and not any(m in k.upper() for m in SECRET_MARKERS)}
+    return {
+        k: v
+        for k, v in environ.items()
+        if k.startswith(INHERITED_PREFIXES)
+        and k not in overridden
+        and k not in VOLATILE_ENV
+        and k not in LIBRARY_SET_ENV
+        and not any(m in k.upper() for m in SECRET_MARKERS)
+    }
 
 
 def files_hash(folder: Path, memo_path: Path | None = None) -> str:
@@ -223,22 +246,32 @@ def cpu_identity() -> dict[str, Any]:
     return out
 
 
-def key_inputs(ctx: RunContext, server: Mapping[str, Any], block_size: int | None,
-               environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+def key_inputs(
+    ctx: RunContext, server: Mapping[str, Any], block_size: int | None, environ: Mapping[str, str] = os.environ
+) -> dict[str, Any]:
     """Everything that can change the baseline's answers (``server``: its ``command_identity``)."""
     cfg = ctx.cfg
     load = None
     if cfg.load.enabled:
         plan = plan_load(cfg.load, block_size or 16, cfg.model_len, cfg.max_tokens, cfg.seed)
-        load = {"settings": cfg.load.to_dict(), "plan": [r.to_dict() for r in plan],
-                "body": load_body(ctx.gen, ctx.served_name, plan[0], [0]) if plan else None}
+        load = {
+            "settings": cfg.load.to_dict(),
+            "plan": [r.to_dict() for r in plan],
+            "body": load_body(ctx.gen, ctx.served_name, plan[0], [0]) if plan else None,
+        }
     accuracy = None
     if ctx.accuracy is not None:
         s = ctx.accuracy
-        accuracy = {"settings": s.to_dict(),
-                    "argv": lm_eval_argv(cfg.python, "<url>", ctx.served_name, s, Path("<out>"))[1:] if s.task else None,
-                    "task_files_sha256": files_hash(Path(s.include_path), cache_root() / FILE_HASHES) if s.include_path else None}
-    gen = {k: v for k, v in asdict(ctx.gen).items() if k != "timeout_s"}  # a deadline: a late answer is a failure, never cached
+        accuracy = {
+            "settings": s.to_dict(),
+            "argv": lm_eval_argv(cfg.python, "<url>", ctx.served_name, s, Path("<out>"))[1:] if s.task else None,
+            "task_files_sha256": files_hash(Path(s.include_path), cache_root() / FILE_HASHES)
+            if s.include_path
+            else None,
+        }
+    gen = {
+        k: v for k, v in asdict(ctx.gen).items() if k != "timeout_s"
+    }  # a deadline: a late answer is a failure, never cached
     return {
         "entry_format": ENTRY_FORMAT,
         "comparison_version": COMPARISON_VERSION,
@@ -300,39 +333,76 @@ def cacheable(result: _Answers) -> str | None:
 
 def _completion(c: Completion) -> dict:
     # Top-k as [token, logprob] pairs: JSON object keys would turn the token ids into strings.
-    return {"prompt_id": c.prompt_id, "token_ids": list(c.token_ids),
-            "top_logprobs": [[[t, lp] for t, lp in top.items()] for top in c.top_logprobs],
-            "text": c.text, "finish_reason": c.finish_reason, "prompt_tokens": c.prompt_tokens}
+    return {
+        "prompt_id": c.prompt_id,
+        "token_ids": list(c.token_ids),
+        "top_logprobs": [[[t, lp] for t, lp in top.items()] for top in c.top_logprobs],
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "prompt_tokens": c.prompt_tokens,
+    }
 
 
 def _completion_from(d: Mapping) -> Completion:
-    return Completion(str(d["prompt_id"]), tuple(int(t) for t in d["token_ids"]),
-                      tuple({int(t): float(lp) for t, lp in top} for top in d["top_logprobs"]), str(d["text"]),
-                      d["finish_reason"], None if d["prompt_tokens"] is None else int(d["prompt_tokens"]))
+    return Completion(
+        str(d["prompt_id"]),
+        tuple(int(t) for t in d["token_ids"]),
+        tuple({int(t): float(lp) for t, lp in top} for top in d["top_logprobs"]),
+        str(d["text"]),
+        d["finish_reason"],
+        None if d["prompt_tokens"] is None else int(d["prompt_tokens"]),
+    )
 
 
 def _run(c: CompletionRun) -> dict:
-    return {"completions": [_completion(x) for x in c.completions], "latencies_s": dict(c.latencies_s),
-            "failures": [{"prompt_id": f.prompt_id, "status": f.status, "detail": f.detail} for f in c.failures]}
+    return {
+        "completions": [_completion(x) for x in c.completions],
+        "latencies_s": dict(c.latencies_s),
+        "failures": [{"prompt_id": f.prompt_id, "status": f.status, "detail": f.detail} for f in c.failures],
+    }
 
 
 def _run_from(c: Mapping) -> CompletionRun:
-    return CompletionRun([_completion_from(x) for x in c["completions"]], {str(k): float(v) for k, v in c["latencies_s"].items()},
-                         [RequestFailed(f["prompt_id"], f["status"], f["detail"]) for f in c["failures"]])
+    return CompletionRun(
+        [_completion_from(x) for x in c["completions"]],
+        {str(k): float(v) for k, v in c["latencies_s"].items()},
+        [RequestFailed(f["prompt_id"], f["status"], f["detail"]) for f in c["failures"]],
+    )
 
 
 def encode_result(result: _Answers) -> dict:
-    out: dict[str, Any] = {"completions": _run(result.completions), "load": None, "eval": None,
-                           "prefix": None if result.prefix is None else _run(result.prefix)}
+    out: dict[str, Any] = {
+        "completions": _run(result.completions),
+        "load": None,
+        "eval": None,
+        "prefix": None if result.prefix is None else _run(result.prefix),
+    }
     if result.load is not None:
-        out["load"] = {"wall_s": result.load.wall_s, "concurrency": result.load.concurrency, "outcomes": [
-            {"request": o.request.to_dict(), "status": o.status, "completion": None if o.completion is None else _completion(o.completion),
-             "ttft_s": o.ttft_s, "latency_s": o.latency_s, "tokens_before_abort": o.tokens_before_abort, "detail": o.detail}
-            for o in result.load.outcomes]}
+        out["load"] = {
+            "wall_s": result.load.wall_s,
+            "concurrency": result.load.concurrency,
+            "outcomes": [
+                {
+                    "request": o.request.to_dict(),
+                    "status": o.status,
+                    "completion": None if o.completion is None else _completion(o.completion),
+                    "ttft_s": o.ttft_s,
+                    "latency_s": o.latency_s,
+                    "tokens_before_abort": o.tokens_before_abort,
+                    "detail": o.detail,
+                }
+                for o in result.load.outcomes
+            ],
+        }
     if result.eval is not None:
         e = result.eval
-        out["eval"] = {"task": e.task, "score": e.score, "lm_eval_version": e.lm_eval_version, "output_dir": e.output_dir,
-                       "samples": [asdict(s) for s in e.samples.values()]}
+        out["eval"] = {
+            "task": e.task,
+            "score": e.score,
+            "lm_eval_version": e.lm_eval_version,
+            "output_dir": e.output_dir,
+            "samples": [asdict(s) for s in e.samples.values()],
+        }
     return out
 
 
@@ -342,15 +412,31 @@ def decode_result(d: Mapping) -> tuple[CompletionRun, LoadRun | None, EvalRun | 
     load = None
     if d["load"] is not None:
         ld = d["load"]
-        load = LoadRun([LoadOutcome(LoadRequest(**o["request"]), str(o["status"]),
-                                    None if o["completion"] is None else _completion_from(o["completion"]),
-                                    o["ttft_s"], o["latency_s"], int(o["tokens_before_abort"]), str(o["detail"]))
-                        for o in ld["outcomes"]], float(ld["wall_s"]), int(ld["concurrency"]))
+        load = LoadRun(
+            [
+                LoadOutcome(
+                    LoadRequest(**o["request"]),
+                    str(o["status"]),
+                    None if o["completion"] is None else _completion_from(o["completion"]),
+                    o["ttft_s"],
+                    o["latency_s"],
+                    int(o["tokens_before_abort"]),
+                    str(o["detail"]),
+                )
+                for o in ld["outcomes"]
+            ],
+            float(ld["wall_s"]),
+            int(ld["concurrency"]),
+        )
     ev = None
     if d["eval"] is not None:
         e = d["eval"]
-        samples = {int(s["doc_id"]): Sample(int(s["doc_id"]), str(s["prompt_hash"]), str(s["response"]), str(s["extracted"]),
-                                            bool(s["correct"])) for s in e["samples"]}
+        samples = {
+            int(s["doc_id"]): Sample(
+                int(s["doc_id"]), str(s["prompt_hash"]), str(s["response"]), str(s["extracted"]), bool(s["correct"])
+            )
+            for s in e["samples"]
+        }
         ev = EvalRun(str(e["task"]), float(e["score"]), samples, e["lm_eval_version"], str(e["output_dir"]))
     return completions, load, ev, None if d["prefix"] is None else _run_from(d["prefix"])
 
@@ -364,7 +450,9 @@ def write_atomic_json(path: Path, obj: Any) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f)
             f.flush()
-            os.fsync(f.fileno())  # the rename must not land before the content does (a crash would leave an empty entry)
+            os.fsync(
+                f.fileno()
+            )  # the rename must not land before the content does (a crash would leave an empty entry)
         os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from other users of a shared checkout
         os.replace(tmp, path)
     except BaseException:
@@ -377,18 +465,38 @@ def entry_path(root: Path, key: str) -> Path:
     return Path(root) / key / ENTRY_FILE
 
 
-def write_entry(root: Path, key: str, inputs: Mapping[str, Any], result: _Answers, meta: Mapping[str, Any],
-                load_requests: Sequence[LoadRequest] = (), load_prompts: Mapping[str, list[int]] | None = None,
-                prefix_cases: Sequence[PrefixCase] = (), prefix_prompts: Mapping[str, list[int]] | None = None) -> Path:
+def write_entry(
+    root: Path,
+    key: str,
+    inputs: Mapping[str, Any],
+    result: _Answers,
+    meta: Mapping[str, Any],
+    load_requests: Sequence[LoadRequest] = (),
+    load_prompts: Mapping[str, list[int]] | None = None,
+    prefix_cases: Sequence[PrefixCase] = (),
+    prefix_prompts: Mapping[str, list[int]] | None = None,
+) -> Path:
     if cache_key(inputs) != key:
         raise ValueError("the key is not the hash of these inputs")
-    payload = {"meta": dict(meta), "result": encode_result(result), "load_requests": [r.to_dict() for r in load_requests],
-               "load_prompts": {k: list(v) for k, v in (load_prompts or {}).items()},
-               "prefix_cases": [c.to_dict() for c in prefix_cases],
-               "prefix_prompts": {k: list(v) for k, v in (prefix_prompts or {}).items()}}
+    payload = {
+        "meta": dict(meta),
+        "result": encode_result(result),
+        "load_requests": [r.to_dict() for r in load_requests],
+        "load_prompts": {k: list(v) for k, v in (load_prompts or {}).items()},
+        "prefix_cases": [c.to_dict() for c in prefix_cases],
+        "prefix_prompts": {k: list(v) for k, v in (prefix_prompts or {}).items()},
+    }
     path = entry_path(root, key)
-    write_atomic_json(path, {"format": ENTRY_FORMAT, "key": key, "checksum": cache_key(payload), "inputs": dict(inputs),
-                             "payload": payload})
+    write_atomic_json(
+        path,
+        {
+            "format": ENTRY_FORMAT,
+            "key": key,
+            "checksum": cache_key(payload),
+            "inputs": dict(inputs),
+            "payload": payload,
+        },
+    )
     return path
 
 
@@ -415,7 +523,9 @@ def read_entry(root: Path, key: str) -> Entry:
         prompts = {str(k): [int(t) for t in v] for k, v in payload["load_prompts"].items()}
         cases = [PrefixCase(**c) for c in payload["prefix_cases"]]
         prefix_prompts = {str(k): [int(t) for t in v] for k, v in payload["prefix_prompts"].items()}
-        return Entry(key, completions, load, ev, dict(payload["meta"]), requests, prompts, prefix, cases, prefix_prompts)
+        return Entry(
+            key, completions, load, ev, dict(payload["meta"]), requests, prompts, prefix, cases, prefix_prompts
+        )
     except CacheMiss:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -425,6 +535,10 @@ def read_entry(root: Path, key: str) -> Entry:
 def new_meta(ctx: RunContext, command: str) -> dict[str, Any]:
     """Where an entry came from: the run folder that computed it, when, with which command and versions."""
     t = ctx.report.timings_s
-    return {"from_run": str(ctx.run_dir), "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "command": command, "versions": dict(ctx.report.versions),
-            "timings_s": {k: round(v, 3) for k, v in t.items() if k.startswith(("baseline_", "lm_eval_baseline"))}}
+    return {
+        "from_run": str(ctx.run_dir),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": command,
+        "versions": dict(ctx.report.versions),
+        "timings_s": {k: round(v, 3) for k, v in t.items() if k.startswith(("baseline_", "lm_eval_baseline"))},
+    }

@@ -40,7 +40,12 @@ UPSTREAM_ENV = {
 # HF_HUB_OFFLINE=1, so it must be in the Hugging Face cache already.
 GPU_DEFAULT_MODEL = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
-PROXY_FAULTS = ("none", "corrupt-block-ids", "wrong-engine-id", "no-remote-decode")  # what toy_proxy_server.py --fault accepts
+PROXY_FAULTS = (
+    "none",
+    "corrupt-block-ids",
+    "wrong-engine-id",
+    "no-remote-decode",
+)  # what toy_proxy_server.py --fault accepts
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,9 @@ class E2EConfig:
     logprob_threshold: float | None = None  # largest |Δ logprob| of a chosen token vs the baseline; None: the device's
     dtype: str | None = None  # None: float32 on CPU, the model's own on GPU
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs and compilation on GPU
-    decode_kv_fault: float | None = None  # fault injection: D scales the received KV of one layer by this (the run must fail)
+    decode_kv_fault: float | None = (
+        None  # fault injection: D scales the received KV of one layer by this (the run must fail)
+    )
     axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
     prompt_ids: tuple[str, ...] | None = None  # only these of the sequential prompts (None: all; a shrink narrows it)
 
@@ -89,7 +96,9 @@ class E2EConfig:
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         if self.block_size_p and self.block_size_d and self.block_size_d % self.block_size_p:
-            raise ConfigError(f"prefill block size {self.block_size_p} must divide decode block size {self.block_size_d}")
+            raise ConfigError(
+                f"prefill block size {self.block_size_p} must divide decode block size {self.block_size_d}"
+            )
         if self.kv_layout_d is not None and self.kv_layout_d not in ("HND", "NHD"):
             raise ConfigError(f"decode KV layout must be HND or NHD, got {self.kv_layout_d!r}")
         if self.model is None and self.device == "gpu":
@@ -100,7 +109,9 @@ class E2EConfig:
             known = [p.id for p in prompt_set(self.seed)]
             unknown = [i for i in self.prompt_ids if i not in known]
             if unknown or not self.prompt_ids:
-                raise ConfigError(f"unknown prompt id(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(known)})")
+                raise ConfigError(
+                    f"unknown prompt id(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(known)})"
+                )
         if self.max_tokens < 1 or self.logprobs < 1:
             raise ConfigError("max_tokens and logprobs must be >= 1")
         if self.proxy_fault_every < 1:
@@ -113,7 +124,9 @@ class E2EConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         if self.load.enabled and self.load.abort_max_tokens >= self.model_len:
-            raise ConfigError(f"load abort_max_tokens {self.load.abort_max_tokens} leaves no room for a prompt in {self.model_len} tokens")
+            raise ConfigError(
+                f"load abort_max_tokens {self.load.abort_max_tokens} leaves no room for a prompt in {self.model_len} tokens"
+            )
 
     @property
     def logprob_limit(self) -> float:
@@ -181,8 +194,9 @@ def env_defaults(env: Mapping[str, str] = os.environ) -> dict[str, object]:
 
 DEVICES = ("cpu", "gpu")
 # Where vLLM 0.32.0 says its device and dtype: only /server_info, which it serves with VLLM_SERVER_DEV_MODE=1.
-SERVER_INFO_HINT = ("vLLM says them only at /server_info, served with VLLM_SERVER_DEV_MODE=1 (its /metrics and "
-                    "/v1/models do not)")
+SERVER_INFO_HINT = (
+    "vLLM says them only at /server_info, served with VLLM_SERVER_DEV_MODE=1 (its /metrics and /v1/models do not)"
+)
 
 
 @dataclass(frozen=True)
@@ -207,8 +221,10 @@ def _one(values: dict[str, str], what: str) -> str | None:
     """The single value the servers report (url -> value), None if none does; ConfigError if they disagree."""
     seen = sorted(set(values.values()))
     if len(seen) > 1:
-        raise ConfigError(f"the attached servers report different {what}s: "
-                          + ", ".join(f"{u} {v}" for u, v in sorted(values.items())))
+        raise ConfigError(
+            f"the attached servers report different {what}s: "
+            + ", ".join(f"{u} {v}" for u, v in sorted(values.items()))
+        )
     return seen[0] if seen else None
 
 
@@ -225,8 +241,10 @@ def _attach_device(served: Sequence[Served], flag: str | None, host_device: Call
     # Servers on this host share its hardware: the host's default is the one a run launching them would take.
     if served and all(on_this_host(s.url) for s in served):
         return host_device(), "this host (every attached server is on it)"
-    raise ConfigError(f"attach mode: cannot tell which device the attached servers run on ({SERVER_INFO_HINT}); "
-                      "give --device cpu or --device gpu")
+    raise ConfigError(
+        f"attach mode: cannot tell which device the attached servers run on ({SERVER_INFO_HINT}); "
+        "give --device cpu or --device gpu"
+    )
 
 
 def _attach_model(attach: Attach, flag: str | None) -> tuple[str, str]:
@@ -240,8 +258,14 @@ def _attach_model(attach: Attach, flag: str | None) -> tuple[str, str]:
     return decode.model, f"{url}/v1/models"
 
 
-def attach_settings(attach: Attach, model: str | None, device: str | None, dtype: str | None,
-                    max_model_len: int | None, host_device: Callable[[], str]) -> AttachSettings:
+def attach_settings(
+    attach: Attach,
+    model: str | None,
+    device: str | None,
+    dtype: str | None,
+    max_model_len: int | None,
+    host_device: Callable[[], str],
+) -> AttachSettings:
     """The settings of a run against ``attach``'s servers from what each said (``attach.served``) and the flags given
     (None: not given). A flag the servers contradict is a ConfigError; so is a device that cannot be told.
     ``host_device``: this host's default device, taken only when every attached server runs on this host."""
@@ -252,16 +276,32 @@ def attach_settings(attach: Attach, model: str | None, device: str | None, dtype
     if dtype is not None and reported_dtype is not None and dtype != reported_dtype:
         raise ConfigError(f"--dtype {dtype}, but the attached servers serve {reported_dtype}")
     dt = dtype or reported_dtype
-    dt_src = "--dtype" if dtype else ("the servers' /server_info" if dt else
-                                      f"unknown ({SERVER_INFO_HINT}): a baseline launched here takes the device's "
-                                      "default; give --dtype to match the servers")
+    dt_src = (
+        "--dtype"
+        if dtype
+        else (
+            "the servers' /server_info"
+            if dt
+            else f"unknown ({SERVER_INFO_HINT}): a baseline launched here takes the device's "
+            "default; give --dtype to match the servers"
+        )
+    )
     lengths = {s.url: s.max_model_len for s in served if s.max_model_len}
     served_len = min(lengths.values()) if lengths else None
     if max_model_len is not None and served_len is not None and max_model_len > served_len:
         url = min(lengths, key=lambda u: lengths[u])
         raise ConfigError(f"--max-model-len {max_model_len}, but {url} serves at most {served_len} tokens")
     length = max_model_len or served_len
-    len_src = "--max-model-len" if max_model_len else ("the servers' /v1/models (the smallest)" if length else
-                                                       "unknown: the device's default")
-    return AttachSettings(mod, dev, dt, length, attach.baseline_url is None,
-                          {"model": mod_src, "device": dev_src, "dtype": dt_src, "max_model_len": len_src})
+    len_src = (
+        "--max-model-len"
+        if max_model_len
+        else ("the servers' /v1/models (the smallest)" if length else "unknown: the device's default")
+    )
+    return AttachSettings(
+        mod,
+        dev,
+        dt,
+        length,
+        attach.baseline_url is None,
+        {"model": mod_src, "device": dev_src, "dtype": dt_src, "max_model_len": len_src},
+    )

@@ -66,20 +66,50 @@ class RunContext:
     def timed(self, key: str, t0: float) -> None:
         self.report.timings_s[key] = time.monotonic() - t0
 
-    def server(self, alloc: PortAllocator, role: str, tp: int, block_size: int | None, cpu_bind: str | None,
-               kv_layout: str | None = None) -> Server:
+    def server(
+        self,
+        alloc: PortAllocator,
+        role: str,
+        tp: int,
+        block_size: int | None,
+        cpu_bind: str | None,
+        kv_layout: str | None = None,
+    ) -> Server:
         """A server of this run (not started), recorded in the report's commands and logs."""
         placement = self.gpu.placement(role) if self.gpu is not None else None
         aborts = self.cfg.load.enabled and self.cfg.load.abort_every > 0 and role != "baseline"
-        srv = make_server(self.cfg, alloc, role, tp, self.model, self.served_name, block_size, cpu_bind, self.logs, kv_layout,
-                          placement=placement, num_blocks=self.pool_blocks(block_size), log_requests=aborts)
+        srv = make_server(
+            self.cfg,
+            alloc,
+            role,
+            tp,
+            self.model,
+            self.served_name,
+            block_size,
+            cpu_bind,
+            self.logs,
+            kv_layout,
+            placement=placement,
+            num_blocks=self.pool_blocks(block_size),
+            log_requests=aborts,
+        )
         self.report.commands[role] = srv.command
         self.report.logs[role] = str(srv.proc.spec.log_path)
         return srv
 
-    def proxy(self, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str]) -> tuple[ManagedProcess, str]:
-        proc, url = make_proxy(self.cfg.python, alloc, prefill_urls, decode_urls, self.logs, self.cfg.request_timeout_s,
-                               fault=self.cfg.proxy_fault, fault_every=self.cfg.proxy_fault_every)
+    def proxy(
+        self, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str]
+    ) -> tuple[ManagedProcess, str]:
+        proc, url = make_proxy(
+            self.cfg.python,
+            alloc,
+            prefill_urls,
+            decode_urls,
+            self.logs,
+            self.cfg.request_timeout_s,
+            fault=self.cfg.proxy_fault,
+            fault_every=self.cfg.proxy_fault_every,
+        )
         self.report.commands["proxy"] = " ".join(proc.spec.argv)
         self.report.logs["proxy"] = str(proc.spec.log_path)
         return proc, url
@@ -90,7 +120,9 @@ class RunContext:
         t0 = time.monotonic()
         log = self.logs / f"lm_eval_{which}.log"
         self.report.logs[f"lm_eval_{which}"] = str(log)
-        out = run_lm_eval(self.cfg.python, url, self.served_name, self.accuracy, self.run_dir / "lm_eval" / which, log, watch)
+        out = run_lm_eval(
+            self.cfg.python, url, self.served_name, self.accuracy, self.run_dir / "lm_eval" / which, log, watch
+        )
         self.timed(f"lm_eval_{which}", t0)
         return out
 

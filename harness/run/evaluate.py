@@ -7,17 +7,29 @@ from harness.checks import transfer
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
 from harness.checks.leak import check_no_leak
+from harness.checks.load import (
+    Pool,
+    blocks_needed,
+    check_aborts,
+    check_answers,
+    check_logprobs,
+    check_match,
+    check_reuse,
+    compare_load,
+    landed_stages,
+    latency_summary,
+    logprob_coverage,
+    pool_blocks_from_log,
+    pool_from_metrics,
+)
 from harness.checks.prefix_cache import check_sources
 from harness.checks.usage_stats import CHECK_NAME as USAGE_CHECK
 from harness.checks.usage_stats import check_no_usage_reporting
-from harness.checks.load import (Pool, blocks_needed, check_aborts, check_answers, check_logprobs, check_match, check_reuse,
-                                 compare_load, landed_stages, latency_summary, logprob_coverage, pool_blocks_from_log,
-                                 pool_from_metrics)
+from harness.run import simulated
 from harness.run.baseline import BaselineResult
 from harness.run.context import RunContext
 from harness.run.pd import PDResult
 from harness.run.prefix import PDPrefix
-from harness.run import simulated
 from harness.workload.client import CompletionRun
 
 MIN_PROMPTS = 16
@@ -37,16 +49,28 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     checks += transfer.check_nixl_metrics(pd.metrics_before, pd.metrics_after, n, prompt_tokens)
     if pd.attached:  # servers started elsewhere: their logs are not ours to read; /metrics carries the proof
         why = "attach mode: the server logs are not available to the harness"
-        ctx.report.skipped_checks += [{"name": name, "reason": why} for name in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")]
+        ctx.report.skipped_checks += [
+            {"name": name, "reason": why} for name in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")
+        ]
     else:
         checks += transfer.check_decode_log("\n".join(t for name, t in pd.logs.items() if name.startswith("decode")))
-        checks.append(transfer.check_lease(pd.logs, pd.idle.cancels if pd.idle is not None else None,
-                                           pd.idle.faulted if pd.idle is not None else ()))
+        checks.append(
+            transfer.check_lease(
+                pd.logs,
+                pd.idle.cancels if pd.idle is not None else None,
+                pd.idle.faulted if pd.idle is not None else (),
+            )
+        )
     if pd.environs is not None:
         checks.append(check_no_usage_reporting(pd.environs))
     else:
-        ctx.report.skipped_checks.append({"name": USAGE_CHECK, "reason": "attach mode: the servers' environment is "
-                                          "whoever started them; set VLLM_NO_USAGE_STATS=1 there (docs/running.md)"})
+        ctx.report.skipped_checks.append(
+            {
+                "name": USAGE_CHECK,
+                "reason": "attach mode: the servers' environment is "
+                "whoever started them; set VLLM_NO_USAGE_STATS=1 there (docs/running.md)",
+            }
+        )
     if pd.idle is not None:
         checks.append(check_no_leak(pd.idle, None if pd.attached else pd.logs))
     compared = [result]
@@ -61,19 +85,40 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     if logprob_coverage(compared)[0]:
         checks.append(check_logprobs(compared, ctx.cfg.logprob_limit))
     else:  # decided before its result: every answer left the baseline's at its first token
-        ctx.report.skipped_checks.append({"name": "logprobs_match_baseline", "reason": "no request had a position "
-                                          "to compare: every answer diverged at its first token (see the comparison)"})
+        ctx.report.skipped_checks.append(
+            {
+                "name": "logprobs_match_baseline",
+                "reason": "no request had a position "
+                "to compare: every answer diverged at its first token (see the comparison)",
+            }
+        )
     if ctx.cfg.proxy_fault != "none" and pd.final_stats is not None:  # which requests the proxy changed: the mismatches
         faulted = list(pd.final_stats.get("faulted_ids", []))
-        ctx.report.faults = {"proxy": {"fault": ctx.cfg.proxy_fault, "every": ctx.cfg.proxy_fault_every, "requests": faulted}}
-        checks.append(Check("proxy_fault_fired", bool(faulted), f"the proxy applied {ctx.cfg.proxy_fault} to {len(faulted)} "
-                            f"request(s) (every {ctx.cfg.proxy_fault_every}); this run must fail on what that changed"))
+        ctx.report.faults = {
+            "proxy": {"fault": ctx.cfg.proxy_fault, "every": ctx.cfg.proxy_fault_every, "requests": faulted}
+        }
+        checks.append(
+            Check(
+                "proxy_fault_fired",
+                bool(faulted),
+                f"the proxy applied {ctx.cfg.proxy_fault} to {len(faulted)} "
+                f"request(s) (every {ctx.cfg.proxy_fault_every}); this run must fail on what that changed",
+            )
+        )
     if ctx.cfg.decode_kv_fault is not None:  # a fault run must show that its fault really fired
         fired = sum(text.count(KV_FAULT_FIRED) for name, text in pd.logs.items() if name.startswith("decode"))
-        checks.append(Check("decode_kv_fault_fired", fired > 0, f"D logged {fired} perturbed receive(s) "
-                            f"(factor {ctx.cfg.decode_kv_fault}); this run must fail on what the perturbation changed"))
+        checks.append(
+            Check(
+                "decode_kv_fault_fired",
+                fired > 0,
+                f"D logged {fired} perturbed receive(s) "
+                f"(factor {ctx.cfg.decode_kv_fault}); this run must fail on what the perturbation changed",
+            )
+        )
     left = ctx.leftovers
-    checks.append(Check("no_process_left", not left, "every harness process exited" if not left else f"still running: {left}"))
+    checks.append(
+        Check("no_process_left", not left, "every harness process exited" if not left else f"still running: {left}")
+    )
     if pd.smoke is not None:
         checks.append(pd.smoke)
     if ctx.accuracy is not None and pd.eval is not None and baseline.eval is not None and pd.through is not None:
@@ -91,7 +136,8 @@ def answered_check(baseline: CompletionRun, pd: CompletionRun, n: int) -> Check:
     return Check(
         "all_requests_answered",
         not failed and len(baseline.completions) == n and len(pd.completions) == n,
-        f"baseline {len(baseline.completions)}/{n}, P/D {len(pd.completions)}/{n}" + (f"; first failure: {failed[0]}" if failed else ""),
+        f"baseline {len(baseline.completions)}/{n}, P/D {len(pd.completions)}/{n}"
+        + (f"; first failure: {failed[0]}" if failed else ""),
         {"failures": [str(f) for f in failed[:10]]} if failed else None,
     )
 
@@ -100,8 +146,11 @@ def match_check(result: ComparisonResult, wanted: int = MIN_PROMPTS) -> Check:
     """Every compared prompt matches, and at least ``wanted`` were compared (MIN_PROMPTS, or all of those --prompts
     selected: a narrowed run compares only them)."""
     enough = len(result.prompts) >= wanted
-    return Check("outputs_match_baseline", result.passed and enough,
-                 result.summary() + ("" if enough else f"; fewer than {wanted} prompts compared"))
+    return Check(
+        "outputs_match_baseline",
+        result.passed and enough,
+        result.summary() + ("" if enough else f"; fewer than {wanted} prompts compared"),
+    )
 
 
 def comparison_block(result: ComparisonResult, baseline: CompletionRun, pd: CompletionRun) -> dict:
@@ -130,15 +179,24 @@ def evaluate_load(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> tu
     checks = [check_answers(load.run, base), check_match(cmp)]
     aborts = check_aborts(load.run, load.stats_before, load.stats_after, pd.logs, not pd.attached)
     if aborts is None:
-        ctx.report.skipped_checks.append({"name": "load_aborts_fired", "reason": "no client cancel planned "
-                                          "(--load-abort-every 0, or too few load requests)"})
+        ctx.report.skipped_checks.append(
+            {
+                "name": "load_aborts_fired",
+                "reason": "no client cancel planned (--load-abort-every 0, or too few load requests)",
+            }
+        )
     else:
         checks.append(aborts)
     reuse = check_reuse(pools)
     if pd.attached:  # decided before the result: the pool is whoever started the servers' choice, not this run's
-        ctx.report.skipped_checks.append({"name": reuse.name, "reason": "attach mode: the servers' KV pool is not this "
-                                          f"run's to size, so reuse is not this run's to prove ({reuse.detail}); start "
-                                          "them with --num-gpu-blocks-override to test reuse"})
+        ctx.report.skipped_checks.append(
+            {
+                "name": reuse.name,
+                "reason": "attach mode: the servers' KV pool is not this "
+                f"run's to size, so reuse is not this run's to prove ({reuse.detail}); start "
+                "them with --num-gpu-blocks-override to test reuse",
+            }
+        )
     else:
         checks.append(reuse)
     s = ctx.cfg.load
@@ -150,19 +208,35 @@ def evaluate_load(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> tu
         aborted[stage] = aborted.get(stage, 0) + 1
     ctx.report.load = {
         "settings": s.to_dict(),
-        "requests": len(run.outcomes), "concurrency": run.concurrency,
+        "requests": len(run.outcomes),
+        "concurrency": run.concurrency,
         "baseline_answered": f"the same prompts at the same concurrency ({base.concurrency}), without the cancelled ones",
-        "why_noise_cannot_fail": ("different batching changes float rounding, which can only flip a near tie: the comparison "
-                                  "tolerates a divergence where each side's token is in the other's top-k and stops there, "
-                                  "and the logprob threshold is set above the measured baseline-vs-baseline noise"),
-        "aborted_by_client": aborted, "prefill_abort_after_s": load.prefill_abort_s,
-        "cancelled_by_proxy": {k: int(load.stats_after.get("cancelled", {}).get(k, 0)) - int(load.stats_before.get("cancelled", {}).get(k, 0))
-                               for k in load.stats_after.get("cancelled", {})},
-        "matched": cmp.n_exact + cmp.n_tolerated, "mismatched": [p.prompt_id for p in cmp.prompts if p.status == "mismatch"],
+        "why_noise_cannot_fail": (
+            "different batching changes float rounding, which can only flip a near tie: the comparison "
+            "tolerates a divergence where each side's token is in the other's top-k and stops there, "
+            "and the logprob threshold is set above the measured baseline-vs-baseline noise"
+        ),
+        "aborted_by_client": aborted,
+        "prefill_abort_after_s": load.prefill_abort_s,
+        "cancelled_by_proxy": {
+            k: int(load.stats_after.get("cancelled", {}).get(k, 0))
+            - int(load.stats_before.get("cancelled", {}).get(k, 0))
+            for k in load.stats_after.get("cancelled", {})
+        },
+        "matched": cmp.n_exact + cmp.n_tolerated,
+        "mismatched": [p.prompt_id for p in cmp.prompts if p.status == "mismatch"],
         "max_logprob_delta": cmp.max_logprob_delta,
         "latency": {"pd": latency_summary(run), "baseline": latency_summary(base)},
-        "pools": [{"server": p.server, "blocks": p.blocks, "block_size": p.block_size, "blocks_needed": p.needed, "reused": p.reused}
-                  for p in pools],
+        "pools": [
+            {
+                "server": p.server,
+                "blocks": p.blocks,
+                "block_size": p.block_size,
+                "blocks_needed": p.needed,
+                "reused": p.reused,
+            }
+            for p in pools
+        ],
         "comparison": cmp.to_dict(),
         "outcomes": [o.to_dict() for o in run.outcomes],
     }
@@ -174,13 +248,15 @@ def evaluate_prefix(ctx: RunContext, baseline: CompletionRun, pd: PDPrefix) -> t
     n = len(ctx.prefix_cases)
     cmp = compare_completions(baseline.completions, pd.run.completions, top_k=ctx.gen.logprobs)
     answered = answered_check(baseline, pd.run, n)
-    checks = [Check("prefix_cache_answered", answered.passed, answered.detail, answered.data),
-              Check("prefix_cache_outputs_match", cmp.passed and len(cmp.prompts) == n, cmp.summary()),
-              check_sources(pd.sourced)]
+    checks = [
+        Check("prefix_cache_answered", answered.passed, answered.detail, answered.data),
+        Check("prefix_cache_outputs_match", cmp.passed and len(cmp.prompts) == n, cmp.summary()),
+        check_sources(pd.sourced),
+    ]
     ctx.report.prefix_cache = {
         "block_size_d": ctx.cfg.block_sizes()[1],
         "rule": "local_cache_hit = the longest cached block-aligned prefix, at most floor((N-1)/B)*B; "
-                "external_kv_transfer = N - local_cache_hit; local_compute = 0",
+        "external_kv_transfer = N - local_cache_hit; local_compute = 0",
         "requests": [r.to_dict() for r in pd.sourced],
         "comparison": cmp.to_dict(),
     }

@@ -37,8 +37,12 @@ def from_exception(e: Exception, logs: Callable[[], dict[str, str]]) -> dict:
     if isinstance(e, MetricsUnavailable):
         return {"class": "metrics-unavailable", "reason": str(e), "source": e.source, "excerpt": e.detail}
     # a harness bug must still leave a report that says what happened
-    return {"class": "harness-error", "reason": f"{type(e).__name__}: {e}", "source": "harness",
-            "excerpt": "".join(traceback.format_exception(e))[-4000:]}
+    return {
+        "class": "harness-error",
+        "reason": f"{type(e).__name__}: {e}",
+        "source": "harness",
+        "excerpt": "".join(traceback.format_exception(e))[-4000:],
+    }
 
 
 def process_failure(e: ProcessFailed, logs: dict[str, str]) -> dict:
@@ -50,8 +54,14 @@ def process_failure(e: ProcessFailed, logs: dict[str, str]) -> dict:
     an outcome a matrix entry can expect."""
     f = classify({e.name: e.log_tail, **logs})
     if not e.after_ready and "not ready within" not in e.reason:
-        out = {"class": "unsupported" if f.cls == "unsupported" else "server-exited", "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
-               "source": e.name, "excerpt": e.log_tail}
+        out = {
+            "class": "unsupported" if f.cls == "unsupported" else "server-exited",
+            "reason": f"{e.name}: {e.reason}",
+            "returncode": e.returncode,
+            "log": str(e.log_path),
+            "source": e.name,
+            "excerpt": e.log_tail,
+        }
         if f.cls != "unknown":
             out.update(signature=f.cls, signature_meaning=f.meaning, excerpt=f"{f.excerpt}\n...\n{e.log_tail}")
         return out
@@ -64,8 +74,14 @@ def process_failure(e: ProcessFailed, logs: dict[str, str]) -> dict:
         else:
             cls = "server-exited" if e.returncode is not None else "unknown"
         f = Failure(cls, e.log_tail, e.name, e.reason)
-    return {"class": f.cls, "reason": f"{e.name}: {e.reason}", "returncode": e.returncode, "log": str(e.log_path),
-            "source": f.source, "excerpt": f.excerpt}
+    return {
+        "class": f.cls,
+        "reason": f"{e.name}: {e.reason}",
+        "returncode": e.returncode,
+        "log": str(e.log_path),
+        "source": f.source,
+        "excerpt": f.excerpt,
+    }
 
 
 def from_checks(checks: list[Check], logs: dict[str, str], request_runs: list[CompletionRun]) -> dict | None:
@@ -80,11 +96,20 @@ def from_checks(checks: list[Check], logs: dict[str, str], request_runs: list[Co
     explained = frozenset() if "no_kv_lease_expiry" in names else frozenset({"kv-lease-expired"})
     f = classify({**logs, **errors}, explained)
     if f.cls == "unknown":
-        cls = ("output-mismatch" if names & {"outputs_match_baseline", "load_outputs_match_baseline"}
-               else "no-transfer" if names & (transfer.TRANSFER_CHECKS | {"accuracy_through_pd"})
-               else "logprob-mismatch" if "logprobs_match_baseline" in names
-               else "kv-leak" if "no_kv_leak" in names
-               else "abort-not-fired" if "load_aborts_fired" in names
-               else "accuracy-mismatch" if any(n.startswith("accuracy_") for n in names) else "checks-failed")
+        cls = (
+            "output-mismatch"
+            if names & {"outputs_match_baseline", "load_outputs_match_baseline"}
+            else "no-transfer"
+            if names & (transfer.TRANSFER_CHECKS | {"accuracy_through_pd"})
+            else "logprob-mismatch"
+            if "logprobs_match_baseline" in names
+            else "kv-leak"
+            if "no_kv_leak" in names
+            else "abort-not-fired"
+            if "load_aborts_fired" in names
+            else "accuracy-mismatch"
+            if any(n.startswith("accuracy_") for n in names)
+            else "checks-failed"
+        )
         f = Failure(cls, reason[:2000], None, "checks failed")
     return {"class": f.cls, "reason": reason, "source": f.source, "excerpt": f.excerpt}

@@ -45,8 +45,14 @@ mark.div-token{background:#ffd33d;color:#1f2328;outline:2px solid #bf8700;border
 
 VERDICT_CLASS = {"pass": "v-pass", "fail": "v-fail", "interrupted": "v-interrupted"}
 # timeline bar colours by kind of step
-KIND_COLOUR = {"phase": "#d0d7de", "launch": "#0969da", "requests": "#1a7f37", "evaluation": "#8250df",
-               "teardown": "#bc4c00", "setup": "#6e7781"}
+KIND_COLOUR = {
+    "phase": "#d0d7de",
+    "launch": "#0969da",
+    "requests": "#1a7f37",
+    "evaluation": "#8250df",
+    "teardown": "#bc4c00",
+    "setup": "#6e7781",
+}
 
 
 def esc(x: Any) -> str:
@@ -55,9 +61,11 @@ def esc(x: Any) -> str:
 
 def page(title: str, body: str) -> str:
     """A whole document; non-ASCII characters become references, so the file reads the same in any encoding."""
-    doc = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-           f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{esc(title)}</title>'
-           f"<style>{CSS}</style></head><body>\n{body}\n</body></html>\n")
+    doc = (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><title>{esc(title)}</title>'
+        f"<style>{CSS}</style></head><body>\n{body}\n</body></html>\n"
+    )
     return doc.encode("ascii", "xmlcharrefreplace").decode("ascii")
 
 
@@ -78,14 +86,27 @@ def render_page(d: dict, run_dir: Path) -> str:
     try:
         body = _body(d, run_dir)
     except Exception:
-        body = (_header(d) + '<main><h2>This page could not be rendered in full</h2>'
-                f'<p>See report.json and report.md beside it.</p><pre id="render-error">{esc(traceback.format_exc())}</pre></main>')
+        body = (
+            _header(d) + "<main><h2>This page could not be rendered in full</h2>"
+            f'<p>See report.json and report.md beside it.</p><pre id="render-error">{esc(traceback.format_exc())}</pre></main>'
+        )
     return page(title, body)
 
 
 def _body(d: dict, run_dir: Path) -> str:
-    parts = [_header(d), "<main>", _meta(d), _checks(d), _failure(d), _comparison(d), _accuracy(d), _timeline(d),
-             _breakdown(d), _details(d, run_dir), "</main>"]
+    parts = [
+        _header(d),
+        "<main>",
+        _meta(d),
+        _checks(d),
+        _failure(d),
+        _comparison(d),
+        _accuracy(d),
+        _timeline(d),
+        _breakdown(d),
+        _details(d, run_dir),
+        "</main>",
+    ]
     return "\n".join(p for p in parts if p)
 
 
@@ -97,9 +118,11 @@ def _header(d: dict) -> str:
     reason = _reason(d)
     if d.get("known_upstream"):
         reason += f'<div class="reason" id="known-upstream">{esc(d["known_upstream"])}</div>'
-    return (f'<header class="top {VERDICT_CLASS.get(verdict, "v-fail")}"><div class="inner">'
-            f'<h1>P/D run: P TP{esc(cfg.get("tp_p"))} &rarr; D TP{esc(cfg.get("tp_d"))} '
-            f'<span class="badge" id="verdict">{esc(verdict.upper())}</span></h1>{cls}{reason}</div></header>')
+    return (
+        f'<header class="top {VERDICT_CLASS.get(verdict, "v-fail")}"><div class="inner">'
+        f"<h1>P/D run: P TP{esc(cfg.get('tp_p'))} &rarr; D TP{esc(cfg.get('tp_d'))} "
+        f'<span class="badge" id="verdict">{esc(verdict.upper())}</span></h1>{cls}{reason}</div></header>'
+    )
 
 
 HEADLINE_CUT = ("; mismatched: ", "; over it: ")  # where a failed check's detail turns into a list of request ids
@@ -119,42 +142,64 @@ def _reason(d: dict) -> str:
     short = "\n".join(heads) if heads else str(d["reason"])
     if short == d["reason"] or len(str(d["reason"])) <= 300:
         return f'<div class="reason" id="reason">{esc(d["reason"])}</div>'
-    return (f'<div class="reason" id="reason">{esc(short)}</div><details class="reason"><summary>the whole reason, '
-            f'with every request id ({len(str(d["reason"]))} characters)</summary>{esc(d["reason"])}</details>')
+    return (
+        f'<div class="reason" id="reason">{esc(short)}</div><details class="reason"><summary>the whole reason, '
+        f"with every request id ({len(str(d['reason']))} characters)</summary>{esc(d['reason'])}</details>"
+    )
 
 
 def _meta(d: dict) -> str:
     cfg, ver = d.get("config") or {}, d.get("versions") or {}
     topo = cfg.get("topology") or {}
     heads = cfg.get("model_heads") or {}
-    items = [("model", cfg.get("served_model_name") or cfg.get("resolved_model") or cfg.get("model")),
-             ("device", cfg.get("device")), ("vLLM", ver.get("vllm")), ("NIXL", ver.get("nixl")),
-             ("KV heads", heads.get("kv_heads")), ("regime", topo.get("regime")),
-             ("proxy fault", cfg.get("proxy_fault") if cfg.get("proxy_fault") not in (None, "none") else None),
-             ("wall", f"{(d.get('timings_s') or {}).get('wall', 0):.1f} s" if (d.get("timings_s") or {}).get("wall") else None)]
-    return '<div class="meta">' + "".join(f"<span>{esc(k)}: <b>{esc(v)}</b></span>" for k, v in items if v is not None) + "</div>"
+    items = [
+        ("model", cfg.get("served_model_name") or cfg.get("resolved_model") or cfg.get("model")),
+        ("device", cfg.get("device")),
+        ("vLLM", ver.get("vllm")),
+        ("NIXL", ver.get("nixl")),
+        ("KV heads", heads.get("kv_heads")),
+        ("regime", topo.get("regime")),
+        ("proxy fault", cfg.get("proxy_fault") if cfg.get("proxy_fault") not in (None, "none") else None),
+        (
+            "wall",
+            f"{(d.get('timings_s') or {}).get('wall', 0):.1f} s" if (d.get("timings_s") or {}).get("wall") else None,
+        ),
+    ]
+    return (
+        '<div class="meta">'
+        + "".join(f"<span>{esc(k)}: <b>{esc(v)}</b></span>" for k, v in items if v is not None)
+        + "</div>"
+    )
 
 
 def _checks(d: dict) -> str:
     rows = []
     for c in d.get("checks") or []:
         ok = bool(c.get("passed"))
-        rows.append(f'<tr class="{"pass" if ok else "fail"}"><td>{esc(c.get("name"))}</td><td class="res">{"pass" if ok else "FAIL"}</td>'
-                    f'<td>{esc(c.get("detail"))}</td></tr>')
+        rows.append(
+            f'<tr class="{"pass" if ok else "fail"}"><td>{esc(c.get("name"))}</td><td class="res">{"pass" if ok else "FAIL"}</td>'
+            f"<td>{esc(c.get('detail'))}</td></tr>"
+        )
     for c in d.get("skipped_checks") or []:
-        rows.append(f'<tr class="skip"><td>{esc(c.get("name"))}</td><td class="res">not checked</td><td>{esc(c.get("reason"))}</td></tr>')
+        rows.append(
+            f'<tr class="skip"><td>{esc(c.get("name"))}</td><td class="res">not checked</td><td>{esc(c.get("reason"))}</td></tr>'
+        )
     if not rows:
         return '<h2>Checks</h2><p class="note">No check ran.</p>'
-    return ('<h2>Checks</h2><table id="checks"><tr><th>check</th><th>result</th><th>detail</th></tr>' + "".join(rows) + "</table>")
+    return (
+        '<h2>Checks</h2><table id="checks"><tr><th>check</th><th>result</th><th>detail</th></tr>'
+        + "".join(rows)
+        + "</table>"
+    )
 
 
 def _failure(d: dict) -> str:
     f = d.get("failure")
     if not f:
         return ""
-    src = f' in <b>{esc(f.get("source"))}</b>' if f.get("source") else ""
+    src = f" in <b>{esc(f.get('source'))}</b>" if f.get("source") else ""
     excerpt = f'<pre id="failure-excerpt">{esc(f.get("excerpt"))}</pre>' if f.get("excerpt") else ""
-    return f'<h2>Failure</h2><p>class <b>{esc(f.get("class"))}</b>{src}: {esc(f.get("reason"))}</p>{excerpt}'
+    return f"<h2>Failure</h2><p>class <b>{esc(f.get('class'))}</b>{src}: {esc(f.get('reason'))}</p>{excerpt}"
 
 
 def _marked(text: str, span: list[int] | None) -> str:
@@ -164,9 +209,15 @@ def _marked(text: str, span: list[int] | None) -> str:
     s, e = span
     token = text[s:e]
     inner = esc(token) if token else "&#8709;"  # an empty mark: the completion ended here, or the token has no text
-    title = "first divergent token" if token else "first divergent token: no text here (the completion ended, or the token has none)"
-    return (f'<span class="text">{esc(text[:s])}<mark class="div-token" title="{title}">{inner}</mark>'
-            f'<span class="after">{esc(text[e:])}</span></span>')
+    title = (
+        "first divergent token"
+        if token
+        else "first divergent token: no text here (the completion ended, or the token has none)"
+    )
+    return (
+        f'<span class="text">{esc(text[:s])}<mark class="div-token" title="{title}">{inner}</mark>'
+        f'<span class="after">{esc(text[e:])}</span></span>'
+    )
 
 
 def _comparison(d: dict) -> str:
@@ -177,12 +228,20 @@ def _comparison(d: dict) -> str:
     rows = []
     for p in comp.get("prompts") or []:
         div = p.get("divergence")
-        dtxt = "" if not div else (f"token {div.get('position')}: baseline {div.get('baseline_token')} vs P/D "
-                                   f"{div.get('pd_token')} ({div.get('reason')})")
+        dtxt = (
+            ""
+            if not div
+            else (
+                f"token {div.get('position')}: baseline {div.get('baseline_token')} vs P/D "
+                f"{div.get('pd_token')} ({div.get('reason')})"
+            )
+        )
         pid = p.get("prompt_id")
         link = f'<a href="#div-{esc(pid)}">{esc(pid)}</a>' if div else esc(pid)
-        rows.append(f'<tr><td>{link}</td><td>{esc(tokens.get(pid, ""))}</td><td class="st-{esc(p.get("status"))}">'
-                    f'{esc(p.get("status"))}</td><td>{esc(p.get("compared_tokens"))}</td><td>{esc(dtxt)}</td></tr>')
+        rows.append(
+            f'<tr><td>{link}</td><td>{esc(tokens.get(pid, ""))}</td><td class="st-{esc(p.get("status"))}">'
+            f"{esc(p.get('status'))}</td><td>{esc(p.get('compared_tokens'))}</td><td>{esc(dtxt)}</td></tr>"
+        )
     out = [f'<h2>Comparison with the baseline</h2><p id="comparison-summary">{esc(comp.get("summary"))}</p>']
     diverged = [p for p in comp.get("prompts") or [] if p.get("divergence")]
     diverged.sort(key=lambda p: p.get("status") != "mismatch")
@@ -198,19 +257,27 @@ def _comparison(d: dict) -> str:
         for side, who, tok in (("baseline", "baseline", div.get("baseline_token")), ("pd", "P/D", div.get("pd_token"))):
             text = tx.get(side)
             body = '<span class="note">no answer</span>' if text is None else _marked(text, sp.get(side))
-            sides.append(f'<div class="who">{who}</div><div class="side-text" data-side="{side}">{body}'
-                         f' <span class="note">(token id {esc(tok)})</span></div>')
+            sides.append(
+                f'<div class="who">{who}</div><div class="side-text" data-side="{side}">{body}'
+                f' <span class="note">(token id {esc(tok)})</span></div>'
+            )
         unmarked = [s for s in ("baseline", "pd") if tx.get(s) is not None and not sp.get(s)]
         why = ""
         if unmarked and not comp.get("token_spans_note"):
-            why = ('<p class="note">The token&#39;s place in the text is not shown where the model&#39;s tokenizer does not '
-                   "reproduce the server&#39;s text exactly.</p>")
-        out.append(f'<div class="diverged {esc(p.get("status"))}" id="div-{esc(pid)}" data-prompt="{esc(pid)}">'
-                   f'<b>{esc(pid)}</b> <span class="st-{esc(p.get("status"))}">{esc(p.get("status"))}</span> at token '
-                   f'{esc(div.get("position"))}: {esc(div.get("reason"))}<div class="side">{"".join(sides)}</div>{why}</div>')
-    out.append(f'<details{" open" if not diverged else ""}><summary>Every prompt ({len(rows)})</summary>'
-               '<table id="prompts"><tr><th>prompt</th><th>prompt tokens</th><th>status</th><th>compared tokens</th>'
-               '<th>divergence</th></tr>' + "".join(rows) + "</table></details>")
+            why = (
+                '<p class="note">The token&#39;s place in the text is not shown where the model&#39;s tokenizer does not '
+                "reproduce the server&#39;s text exactly.</p>"
+            )
+        out.append(
+            f'<div class="diverged {esc(p.get("status"))}" id="div-{esc(pid)}" data-prompt="{esc(pid)}">'
+            f'<b>{esc(pid)}</b> <span class="st-{esc(p.get("status"))}">{esc(p.get("status"))}</span> at token '
+            f'{esc(div.get("position"))}: {esc(div.get("reason"))}<div class="side">{"".join(sides)}</div>{why}</div>'
+        )
+    out.append(
+        f"<details{' open' if not diverged else ''}><summary>Every prompt ({len(rows)})</summary>"
+        '<table id="prompts"><tr><th>prompt</th><th>prompt tokens</th><th>status</th><th>compared tokens</th>'
+        "<th>divergence</th></tr>" + "".join(rows) + "</table></details>"
+    )
     return "\n".join(out)
 
 
@@ -218,11 +285,20 @@ def _accuracy(d: dict) -> str:
     a = d.get("accuracy")
     if not a:
         return ""
-    cells = [a.get("samples"), f"{a.get('baseline_score', 0):.3f}", f"{a.get('pd_score', 0):.3f}", f"{a.get('delta', 0):+.3f}",
-             f"{a.get('tolerance', 0):.3f}", a.get("differing_responses"), a.get("score_flips")]
-    return (f"<h2>Accuracy ({esc(a.get('task'))}, lm-eval {esc(a.get('lm_eval'))})</h2><table id=\"accuracy\"><tr><th>samples</th>"
-            "<th>baseline</th><th>P/D</th><th>delta</th><th>tolerance</th><th>differing responses</th><th>score flips</th></tr>"
-            "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr></table>")
+    cells = [
+        a.get("samples"),
+        f"{a.get('baseline_score', 0):.3f}",
+        f"{a.get('pd_score', 0):.3f}",
+        f"{a.get('delta', 0):+.3f}",
+        f"{a.get('tolerance', 0):.3f}",
+        a.get("differing_responses"),
+        a.get("score_flips"),
+    ]
+    return (
+        f'<h2>Accuracy ({esc(a.get("task"))}, lm-eval {esc(a.get("lm_eval"))})</h2><table id="accuracy"><tr><th>samples</th>'
+        "<th>baseline</th><th>P/D</th><th>delta</th><th>tolerance</th><th>differing responses</th><th>score flips</th></tr>"
+        "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr></table>"
+    )
 
 
 def tick_step(total: float, target: int = 8) -> float:
@@ -240,13 +316,17 @@ def timeline_svg(events: list[dict], wall: float | None = None) -> str:
     label_w, chart_w, row_h, top = 250, 760, 20, 24
     x = lambda s: label_w + chart_w * max(0.0, s) / total  # noqa: E731
     h = top + row_h * len(evs) + 10
-    out = [f'<svg id="timeline-svg" xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 70}" height="{h}" '
-           f'role="img" font-family="sans-serif" font-size="12"><title>timeline of the run</title>']
+    out = [
+        f'<svg id="timeline-svg" xmlns="http://www.w3.org/2000/svg" width="{label_w + chart_w + 70}" height="{h}" '
+        f'role="img" font-family="sans-serif" font-size="12"><title>timeline of the run</title>'
+    ]
     step = tick_step(total)
     t = 0.0
     while t <= total + 1e-9:
-        out.append(f'<line x1="{x(t):.1f}" y1="{top - 6}" x2="{x(t):.1f}" y2="{h - 6}" stroke="#eaeef2"/>'
-                   f'<text x="{x(t):.1f}" y="{top - 10}" text-anchor="middle" fill="#57606a">{t:g} s</text>')
+        out.append(
+            f'<line x1="{x(t):.1f}" y1="{top - 6}" x2="{x(t):.1f}" y2="{h - 6}" stroke="#eaeef2"/>'
+            f'<text x="{x(t):.1f}" y="{top - 10}" text-anchor="middle" fill="#57606a">{t:g} s</text>'
+        )
         t += step
     for i, e in enumerate(evs):
         y = top + i * row_h
@@ -257,10 +337,12 @@ def timeline_svg(events: list[dict], wall: float | None = None) -> str:
         indent = 0 if e.get("kind") == "phase" else 12
         label = f"{e['name']}{' (failed)' if failed else ''}"
         bold = "" if indent else ' font-weight="bold"'
-        out.append(f'<g class="ev" data-kind="{esc(e.get("kind"))}"><text x="{4 + indent}" y="{y + 14}"{bold}>{esc(label)}</text>'
-                   f'<rect x="{x(e["start_s"]):.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" rx="2" fill="{colour}"{stroke}>'
-                   f'<title>{esc(e["name"])}: {e["start_s"]:.1f} s to {e["end_s"]:.1f} s</title></rect>'
-                   f'<text x="{x(e["start_s"]) + w + 4:.1f}" y="{y + 14}" fill="#57606a">{e["end_s"] - e["start_s"]:.1f} s</text></g>')
+        out.append(
+            f'<g class="ev" data-kind="{esc(e.get("kind"))}"><text x="{4 + indent}" y="{y + 14}"{bold}>{esc(label)}</text>'
+            f'<rect x="{x(e["start_s"]):.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" rx="2" fill="{colour}"{stroke}>'
+            f"<title>{esc(e['name'])}: {e['start_s']:.1f} s to {e['end_s']:.1f} s</title></rect>"
+            f'<text x="{x(e["start_s"]) + w + 4:.1f}" y="{y + 14}" fill="#57606a">{e["end_s"] - e["start_s"]:.1f} s</text></g>'
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -270,37 +352,56 @@ def _timeline(d: dict) -> str:
     timings = d.get("timings_s") or {}
     legend = "".join(f'<span style="border-left:12px solid {c}">{k}</span>' for k, c in KIND_COLOUR.items())
     if events:
-        return (f'<h2>Timeline</h2><div class="legend">{legend}</div><div id="timeline">{timeline_svg(events, timings.get("wall"))}</div>')
+        return f'<h2>Timeline</h2><div class="legend">{legend}</div><div id="timeline">{timeline_svg(events, timings.get("wall"))}</div>'
     if not timings:
         return ""
     # A report written before steps were recorded with their start: durations only, said so.
-    evs = [{"name": k, "kind": "phase" if k.endswith("_phase") or k == "wall" else "launch", "start_s": 0.0, "end_s": float(v)}
-           for k, v in timings.items()]
-    return ('<h2>Timeline</h2><p class="note">This report has durations but no start times; the bars below all start at 0.</p>'
-            f'<div id="timeline">{timeline_svg(evs)}</div>')
+    evs = [
+        {
+            "name": k,
+            "kind": "phase" if k.endswith("_phase") or k == "wall" else "launch",
+            "start_s": 0.0,
+            "end_s": float(v),
+        }
+        for k, v in timings.items()
+    ]
+    return (
+        '<h2>Timeline</h2><p class="note">This report has durations but no start times; the bars below all start at 0.</p>'
+        f'<div id="timeline">{timeline_svg(evs)}</div>'
+    )
 
 
 def _breakdown(d: dict) -> str:
     tb = d.get("timing_breakdown")
     if not tb:
         return ""
-    rows = "".join(f"<tr><td>{esc(k)}</td><td>{v:.1f} s</td><td>{100 * v / tb['wall_s'] if tb.get('wall_s') else 0:.1f} %</td></tr>"
-                   for k, v in (tb.get("by_category_s") or {}).items())
-    own = (f"<tr><td><b>harness&#39;s own</b></td><td>{tb.get('harness_own_s', 0):.1f} s</td>"
-           f"<td>{100 * tb.get('harness_own_share', 0):.1f} % (target {100 * tb.get('target_share', 0):.0f} %)</td></tr>")
+    rows = "".join(
+        f"<tr><td>{esc(k)}</td><td>{v:.1f} s</td><td>{100 * v / tb['wall_s'] if tb.get('wall_s') else 0:.1f} %</td></tr>"
+        for k, v in (tb.get("by_category_s") or {}).items()
+    )
+    own = (
+        f"<tr><td><b>harness&#39;s own</b></td><td>{tb.get('harness_own_s', 0):.1f} s</td>"
+        f"<td>{100 * tb.get('harness_own_share', 0):.1f} % (target {100 * tb.get('target_share', 0):.0f} %)</td></tr>"
+    )
     notes = "".join(f'<p class="note">{esc(n)}</p>' for n in tb.get("notes") or [])
-    return (f"<h2>Where the time went (wall {tb.get('wall_s', 0):.1f} s)</h2><table id=\"breakdown\" style=\"width:auto\">"
-            f"<tr><th>category</th><th>seconds</th><th>share</th></tr>{rows}{own}</table>{notes}")
+    return (
+        f'<h2>Where the time went (wall {tb.get("wall_s", 0):.1f} s)</h2><table id="breakdown" style="width:auto">'
+        f"<tr><th>category</th><th>seconds</th><th>share</th></tr>{rows}{own}</table>{notes}"
+    )
 
 
 def _details(d: dict, run_dir: Path) -> str:
     import json
 
-    logs = "".join(f'<li>{esc(k)}: <a href="{href(v, run_dir)}">{esc(v)}</a></li>' for k, v in (d.get("logs") or {}).items())
+    logs = "".join(
+        f'<li>{esc(k)}: <a href="{href(v, run_dir)}">{esc(v)}</a></li>' for k, v in (d.get("logs") or {}).items()
+    )
     cmds = "".join(f"<li>{esc(k)}: <code>{esc(v)}</code></li>" for k, v in (d.get("commands") or {}).items())
     vers = "".join(f"<li>{esc(k)}: {esc(v)}</li>" for k, v in (d.get("versions") or {}).items())
-    return (f"<h2>Logs</h2><ul>{logs}</ul>"
-            f"<details><summary>Versions</summary><ul>{vers}</ul></details>"
-            f"<details><summary>Commands</summary><ul>{cmds}</ul></details>"
-            f"<details><summary>Configuration</summary><pre>{esc(json.dumps(d.get('config') or {}, indent=2, default=str))}</pre></details>"
-            '<p class="note">report.json and report.md beside this page hold the same run.</p>')
+    return (
+        f"<h2>Logs</h2><ul>{logs}</ul>"
+        f"<details><summary>Versions</summary><ul>{vers}</ul></details>"
+        f"<details><summary>Commands</summary><ul>{cmds}</ul></details>"
+        f"<details><summary>Configuration</summary><pre>{esc(json.dumps(d.get('config') or {}, indent=2, default=str))}</pre></details>"
+        '<p class="note">report.json and report.md beside this page hold the same run.</p>'
+    )

@@ -54,10 +54,23 @@ def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
     return (str(p.resolve()), p.name) if p.exists() else (cfg.model, cfg.model)
 
 
-def make_server(cfg: E2EConfig, alloc: PortAllocator, role: str, tp: int, model: str, name: str, block_size: int | None,
-                cpu_bind: str | None, logs_dir: Path, kv_layout: str | None = None, label: str | None = None,
-                kv_load_failure_policy: str = "fail", placement: ServerPlacement | None = None,
-                num_blocks: int | None = None, log_requests: bool = False) -> Server:
+def make_server(
+    cfg: E2EConfig,
+    alloc: PortAllocator,
+    role: str,
+    tp: int,
+    model: str,
+    name: str,
+    block_size: int | None,
+    cpu_bind: str | None,
+    logs_dir: Path,
+    kv_layout: str | None = None,
+    label: str | None = None,
+    kv_load_failure_policy: str = "fail",
+    placement: ServerPlacement | None = None,
+    num_blocks: int | None = None,
+    log_requests: bool = False,
+) -> Server:
     """A not-yet-started vLLM server of ``role`` with ports from ``alloc`` and its log in ``logs_dir``.
 
     ``label`` names the process and its log (default: the role); ``kv_load_failure_policy`` other than
@@ -132,20 +145,54 @@ def standin(cmd: Command, spec: str) -> tuple[tuple[str, ...], dict[str, str], s
     python, flag, module, *args = cmd.argv
     assert (flag, module) == ("-m", API_SERVER_MODULE), cmd.argv[:3]
     path = cmd.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH", "")
-    env = {**cmd.env, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p),
-           STATE_ENV: str(box_state())}
+    env = {
+        **cmd.env,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), path) if p),
+        STATE_ENV: str(box_state()),
+    }
     note = f"  # served by a stand-in ({python} -m {STANDIN_MODULE}): simulated GPUs, {SIMULATED_ENV}={spec}"
     return (python, "-m", STANDIN_MODULE, *args), env, cmd.shell() + note
 
 
-def make_proxy(python: str, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str], logs_dir: Path,
-               timeout_s: float, fault: str = "none", name: str = "proxy", fault_every: int = 1) -> tuple[ManagedProcess, str]:
+def make_proxy(
+    python: str,
+    alloc: PortAllocator,
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    logs_dir: Path,
+    timeout_s: float,
+    fault: str = "none",
+    name: str = "proxy",
+    fault_every: int = 1,
+) -> tuple[ManagedProcess, str]:
     port = alloc.port()
-    argv = [python, str(PROXY_SCRIPT), "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", *prefill_urls, "--decode", *decode_urls, "--timeout", str(timeout_s), "--fault", fault]
+    argv = [
+        python,
+        str(PROXY_SCRIPT),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prefill",
+        *prefill_urls,
+        "--decode",
+        *decode_urls,
+        "--timeout",
+        str(timeout_s),
+        "--fault",
+        fault,
+    ]
     if fault_every != 1:
         argv += ["--fault-every", str(fault_every)]
     url = f"http://127.0.0.1:{port}"
-    proc = ManagedProcess(ProcessSpec(name=name, argv=argv, env=with_no_track({RUN_TAG_ENV: str(logs_dir)}),
-                                      log_path=logs_dir / f"{name}.log", health_url=f"{url}/health", ready_timeout_s=60))
+    proc = ManagedProcess(
+        ProcessSpec(
+            name=name,
+            argv=argv,
+            env=with_no_track({RUN_TAG_ENV: str(logs_dir)}),
+            log_path=logs_dir / f"{name}.log",
+            health_url=f"{url}/health",
+            ready_timeout_s=60,
+        )
+    )
     return proc, url

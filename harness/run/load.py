@@ -8,15 +8,15 @@ answers the same prompts at the same concurrency, without the cancelled ones.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import requests
 
 from harness.run.context import RunContext
-from harness.serve.prometheus import Sample
 from harness.run.watch import run_watched
+from harness.serve.prometheus import Sample
 from harness.serve.servers import ServerSet, read_json, server_metrics
 from harness.workload.load import plan_load, token_prompts
 from harness.workload.load_client import LoadRun, run_load
@@ -47,10 +47,12 @@ def prepare(ctx: RunContext, url: str) -> None:
 
 def tokenizer(url: str, model: str) -> Callable[[str], list[int]]:
     """A served model's tokenizer through its server's /tokenize (text -> ids, BOS included where the model adds one)."""
+
     def tokenize(text: str) -> list[int]:
         r = requests.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=60)
         r.raise_for_status()
         return list(r.json()["tokens"])
+
     return tokenize
 
 
@@ -59,8 +61,16 @@ def baseline_load(ctx: RunContext, url: str) -> LoadRun | None:
         return None
     prepare(ctx, url)
     t0 = time.monotonic()
-    out = run_load(url, ctx.served_name, ctx.load_requests, ctx.load_prompts, ctx.gen, ctx.cfg.load.concurrency,
-                   run_tag="baseline-", with_aborts=False)
+    out = run_load(
+        url,
+        ctx.served_name,
+        ctx.load_requests,
+        ctx.load_prompts,
+        ctx.gen,
+        ctx.cfg.load.concurrency,
+        run_tag="baseline-",
+        with_aborts=False,
+    )
     ctx.timed("baseline_load", t0)
     return out
 
@@ -74,8 +84,20 @@ def pd_load(ctx: RunContext, proxy_url: str, servers: ServerSet, watch: list) ->
     hops = before.get("prefill_hop_ms") or []
     abort_s = max(MIN_PREFILL_ABORT_S, PREFILL_ABORT_SHARE * statistics.median(hops) / 1000) if hops else 0.02
     t0 = time.monotonic()
-    run = run_watched(lambda: run_load(proxy_url, ctx.served_name, ctx.load_requests, ctx.load_prompts, ctx.gen,
-                                       ctx.cfg.load.concurrency, abort_s, "pd-"), watch, "pd-load")
+    run = run_watched(
+        lambda: run_load(
+            proxy_url,
+            ctx.served_name,
+            ctx.load_requests,
+            ctx.load_prompts,
+            ctx.gen,
+            ctx.cfg.load.concurrency,
+            abort_s,
+            "pd-",
+        ),
+        watch,
+        "pd-load",
+    )
     ctx.timed("pd_load", t0)
     after = read_json(f"{proxy_url}/proxy/stats", "proxy")
     return PDLoad(run, abort_s, before, after, server_metrics(servers))

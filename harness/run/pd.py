@@ -11,8 +11,7 @@ import requests
 
 from harness.accuracy.checks import check_through_pd
 from harness.accuracy.lm_eval import EvalRun
-from harness.checks import smoke
-from harness.checks import transfer
+from harness.checks import smoke, transfer
 from harness.checks.check import Check
 from harness.checks.leak import IdleWatch, state_of, wait_idle
 from harness.models.config import load_models
@@ -46,12 +45,17 @@ class PDResult:
     environs: dict[str, dict[str, str] | None] | None = None  # each server process's environment (None: attached)
 
 
-def local_servers(ctx: RunContext, alloc: PortAllocator, block_sizes: tuple[int | None, int | None],
-                  binds: list[str | None]) -> LocalServers:
+def local_servers(
+    ctx: RunContext, alloc: PortAllocator, block_sizes: tuple[int | None, int | None], binds: list[str | None]
+) -> LocalServers:
     pre = ctx.server(alloc, "prefill", ctx.cfg.tp_p, block_sizes[0], binds[0])
     dec = ctx.server(alloc, "decode", ctx.cfg.tp_d, block_sizes[1], binds[1], ctx.cfg.kv_layout_d)
-    return LocalServers([(pre.url, pre.proc)], [(dec.url, dec.proc)], ctx.cfg.ready_timeout_s,
-                        stagger=ctx.gpu is not None and ctx.gpu.plan.stagger_start)
+    return LocalServers(
+        [(pre.url, pre.proc)],
+        [(dec.url, dec.proc)],
+        ctx.cfg.ready_timeout_s,
+        stagger=ctx.gpu is not None and ctx.gpu.plan.stagger_start,
+    )
 
 
 VLLM_DEFAULT_LEASE_S = 30  # nixl base_scheduler: kv_lease_duration
@@ -118,14 +122,21 @@ def proxy_stats(proxy_url: str, servers: ServerSet) -> dict:
 
 
 def smoke_check(ctx: RunContext, proxy_url: str) -> Check | None:
-    """"The capital of France is" -> "Paris" through P/D, for trained chat models (after the counted requests)."""
+    """ "The capital of France is" -> "Paris" through P/D, for trained chat models (after the counted requests)."""
     entry = load_models().find(ctx.model)
     if entry is None or entry.hub_id is None:
-        ctx.report.skipped_checks.append({"name": smoke.CHECK_NAME, "reason": f"{ctx.served_name} is not a trained chat model "
-                                          "of configs/models.yaml; its answer would say nothing"})
+        ctx.report.skipped_checks.append(
+            {
+                "name": smoke.CHECK_NAME,
+                "reason": f"{ctx.served_name} is not a trained chat model "
+                "of configs/models.yaml; its answer would say nothing",
+            }
+        )
         return None
     try:
-        r = requests.post(f"{proxy_url}/v1/completions", json=smoke.smoke_request(ctx.served_name), timeout=ctx.cfg.request_timeout_s)
+        r = requests.post(
+            f"{proxy_url}/v1/completions", json=smoke.smoke_request(ctx.served_name), timeout=ctx.cfg.request_timeout_s
+        )
     except requests.RequestException as e:
         return smoke.judge_smoke(None, f"{type(e).__name__}: {e}")
     if r.status_code != 200:

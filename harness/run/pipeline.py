@@ -21,8 +21,8 @@ from harness.run.context import RunContext
 from harness.run.evaluate import evaluate
 from harness.run.launch import new_run_dir, resolve_model
 from harness.run.pd import local_servers, run_pd
-from harness.run.prompts_file import write_prompts
 from harness.run.preflight import attached_baseline_gpu, preflight, require_model
+from harness.run.prompts_file import write_prompts
 from harness.run.report import Report, write_report
 from harness.run.timing import breakdown
 from harness.run.versions import installed_versions
@@ -38,17 +38,28 @@ class PDRun:
     """One run. ``baseline_last`` runs the baseline after P/D (and not at all when P/D fails);
     ``baseline_cache`` shares baseline answers between runs of one matrix; ``attach`` uses servers started elsewhere."""
 
-    def __init__(self, cfg: E2EConfig, baseline_last: bool = False, baseline_cache: dict[tuple, BaselineResult] | None = None,
-                 attach: Attach | None = None):
+    def __init__(
+        self,
+        cfg: E2EConfig,
+        baseline_last: bool = False,
+        baseline_cache: dict[tuple, BaselineResult] | None = None,
+        attach: Attach | None = None,
+    ):
         cfg.validate()
         self.cfg = cfg
         self.attach = attach
         self.baseline_last = baseline_last
         self.baseline_cache = baseline_cache
         self.run_dir = new_run_dir(cfg)
-        self.ctx = RunContext(cfg, self.run_dir, Report(config=cfg.to_dict()), selected_prompts(cfg),
-                              GenerationSettings(max_tokens=cfg.max_tokens, logprobs=cfg.logprobs, seed=cfg.seed,
-                                                 timeout_s=cfg.request_timeout_s))
+        self.ctx = RunContext(
+            cfg,
+            self.run_dir,
+            Report(config=cfg.to_dict()),
+            selected_prompts(cfg),
+            GenerationSettings(
+                max_tokens=cfg.max_tokens, logprobs=cfg.logprobs, seed=cfg.seed, timeout_s=cfg.request_timeout_s
+            ),
+        )
 
     @property
     def report(self) -> Report:
@@ -90,17 +101,27 @@ class PDRun:
 
         with PortAllocator() as alloc:
             # The baseline runs alone (never beside P/D), at D's TP and D's cores, so both sides compute alike.
-            baseline = None if self.baseline_last else phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline,
-                                                             self.baseline_cache)
-            servers = (AttachedServers(self.attach.prefill_urls, self.attach.decode_urls) if self.attach
-                       else local_servers(ctx, alloc, (bs_p, bs_d), binds))
+            baseline = (
+                None
+                if self.baseline_last
+                else phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
+            )
+            servers = (
+                AttachedServers(self.attach.prefill_urls, self.attach.decode_urls)
+                if self.attach
+                else local_servers(ctx, alloc, (bs_p, bs_d), binds)
+            )
             pd = phase("P/D", run_pd, ctx, alloc, servers)
             if baseline is None:
-                baseline = phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
+                baseline = phase(
+                    "baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache
+                )
 
         phase("evaluation", evaluate, ctx, baseline, pd)
         add_token_spans(ctx, baseline, pd)
-        self.report.failure = failures.from_checks(self.report.checks, ctx.read_logs(), [pd.completions, baseline.completions])
+        self.report.failure = failures.from_checks(
+            self.report.checks, ctx.read_logs(), [pd.completions, baseline.completions]
+        )
 
     def _resolve_attached(self) -> None:
         """The model the attached decode server serves, within its max_model_len; a baseline launched here (no
@@ -112,8 +133,10 @@ class PDRun:
         ctx.model = cfg.model or root
         served_len = card_max_model_len(card)
         if served_len is not None and cfg.model_len > served_len:
-            raise ConfigError(f"{attach.decode_urls[0]} serves at most {served_len} tokens, this run's prompts may "
-                              f"take {cfg.model_len} (--max-model-len)")
+            raise ConfigError(
+                f"{attach.decode_urls[0]} serves at most {served_len} tokens, this run's prompts may "
+                f"take {cfg.model_len} (--max-model-len)"
+            )
         if attach.baseline_url is None:
             require_model(ctx.model, "the baseline runs here (no --baseline-url), but ")
             if cfg.device == "gpu":
@@ -123,8 +146,9 @@ class PDRun:
     def _resolve(self) -> None:
         """The model, its heads and topology, the GPU plan and the accuracy settings; refuse what cannot run."""
         ctx, cfg = self.ctx, self.cfg
-        progress.current().phase(f"run P TP{cfg.tp_p} -> D TP{cfg.tp_d} on {cfg.device}: resolving the model "
-                                 f"{cfg.model or '(default)'}")
+        progress.current().phase(
+            f"run P TP{cfg.tp_p} -> D TP{cfg.tp_d} on {cfg.device}: resolving the model {cfg.model or '(default)'}"
+        )
         if self.attach is not None:
             self._resolve_attached()
         else:
@@ -135,9 +159,19 @@ class PDRun:
         config["served_model_name"] = ctx.served_name
         heads = config["model_heads"] = model_heads(ctx.model)
         config["prompts"] = len(ctx.prompts)
-        if self.attach is None:  # refuse what cannot run before anything starts (the CLI checked the same, if it was used)
-            pf = preflight(heads["attention_heads"], heads["kv_heads"], cfg.tp_p, cfg.tp_d, *cfg.block_sizes(), cfg.device,
-                           mla=bool(heads.get("mla")), head_dim=heads.get("head_dim"))
+        if (
+            self.attach is None
+        ):  # refuse what cannot run before anything starts (the CLI checked the same, if it was used)
+            pf = preflight(
+                heads["attention_heads"],
+                heads["kv_heads"],
+                cfg.tp_p,
+                cfg.tp_d,
+                *cfg.block_sizes(),
+                cfg.device,
+                mla=bool(heads.get("mla")),
+                head_dim=heads.get("head_dim"),
+            )
             config["topology"] = pf.topology.to_dict() if pf.topology else None
             if pf.problems:
                 raise ConfigError(pf.message())

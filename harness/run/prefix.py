@@ -68,10 +68,13 @@ def pd_prefix(ctx: RunContext, proxy_url: str, servers: ServerSet, watch: list) 
 
         def after() -> None:
             measured[prompt_id] = counted(servers, before, n)
+
         return after
 
     t0 = time.monotonic()
-    run = run_watched(lambda: run_completions(proxy_url, ctx.served_name, prompts, ctx.gen, "pd-prefix-", around), watch, "pd-prefix")
+    run = run_watched(
+        lambda: run_completions(proxy_url, ctx.served_name, prompts, ctx.gen, "pd-prefix-", around), watch, "pd-prefix"
+    )
     ctx.timed("pd_prefix", t0)
     expected = expected_sources([p.text for p in prompts], ctx.cfg.block_sizes()[1] or 16)
     sourced = [Sourced(c, e, measured.get(c.id)) for c, e in zip(ctx.prefix_cases, expected)]

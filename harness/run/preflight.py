@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 
 from harness.core.errors import ConfigError
-from harness.run.config import E2EConfig
 from harness.models.topology import ModelShape, Topology, predict
+from harness.run.config import E2EConfig
 
 # vLLM's CPU attention backend needs KV block sizes that are multiples of this.
 CPU_BLOCK_MULTIPLE = 32
@@ -47,19 +47,32 @@ def available_cores() -> int:
 def _head_problems(attention_heads: int, kv_heads: int, side: str, tp: int, mla: bool = False) -> list[str]:
     out = []
     if attention_heads % tp:
-        out.append(f"{side} TP {tp} does not divide the model's {attention_heads} attention heads "
-                   "(vLLM needs num_attention_heads % tp == 0)")
+        out.append(
+            f"{side} TP {tp} does not divide the model's {attention_heads} attention heads "
+            "(vLLM needs num_attention_heads % tp == 0)"
+        )
     # MLA has one latent KV head on every rank: K is moot, vLLM only needs the attention heads to divide.
     if not mla and tp > kv_heads and tp % kv_heads:
-        out.append(f"{side} TP {tp} is larger than the model's {kv_heads} KV heads and not a multiple of them "
-                   "(vLLM needs tp % K == 0 when tp > K)")
+        out.append(
+            f"{side} TP {tp} is larger than the model's {kv_heads} KV heads and not a multiple of them "
+            "(vLLM needs tp % K == 0 when tp > K)"
+        )
     return out
 
 
-def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d: int,
-              block_size_p: int | None = None, block_size_d: int | None = None, device: str = "cpu",
-              cpu_cores: int | None = None, vllm_version: str | None = None, mla: bool = False,
-              head_dim: int | None = None) -> Preflight:
+def preflight(
+    attention_heads: int | None,
+    kv_heads: int | None,
+    tp_p: int,
+    tp_d: int,
+    block_size_p: int | None = None,
+    block_size_d: int | None = None,
+    device: str = "cpu",
+    cpu_cores: int | None = None,
+    vllm_version: str | None = None,
+    mla: bool = False,
+    head_dim: int | None = None,
+) -> Preflight:
     """Problems and the predicted topology for a run. Heads ``None``: the model is unknown, head checks are skipped.
     ``mla``: the model uses MLA (no K rule; regime M); ``head_dim``: for the block lengths (default 64).
 
@@ -77,7 +90,9 @@ def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d
     known = attention_heads is not None and kv_heads is not None
     if known:
         if attention_heads < 1 or kv_heads < 1 or (attention_heads % kv_heads and not mla):
-            problems.append(f"the model's heads are inconsistent: {attention_heads} attention heads, {kv_heads} KV heads")
+            problems.append(
+                f"the model's heads are inconsistent: {attention_heads} attention heads, {kv_heads} KV heads"
+            )
             known = False
         else:
             for side, tp in sides:
@@ -98,12 +113,15 @@ def preflight(attention_heads: int | None, kv_heads: int | None, tp_p: int, tp_d
         cores = available_cores() if cpu_cores is None else cpu_cores
         for side, bs in (("prefill", bs_p), ("decode", bs_d)):
             if bs and bs >= 1 and bs % CPU_BLOCK_MULTIPLE:
-                problems.append(f"cannot run on this CPU machine: {side} block size {bs} is not a multiple of "
-                                f"{CPU_BLOCK_MULTIPLE} (vLLM's CPU attention needs that)")
+                problems.append(
+                    f"cannot run on this CPU machine: {side} block size {bs} is not a multiple of "
+                    f"{CPU_BLOCK_MULTIPLE} (vLLM's CPU attention needs that)"
+                )
         for side, tp in sides:
             if tp > cores:
-                problems.append(f"cannot run on this CPU machine: {side} TP {tp} needs {tp} CPU cores, "
-                                f"this machine has {cores}")
+                problems.append(
+                    f"cannot run on this CPU machine: {side} TP {tp} needs {tp} CPU cores, this machine has {cores}"
+                )
 
     topo = None
     if known:
@@ -170,8 +188,19 @@ def require_model(model: str | None, why: str = "") -> None:
 def preflight_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version: str | None = None) -> Preflight:
     heads, kv = config_heads(cfg)
     mla, head_dim = config_mla(cfg)
-    pf = preflight(heads, kv, cfg.tp_p, cfg.tp_d, cfg.block_size_p, cfg.block_size_d, cfg.device, cpu_cores,
-                   vllm_version, mla, head_dim)
+    pf = preflight(
+        heads,
+        kv,
+        cfg.tp_p,
+        cfg.tp_d,
+        cfg.block_size_p,
+        cfg.block_size_d,
+        cfg.device,
+        cpu_cores,
+        vllm_version,
+        mla,
+        head_dim,
+    )
     missing = model_problem(cfg.model)  # first: without the model the head checks had nothing to check
     return Preflight((missing, *pf.problems), pf.topology) if missing else pf
 
@@ -200,8 +229,9 @@ def attached_baseline_gpu(cfg: E2EConfig, model: str, nvml=None):
     from harness.gpu.run import GpuRun
 
     try:
-        return GpuRun(cfg.tp_d, cfg.tp_d, model, nvml=nvml, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                      baseline_only=True)
+        return GpuRun(
+            cfg.tp_d, cfg.tp_d, model, nvml=nvml, gpu_memory_utilization=cfg.gpu_memory_utilization, baseline_only=True
+        )
     except ConfigError as e:
         raise ConfigError(f"the baseline runs here (no --baseline-url): {e}") from None
 

@@ -15,8 +15,11 @@ PROMPTS_FILE = "prompts.json"
 
 
 def write_prompts(ctx: RunContext, run_dir: Path) -> None:
-    data = {"sequential": {p.id: p.text for p in ctx.prompts}, "load": dict(ctx.load_prompts),
-            "prefix": dict(ctx.prefix_prompts)}
+    data = {
+        "sequential": {p.id: p.text for p in ctx.prompts},
+        "load": dict(ctx.load_prompts),
+        "prefix": dict(ctx.prefix_prompts),
+    }
     (Path(run_dir) / PROMPTS_FILE).write_text(json.dumps(data) + "\n")
 
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.core.errors import ConfigError
 from harness.checks.check import Check
+from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.run import html as run_html
 from harness.upstream.known import load_known
@@ -29,7 +29,9 @@ class Report:
     accuracy: dict[str, Any] | None = None  # lm-eval scores and per-sample diff (with --accuracy)
     load: dict[str, Any] | None = None  # the load phase: requests, aborts, comparison, latency, pool reuse
     faults: dict[str, Any] | None = None  # injected faults and the requests they hit
-    prefix_cache: dict[str, Any] | None = None  # D's prefix-cache scenarios: each request's token sources, predicted and seen
+    prefix_cache: dict[str, Any] | None = (
+        None  # D's prefix-cache scenarios: each request's token sources, predicted and seen
+    )
     skipped_checks: list[dict[str, str]] = field(default_factory=list)  # checks this run could not make, with why
     timing_breakdown: dict[str, Any] | None = None  # harness/run/timing.py: where the wall time went
     events: list[dict[str, Any]] = field(default_factory=list)  # {name, kind, start_s, end_s, ok}: the run's timeline
@@ -90,8 +92,11 @@ def simulated_note(config: dict[str, Any]) -> str | None:
     if not box:
         return None
     sim = config.get("simulated_gpus")
-    made = (f"{len(sim.get('checks_skipped') or [])} data-path checks skipped, not passed" if sim
-            else "not evaluated: no data-path check made")
+    made = (
+        f"{len(sim.get('checks_skipped') or [])} data-path checks skipped, not passed"
+        if sim
+        else "not evaluated: no data-path check made"
+    )
     return f"SIMULATED GPUs (PD_HARNESS_SIMULATED_GPUS={box}): stand-in servers in vLLM's place; {made}"
 
 
@@ -109,9 +114,13 @@ def render_markdown(d: dict[str, Any]) -> str:
         lines += [f"Upstream: {d['known_upstream']}", ""]
     bc = cfg.get("baseline_cache") or {}
     if bc.get("used"):
-        lines += [f"Baseline: cached answers ({bc.get('where', 'disk')}), computed by run `{bc.get('from_run')}`"
-                  + (f" at {bc['created']}" if bc.get("created") else "") + "; no baseline server ran in this run"
-                  + (" (`--fresh-baseline` computes it again)." if bc.get("where") == "disk" else "."), ""]
+        lines += [
+            f"Baseline: cached answers ({bc.get('where', 'disk')}), computed by run `{bc.get('from_run')}`"
+            + (f" at {bc['created']}" if bc.get("created") else "")
+            + "; no baseline server ran in this run"
+            + (" (`--fresh-baseline` computes it again)." if bc.get("where") == "disk" else "."),
+            "",
+        ]
     lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
     for c in d.get("checks", []):
         detail = str(c["detail"]).replace("|", "\\|").replace("\n", " ")
@@ -120,32 +129,64 @@ def render_markdown(d: dict[str, Any]) -> str:
         lines.append(f"| {c['name']} | not checked | {c['reason']} |")
     if d.get("failure"):
         f = d["failure"]
-        lines += ["", "## Failure", "", f"Class: `{f.get('class', 'unknown')}`", "", f"{f.get('reason')}", "", "```", str(f.get("excerpt", "")), "```"]
+        lines += [
+            "",
+            "## Failure",
+            "",
+            f"Class: `{f.get('class', 'unknown')}`",
+            "",
+            f"{f.get('reason')}",
+            "",
+            "```",
+            str(f.get("excerpt", "")),
+            "```",
+        ]
     a = d.get("accuracy")
     if a:
-        lines += ["", f"## Accuracy ({a['task']}, lm-eval {a.get('lm_eval')})", "",
-                  "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |", "|---|---|---|---|---|---|---|",
-                  f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | {a['tolerance']:.3f} | "
-                  f"{a['differing_responses']} | {a['score_flips']} |"]
+        lines += [
+            "",
+            f"## Accuracy ({a['task']}, lm-eval {a.get('lm_eval')})",
+            "",
+            "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |",
+            "|---|---|---|---|---|---|---|",
+            f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | {a['tolerance']:.3f} | "
+            f"{a['differing_responses']} | {a['score_flips']} |",
+        ]
     lines += load_markdown(d.get("load"))
     lines += prefix_markdown(d.get("prefix_cache"))
     comp = d.get("comparison")
     if comp:
-        lines += ["", "## Comparison with the baseline", "", f"{comp.get('summary', '')}", "",
-                  "| prompt | prompt tokens | status | compared tokens | divergence |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Comparison with the baseline",
+            "",
+            f"{comp.get('summary', '')}",
+            "",
+            "| prompt | prompt tokens | status | compared tokens | divergence |",
+            "|---|---|---|---|---|",
+        ]
         tokens = comp.get("prompt_tokens", {})
         for p in comp.get("prompts", []):
             div = p.get("divergence")
-            dtxt = "" if not div else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} ({div['reason']})"
-            lines.append(f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | {p['compared_tokens']} | {dtxt} |")
+            dtxt = (
+                ""
+                if not div
+                else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} ({div['reason']})"
+            )
+            lines.append(
+                f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | {p['compared_tokens']} | {dtxt} |"
+            )
     lines += ["", "## Configuration", "", "```json", json.dumps(cfg, indent=2), "```", "", "## Versions", ""]
     lines += [f"- {k}: {v}" for k, v in d.get("versions", {}).items()]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v}" for k, v in d.get("timings_s", {}).items()]
     tb = d.get("timing_breakdown")
     if tb:
-        lines += ["", f"Harness's own time: {tb['harness_own_s']:.1f} s of {tb['wall_s']:.1f} s wall "
-                      f"({100 * tb['harness_own_share']:.1f}%, target {100 * tb['target_share']:.0f}%); "
-                      + ", ".join(f"{k} {v:.1f} s" for k, v in tb["by_category_s"].items())]
+        lines += [
+            "",
+            f"Harness's own time: {tb['harness_own_s']:.1f} s of {tb['wall_s']:.1f} s wall "
+            f"({100 * tb['harness_own_share']:.1f}%, target {100 * tb['target_share']:.0f}%); "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in tb["by_category_s"].items()),
+        ]
     lines += ["", "## Logs", ""] + [f"- {k}: `{v}`" for k, v in d.get("logs", {}).items()]
     lines += ["", "## Commands", ""] + [f"- {k}: `{v}`" for k, v in d.get("commands", {}).items()]
     return "\n".join(lines) + "\n"
@@ -183,8 +224,12 @@ def print_summary(d: dict, run_dir: Path, out=sys.stdout) -> None:
     if d.get("failure"):
         print(f"  run failed [{d['failure'].get('class', 'unknown')}]: {d['failure']['reason']}", file=out)
         print("  " + str(d["failure"].get("excerpt", "")).replace("\n", "\n  "), file=out)
-    print(f"verdict: {d['verdict']}" + (f" ({d.get('reason')})" if d["verdict"] != "pass" else "")
-          + (f" [{d['simulated']}]" if d.get("simulated") else ""), file=out)
+    print(
+        f"verdict: {d['verdict']}"
+        + (f" ({d.get('reason')})" if d["verdict"] != "pass" else "")
+        + (f" [{d['simulated']}]" if d.get("simulated") else ""),
+        file=out,
+    )
     print(f"report: {run_dir / 'report.md'}", file=out)
 
 
@@ -202,29 +247,45 @@ def load_markdown(load: dict[str, Any] | None) -> list[str]:
     cancelled = ", ".join(f"{k} {v}" for k, v in load["cancelled_by_proxy"].items() if v) or "none"
     pools = "; ".join(f"{p['server']}: {p['blocks_needed']} needed / {p['blocks']} blocks" for p in load["pools"])
     delta = load.get("max_logprob_delta")
-    return ["", f"## Load ({load['requests']} requests, concurrency {load['concurrency']})", "",
-            "| aborted by client (P / D) | cancelled by the proxy | matched | mismatched | max Δlogprob | "
-            "TTFT p50/p99 ms P/D | baseline | e2e p50/p99 ms P/D | baseline | KV pool |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-            f"| {ab.get('prefill', 0)} / {ab.get('decode', 0)} | {cancelled} | {load['matched']} | "
-            f"{', '.join(load['mismatched']) or 0} | {'-' if delta is None else f'{delta:.2e}'} | "
-            f"{ms(pd['ttft_p50_s'])}/{ms(pd['ttft_p99_s'])} | {ms(base['ttft_p50_s'])}/{ms(base['ttft_p99_s'])} | "
-            f"{ms(pd['e2e_p50_s'])}/{ms(pd['e2e_p99_s'])} | {ms(base['e2e_p50_s'])}/{ms(base['e2e_p99_s'])} | {pools} |",
-            "", f"The baseline answered {load['baseline_answered']}. Batching noise cannot fail a correct run: "
-            f"{load['why_noise_cannot_fail']}."]
+    return [
+        "",
+        f"## Load ({load['requests']} requests, concurrency {load['concurrency']})",
+        "",
+        "| aborted by client (P / D) | cancelled by the proxy | matched | mismatched | max Δlogprob | "
+        "TTFT p50/p99 ms P/D | baseline | e2e p50/p99 ms P/D | baseline | KV pool |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| {ab.get('prefill', 0)} / {ab.get('decode', 0)} | {cancelled} | {load['matched']} | "
+        f"{', '.join(load['mismatched']) or 0} | {'-' if delta is None else f'{delta:.2e}'} | "
+        f"{ms(pd['ttft_p50_s'])}/{ms(pd['ttft_p99_s'])} | {ms(base['ttft_p50_s'])}/{ms(base['ttft_p99_s'])} | "
+        f"{ms(pd['e2e_p50_s'])}/{ms(pd['e2e_p99_s'])} | {ms(base['e2e_p50_s'])}/{ms(base['e2e_p99_s'])} | {pools} |",
+        "",
+        f"The baseline answered {load['baseline_answered']}. Batching noise cannot fail a correct run: "
+        f"{load['why_noise_cannot_fail']}.",
+    ]
 
 
 def prefix_markdown(prefix: dict[str, Any] | None) -> list[str]:
     """D's prefix-cache scenarios: each request's prompt-token sources, predicted vs seen."""
     if not prefix:
         return []
-    lines = ["", f"## D's prefix cache (block size {prefix['block_size_d']})", "", f"Rule: {prefix['rule']}.", "",
-             "| request | scenario | tokens | expected local / external / computed | seen | |", "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        f"## D's prefix cache (block size {prefix['block_size_d']})",
+        "",
+        f"Rule: {prefix['rule']}.",
+        "",
+        "| request | scenario | tokens | expected local / external / computed | seen | |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in prefix["requests"]:
         e, m = r["expected"], r["measured"] or {}
-        seen = " / ".join(str(int(m[k])) if k in m else "-" for k in ("local_cache_hit", "external_kv_transfer", "local_compute"))
-        lines.append(f"| {r['id']} | {r['scenario']} | {r['length']} | {e['local_cache_hit']} / {e['external_kv_transfer']} / "
-                     f"{e['local_compute']} | {seen} | {'ok' if r['exact'] else 'DIFFERENT'} |")
+        seen = " / ".join(
+            str(int(m[k])) if k in m else "-" for k in ("local_cache_hit", "external_kv_transfer", "local_compute")
+        )
+        lines.append(
+            f"| {r['id']} | {r['scenario']} | {r['length']} | {e['local_cache_hit']} / {e['external_kv_transfer']} / "
+            f"{e['local_compute']} | {seen} | {'ok' if r['exact'] else 'DIFFERENT'} |"
+        )
     return lines
 
 

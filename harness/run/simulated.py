@@ -15,11 +15,22 @@ from harness.gpu.simulate import SIMULATED_ENV
 from harness.run.context import RunContext
 
 # Checks a stand-in cannot fake: they are about the harness's own path, not what vLLM computed.
-PLUMBING_CHECKS = ("all_requests_answered", "load_requests_answered", "prefix_cache_answered", "no_process_left",
-                   USAGE_CHECK)
+PLUMBING_CHECKS = (
+    "all_requests_answered",
+    "load_requests_answered",
+    "prefix_cache_answered",
+    "no_process_left",
+    USAGE_CHECK,
+)
 # lm-eval is not run on a simulated box (it would score the stand-ins' words): these are never made there.
-ACCURACY_CHECKS = ("accuracy_through_pd", "accuracy_samples_paired", "accuracy_pd_within_tolerance",
-                   "accuracy_responses_agree", "accuracy_baseline_meaningful", "accuracy_matches_expected")
+ACCURACY_CHECKS = (
+    "accuracy_through_pd",
+    "accuracy_samples_paired",
+    "accuracy_pd_within_tolerance",
+    "accuracy_responses_agree",
+    "accuracy_baseline_meaningful",
+    "accuracy_matches_expected",
+)
 REASON = "simulated GPUs"
 LEFT_OUT = ("comparison", "load", "prefix_cache", "accuracy")
 
@@ -30,8 +41,10 @@ def simulated(ctx: RunContext) -> str | None:
 
 
 def skip_reason(spec: str) -> str:
-    return (f"{REASON} ({SIMULATED_ENV}={spec}): stand-in servers answered, computing nothing and moving no KV; "
-            "this check needs a real vLLM")
+    return (
+        f"{REASON} ({SIMULATED_ENV}={spec}): stand-in servers answered, computing nothing and moving no KV; "
+        "this check needs a real vLLM"
+    )
 
 
 def apply(ctx: RunContext) -> None:
@@ -55,9 +68,11 @@ def apply(ctx: RunContext) -> None:
     for block in LEFT_OUT:
         setattr(rep, block, None)
     rep.config["simulated_gpus"] = {
-        "box": spec, "servers": "stand-ins (harness/gpu/standin.py) in vLLM's place, with vLLM's arguments; "
-                                "report.commands shows vLLM's command lines",
-        "checks_made": [c.name for c in kept], "checks_skipped": skipped,
+        "box": spec,
+        "servers": "stand-ins (harness/gpu/standin.py) in vLLM's place, with vLLM's arguments; "
+        "report.commands shows vLLM's command lines",
+        "checks_made": [c.name for c in kept],
+        "checks_skipped": skipped,
         "left_out": [f"{b} (built from the stand-ins' answers)" for b in LEFT_OUT],
         "lm_eval": "not run" if ctx.accuracy is not None else None,
     }

@@ -131,16 +131,22 @@ def breakdown(timings: dict[str, float], staggered: bool = False) -> TimingBreak
         if phase in timings:
             b.phases.append(PhaseRemainder(phase, float(timings[phase]), in_phase[phase]))
     if "baseline_cache_read" in timings:
-        b.notes.append(f"no baseline phase: its answers came from the disk cache (read in {float(timings['baseline_cache_read']):.1f} s, "
-                       "counted as harness time)")
+        b.notes.append(
+            f"no baseline phase: its answers came from the disk cache (read in {float(timings['baseline_cache_read']):.1f} s, "
+            "counted as harness time)"
+        )
     if "baseline_phase" in timings and "baseline_teardown" not in timings:
-        b.notes.append("the baseline's teardown is not recorded separately: it is inside the baseline phase's remainder, "
-                       "so it counts as harness time here")
+        b.notes.append(
+            "the baseline's teardown is not recorded separately: it is inside the baseline phase's remainder, "
+            "so it counts as harness time here"
+        )
     if not any(p in timings for p in PHASES):
         b.notes.append("no phase timings: the run ended before its first phase finished")
     for p in b.phases:
         if p.remainder_s < 0:
-            b.notes.append(f"{p.phase}: its parts add up to more than the phase ({p.measured_s:.1f} > {p.seconds:.1f} s)")
+            b.notes.append(
+                f"{p.phase}: its parts add up to more than the phase ({p.measured_s:.1f} > {p.seconds:.1f} s)"
+            )
     return b
 
 
@@ -150,13 +156,17 @@ def render(b: TimingBreakdown, source: str = "") -> str:
         extra = "" if i.counted_s == i.seconds else f"  (overlaps; counted {i.counted_s:.1f} s)"
         lines.append(f"  {i.category:<16} {i.name:<28} {i.seconds:>9.1f} s{extra}")
     for p in b.phases:
-        lines.append(f"  {'phase':<16} {p.phase:<28} {p.seconds:>9.1f} s  (measured parts {p.measured_s:.1f} s, "
-                     f"remainder {p.remainder_s:.1f} s)")
+        lines.append(
+            f"  {'phase':<16} {p.phase:<28} {p.seconds:>9.1f} s  (measured parts {p.measured_s:.1f} s, "
+            f"remainder {p.remainder_s:.1f} s)"
+        )
     lines.append("")
     for cat, s in b.by_category.items():
         lines.append(f"  {cat:<16} {s:>9.1f} s  {100 * s / b.wall_s if b.wall_s else 0:5.1f} %")
     status = "MET" if b.within_target else "MISSED"
-    lines += [f"  {'harness own':<16} {b.harness_own_s:>9.1f} s  {100 * b.harness_own_share:5.1f} %  "
-              f"(target <= {100 * TARGET_HARNESS_SHARE:g} %: {status})"]
+    lines += [
+        f"  {'harness own':<16} {b.harness_own_s:>9.1f} s  {100 * b.harness_own_share:5.1f} %  "
+        f"(target <= {100 * TARGET_HARNESS_SHARE:g} %: {status})"
+    ]
     lines += [f"note: {n}" for n in b.notes]
     return "\n".join(lines)

@@ -20,15 +20,21 @@ class ServerAxes:
     async_scheduling: bool | None = None  # None: vLLM's default
     attention_backend: str | None = None  # None: vLLM's choice (CPU_ATTN on CPU)
     kv_buffer_device: str | None = None  # NIXL's buffer; None: cpu on CPU, cuda on GPU ("cpu" on GPU: host buffer)
-    permute_local_kv_d: bool = False  # D permutes received HND blocks into its NHD layout (vLLM's enable_permute_local_kv)
+    permute_local_kv_d: bool = (
+        False  # D permutes received HND blocks into its NHD layout (vLLM's enable_permute_local_kv)
+    )
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.kv_buffer_device is not None and self.kv_buffer_device not in KV_BUFFER_DEVICES:
-            raise ValueError(f"kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, got {self.kv_buffer_device!r}")
+            raise ValueError(
+                f"kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, got {self.kv_buffer_device!r}"
+            )
         if self.attention_backend is not None and not self.attention_backend.replace("_", "").isalnum():
-            raise ValueError(f"attention_backend must be a vLLM backend name such as FLASH_ATTN, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be a vLLM backend name such as FLASH_ATTN, got {self.attention_backend!r}"
+            )
 
     def set(self) -> dict[str, object]:
         """The axes that differ from their default: what a report and a matrix listing show."""

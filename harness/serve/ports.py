@@ -56,7 +56,9 @@ class PortBlock:
 class PortAllocator:
     """Reserves ports for the lifetime of this object (or until ``release``)."""
 
-    def __init__(self, lock_dir: Path | None = None, port_range: tuple[int, int] = DEFAULT_RANGE, seed: int | None = None):
+    def __init__(
+        self, lock_dir: Path | None = None, port_range: tuple[int, int] = DEFAULT_RANGE, seed: int | None = None
+    ):
         self.lock_dir = Path(lock_dir) if lock_dir else default_lock_dir()
         self.lock_dir.mkdir(parents=True, exist_ok=True)
         self.low, self.high = port_range

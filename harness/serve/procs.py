@@ -58,8 +58,15 @@ OWNER_ENV = "PD_HARNESS_OWNER"  # <pid>:<start time>:<pid namespace> of the harn
 class ProcessFailed(RuntimeError):
     """A managed process died, hit a fatal log pattern, or was not ready in time."""
 
-    def __init__(self, name: str, reason: str, returncode: int | None, log_path: Path | None, log_tail: str,
-                 after_ready: bool = False):
+    def __init__(
+        self,
+        name: str,
+        reason: str,
+        returncode: int | None,
+        log_path: Path | None,
+        log_tail: str,
+        after_ready: bool = False,
+    ):
         self.name = name
         self.reason = reason
         self.returncode = returncode
@@ -118,7 +125,7 @@ def _stat(pid: int | str) -> list[str] | None:
             raw = f.read()
     except OSError:
         return None
-    return raw[raw.rfind(b")") + 2:].decode().split()
+    return raw[raw.rfind(b")") + 2 :].decode().split()
 
 
 def _pid_ns(pid: int | str = "self") -> str:
@@ -158,7 +165,7 @@ def _owner_of(pid: int | str) -> str | None:
     key = OWNER_ENV.encode() + b"="
     for entry in env.split(b"\0"):
         if entry.startswith(key):
-            return entry[len(key):].decode(errors="replace")
+            return entry[len(key) :].decode(errors="replace")
     return None
 
 
@@ -224,8 +231,9 @@ def sweep_orphans(grace_s: float = 5.0) -> list[int]:
         found = orphans()
         if not found:
             return []
-        progress.current().phase(f"stopping {len(found)} processes left by a harness that is gone: "
-                                 f"PIDs {' '.join(map(str, found))}")
+        progress.current().phase(
+            f"stopping {len(found)} processes left by a harness that is gone: PIDs {' '.join(map(str, found))}"
+        )
         return _terminate(orphans, grace_s)
 
 
@@ -258,14 +266,15 @@ def _watchdog_main(argv: list[str]) -> None:
                 break  # end of file: the harness is gone
         elif not owner_alive(tag):
             break
-    print(f"# watchdog: the harness ({tag}) is gone; stopping the server's group {pgid} and what it tagged",
-          flush=True)
+    print(f"# watchdog: the harness ({tag}) is gone; stopping the server's group {pgid} and what it tagged", flush=True)
     hit = _terminate(lambda: _watchdog_targets(tag, pgid, sid), grace_s)
     print(f"# watchdog: stopped PIDs {' '.join(map(str, hit)) or 'none (already gone)'}", flush=True)
 
 
-_WATCHDOG_CODE = ("import sys; sys.path.insert(0, sys.argv[1]); "
-                  "from harness.serve.procs import _watchdog_main; _watchdog_main(sys.argv[2:])")
+_WATCHDOG_CODE = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from harness.serve.procs import _watchdog_main; _watchdog_main(sys.argv[2:])"
+)
 _REPO = str(Path(__file__).resolve().parents[2])
 
 
@@ -281,10 +290,14 @@ class Watchdog:
         r, w = os.pipe()  # both ends close-on-exec: no other child of the harness keeps the write end open
         try:
             env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}  # not a target of an outer watchdog
-            proc = subprocess.Popen([sys.executable, "-c", _WATCHDOG_CODE, _REPO, owner_tag(), str(pgid),
-                                     str(os.getsid(0)), str(grace_s)],
-                                    stdin=r, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    process_group=0)  # spared by a signal to the harness's group
+            proc = subprocess.Popen(
+                [sys.executable, "-c", _WATCHDOG_CODE, _REPO, owner_tag(), str(pgid), str(os.getsid(0)), str(grace_s)],
+                stdin=r,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                process_group=0,
+            )  # spared by a signal to the harness's group
         except BaseException:
             os.close(w)
             raise
@@ -373,8 +386,14 @@ class ManagedProcess:
             return ""
 
     def fail(self, reason: str) -> ProcessFailed:
-        return ProcessFailed(self.name, reason, self.returncode, self.spec.log_path, self.log_tail(),
-                             after_ready=self.ready_after_s is not None)
+        return ProcessFailed(
+            self.name,
+            reason,
+            self.returncode,
+            self.spec.log_path,
+            self.log_tail(),
+            after_ready=self.ready_after_s is not None,
+        )
 
     def _scan_fatal(self) -> str | None:
         if not self._fatal:

@@ -44,7 +44,7 @@ def _parse_labels(s: str, i: int, lineno: int) -> tuple[dict[str, str], int]:
         key = m.group(0)
         i = m.end()
         if i >= n or s[i] != "=" or i + 1 >= n or s[i + 1] != '"':
-            raise ValueError(f"line {lineno}: expected =\" after label {key}")
+            raise ValueError(f'line {lineno}: expected =" after label {key}')
         i += 2
         buf = []
         while True:
@@ -107,4 +107,3 @@ def first_present(samples: Sequence[Sample], names: Sequence[str], **labels: str
         if v is not None:
             return n, v
     return None
-

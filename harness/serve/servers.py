@@ -39,7 +39,9 @@ class ServerSet(Protocol):
     attached: bool
 
     def start(self, stack: contextlib.ExitStack) -> dict[str, float]: ...  # launch->ready seconds by name
-    def check(self, force: bool = False) -> None: ...  # raise ProcessFailed for a server that died or logged a fatal line
+    def check(
+        self, force: bool = False
+    ) -> None: ...  # raise ProcessFailed for a server that died or logged a fatal line
     def logs(self) -> dict[str, str]: ...  # name -> log text (empty for servers we did not start)
     def leftover_pids(self) -> list[int]: ...
 
@@ -49,8 +51,13 @@ class LocalServers:
 
     attached = False
 
-    def __init__(self, prefill: list[tuple[str, ManagedProcess]], decode: list[tuple[str, ManagedProcess]], ready_timeout_s: float,
-                 stagger: bool = False):
+    def __init__(
+        self,
+        prefill: list[tuple[str, ManagedProcess]],
+        decode: list[tuple[str, ManagedProcess]],
+        ready_timeout_s: float,
+        stagger: bool = False,
+    ):
         pre, dec = self._pairs("prefill", prefill), self._pairs("decode", decode)
         self._procs = {ep.name: proc for ep, proc in pre + dec}
         self.prefill = [ep for ep, _ in pre]
@@ -117,7 +124,13 @@ class AttachedServers:
     attached = True
     MISSES = 2  # consecutive failed /health probes before a server counts as gone (one slow answer is no death)
 
-    def __init__(self, prefill_urls: Sequence[str], decode_urls: Sequence[str], ready_timeout_s: float = 60.0, probe_every_s: float = 1.0):
+    def __init__(
+        self,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        ready_timeout_s: float = 60.0,
+        probe_every_s: float = 1.0,
+    ):
         self.prefill = endpoints("prefill", prefill_urls)
         self.decode = endpoints("decode", decode_urls)
         self.ready_timeout_s = ready_timeout_s
@@ -137,8 +150,9 @@ class AttachedServers:
             pending = [ep for ep in pending if not http_ok(f"{ep.url}/health")]
             if pending and time.monotonic() - t0 > self.ready_timeout_s:
                 ep = pending[0]
-                raise ProcessFailed(ep.name, f"{ep.url}/health did not answer 200 within {self.ready_timeout_s:.0f} s",
-                                    None, None, "")
+                raise ProcessFailed(
+                    ep.name, f"{ep.url}/health did not answer 200 within {self.ready_timeout_s:.0f} s", None, None, ""
+                )
             if pending:
                 time.sleep(0.2)
         return {}
@@ -153,7 +167,9 @@ class AttachedServers:
             for ep in self.all:
                 self._misses[ep.name] = 0 if http_ok(f"{ep.url}/health") else self._misses.get(ep.name, 0) + 1
                 if self._misses[ep.name] >= self.MISSES:
-                    raise ProcessFailed(ep.name, f"{ep.url} stopped answering /health", None, None, "", after_ready=True)
+                    raise ProcessFailed(
+                        ep.name, f"{ep.url} stopped answering /health", None, None, "", after_ready=True
+                    )
             if force and not any(self._misses.values()):
                 return
             if force:
@@ -183,8 +199,9 @@ def read_json(url: str, source: str, timeout_s: float = 30.0) -> dict:
         raise MetricsUnavailable(source, f"GET {url}: {type(e).__name__}: {e}") from None
 
 
-def server_metrics(servers: ServerSet, endpoints: list[Endpoint] | None = None,
-                   timeout_s: float = 30.0) -> dict[str, list[Sample]]:
+def server_metrics(
+    servers: ServerSet, endpoints: list[Endpoint] | None = None, timeout_s: float = 30.0
+) -> dict[str, list[Sample]]:
     """/metrics of each server (default: every P and D) by its name. A dead server fails as such first."""
     out: dict[str, list[Sample]] = {}
     for ep in servers.prefill + servers.decode if endpoints is None else endpoints:
@@ -238,9 +255,13 @@ class Attach:
         return self.prefill_urls + self.decode_urls + ((self.baseline_url,) if self.baseline_url else ())
 
     def to_dict(self) -> dict:
-        return {"prefill_urls": list(self.prefill_urls), "decode_urls": list(self.decode_urls),
-                "baseline_url": self.baseline_url, "served": [s.to_dict() for s in self.served],
-                "sources": dict(self.sources)}
+        return {
+            "prefill_urls": list(self.prefill_urls),
+            "decode_urls": list(self.decode_urls),
+            "baseline_url": self.baseline_url,
+            "served": [s.to_dict() for s in self.served],
+            "sources": dict(self.sources),
+        }
 
 
 def model_card(url: str, timeout_s: float = 30.0) -> dict:

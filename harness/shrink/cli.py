@@ -23,8 +23,10 @@ from harness.workload.prompts import prompt_set
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("shrink", help="search for the smallest configuration that still fails with a run's class "
-                                      "(each probe a real run)")
+    s = sub.add_parser(
+        "shrink",
+        help="search for the smallest configuration that still fails with a run's class (each probe a real run)",
+    )
     s.add_argument("run_dir", type=Path, help="a failing run folder (holding report.json), e.g. a matrix pair's folder")
     s.add_argument("--out", type=Path, help="where probes and shrink.json/.md go (default: <run_dir>/shrink)")
     s.add_argument("--max-probes", type=int, default=8, help="at most this many probe runs (default 8)")
@@ -41,24 +43,37 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
     if cfg.get("attach"):
         raise ConfigError("an attach-mode run: its servers were started elsewhere, so no probe can change them")
     if (cfg.get("proxy_fault") or "none") != "none" or cfg.get("decode_kv_fault"):
-        raise ConfigError("the run failed under an injected fault (--proxy-fault / --decode-kv-fault): "
-                          "there is no vLLM configuration to shrink")
+        raise ConfigError(
+            "the run failed under an injected fault (--proxy-fault / --decode-kv-fault): "
+            "there is no vLLM configuration to shrink"
+        )
     if report.get("simulated"):
         raise ConfigError("a run on simulated GPUs: stand-ins served it")
     axes, load = cfg.get("axes") or {}, cfg.get("load") or {}
-    start = Settings(int(cfg.get("tp_p") or 1), int(cfg.get("tp_d") or 1), cfg.get("block_size_p"),
-                     cfg.get("block_size_d"),
-                     bool(axes.get("prefix_caching_d")), int(load.get("requests") or 0), axes.get("kv_cache_dtype"),
-                     tuple(cfg["prompt_ids"]) if cfg.get("prompt_ids") else None)
+    start = Settings(
+        int(cfg.get("tp_p") or 1),
+        int(cfg.get("tp_d") or 1),
+        cfg.get("block_size_p"),
+        cfg.get("block_size_d"),
+        bool(axes.get("prefix_caching_d")),
+        int(load.get("requests") or 0),
+        axes.get("kv_cache_dtype"),
+        tuple(cfg["prompt_ids"]) if cfg.get("prompt_ids") else None,
+    )
     resolved = cfg.get("resolved_model")
     model = resolved if resolved and Path(resolved).is_dir() else cfg.get("model")
     carried = ["--device", str(cfg.get("device") or "cpu")]
-    for flag, value in (("--model", model), ("--python", cfg.get("python")), ("--max-tokens", cfg.get("max_tokens")),
-                        ("--dtype", cfg.get("dtype")), ("--kv-layout-d", cfg.get("kv_layout_d")),
-                        ("--logprob-threshold", cfg.get("logprob_threshold")),
-                        ("--max-model-len", cfg.get("max_model_len")),
-                        ("--attention-backend", axes.get("attention_backend")),
-                        ("--kv-buffer-device", axes.get("kv_buffer_device"))):
+    for flag, value in (
+        ("--model", model),
+        ("--python", cfg.get("python")),
+        ("--max-tokens", cfg.get("max_tokens")),
+        ("--dtype", cfg.get("dtype")),
+        ("--kv-layout-d", cfg.get("kv_layout_d")),
+        ("--logprob-threshold", cfg.get("logprob_threshold")),
+        ("--max-model-len", cfg.get("max_model_len")),
+        ("--attention-backend", axes.get("attention_backend")),
+        ("--kv-buffer-device", axes.get("kv_buffer_device")),
+    ):
         if value is not None:
             carried += [flag, str(value)]
     if axes.get("async_scheduling") is not None:
@@ -98,19 +113,30 @@ def real_probe(carried: list[str], out: Path, timeout_s: float):
 
 def render(result: ShrinkResult, carried: list[str], run_dir: Path) -> str:
     cmd = shlex.join(["python", "-m", "harness", "e2e", *carried, *result.minimal.flags()])
-    lines = [f"# Shrink of {run_dir}", "", f"- failure class: `{result.cls}`",
-             f"- started from: {result.start.describe()}", f"- smallest still failing: {result.minimal.describe()}",
-             f"- its command: `{cmd}`", ""]
+    lines = [
+        f"# Shrink of {run_dir}",
+        "",
+        f"- failure class: `{result.cls}`",
+        f"- started from: {result.start.describe()}",
+        f"- smallest still failing: {result.minimal.describe()}",
+        f"- its command: `{cmd}`",
+        "",
+    ]
     if result.cut:
         lines += [f"**Cut short**: {result.cut}; the axes marked undecided were not decided.", ""]
     lines += ["## Per axis", ""] + [f"- **{a.axis}** ({a.verdict}): {a.words}" for a in result.axes]
     lines += ["", "## Probes", "", "| # | configuration | outcome | s | run |", "|---|---|---|---|---|"]
-    lines += [f"| {i} | {p.settings.describe()} | {p.outcome} | {p.seconds:.0f} | {p.run_dir} |"
-              for i, p in enumerate(result.probes, 1)]
-    lines += ["", "Not shrunk here: the load and prefix-cache prompts (a repro bundle of the smallest run replays only "
-              "its failing requests: `python -m harness repro <probe folder>`), a prompt's length within itself, "
-              "and the "
-              "model's shape."]
+    lines += [
+        f"| {i} | {p.settings.describe()} | {p.outcome} | {p.seconds:.0f} | {p.run_dir} |"
+        for i, p in enumerate(result.probes, 1)
+    ]
+    lines += [
+        "",
+        "Not shrunk here: the load and prefix-cache prompts (a repro bundle of the smallest run replays only "
+        "its failing requests: `python -m harness repro <probe folder>`), a prompt's length within itself, "
+        "and the "
+        "model's shape.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -128,8 +154,9 @@ def main(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else Path(a.run_dir) / "shrink"
     out.mkdir(parents=True, exist_ok=True)
     print(f"shrink: {cls} from {start.describe()}; at most {a.max_probes} probes, {a.max_minutes:g} min", flush=True)
-    result = shrink(start, cls, real_probe(carried, out, a.max_minutes * 60), a.max_probes, a.max_minutes * 60,
-                    failing_prompts=bad)
+    result = shrink(
+        start, cls, real_probe(carried, out, a.max_minutes * 60), a.max_probes, a.max_minutes * 60, failing_prompts=bad
+    )
     (out / "shrink.json").write_text(json.dumps({**result.to_dict(), "carried_flags": carried}, indent=2) + "\n")
     (out / "shrink.md").write_text(render(result, carried, Path(a.run_dir)))
     print(result.summary())

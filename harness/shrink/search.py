@@ -35,8 +35,11 @@ class Settings:
     def flags(self) -> list[str]:
         """These settings as `python -m harness e2e` flags."""
         out = ["--tp-p", str(self.tp_p), "--tp-d", str(self.tp_d), "--load-requests", str(self.load_requests)]
-        for flag, v in (("--block-size-p", self.block_size_p), ("--block-size-d", self.block_size_d),
-                        ("--kv-cache-dtype", self.kv_cache_dtype)):
+        for flag, v in (
+            ("--block-size-p", self.block_size_p),
+            ("--block-size-d", self.block_size_d),
+            ("--kv-cache-dtype", self.kv_cache_dtype),
+        ):
             if v is not None:
                 out += [flag, str(v)]
         out += ["--prompts", ",".join(self.prompts)] if self.prompts else []
@@ -45,9 +48,11 @@ class Settings:
     def describe(self) -> str:
         bs = f"block {self.block_size_p}/{self.block_size_d}" if self.block_size_p else "default block size"
         prefix = "on" if self.prefix_caching_d else "off"
-        return (f"P TP{self.tp_p} -> D TP{self.tp_d}, {bs}, prefix cache on D {prefix}, "
-                f"load {self.load_requests} requests, KV dtype {self.kv_cache_dtype or 'auto'}, "
-                f"{'prompts ' + ','.join(self.prompts) if self.prompts else 'all prompts'}")
+        return (
+            f"P TP{self.tp_p} -> D TP{self.tp_d}, {bs}, prefix cache on D {prefix}, "
+            f"load {self.load_requests} requests, KV dtype {self.kv_cache_dtype or 'auto'}, "
+            f"{'prompts ' + ','.join(self.prompts) if self.prompts else 'all prompts'}"
+        )
 
 
 @dataclass(frozen=True)
@@ -87,9 +92,13 @@ def _blocks(s: Settings) -> list[Settings]:
 
 def prompts_axis(failing: tuple[str, ...]) -> Axis:
     """One prompt instead of the set: each of the run's first two failing sequential prompts alone, shortest first."""
-    return Axis("prompts", lambda s: [replace(s, prompts=(p,)) for p in failing[:2]] if s.prompts is None else [],
-                lambda s: "needs more than one prompt, or a load or prefix-cache request (one failing prompt alone "
-                          "did not fail)")
+    return Axis(
+        "prompts",
+        lambda s: [replace(s, prompts=(p,)) for p in failing[:2]] if s.prompts is None else [],
+        lambda s: (
+            "needs more than one prompt, or a load or prefix-cache request (one failing prompt alone did not fail)"
+        ),
+    )
 
 
 AXES = (
@@ -109,8 +118,13 @@ class Probe:
     run_dir: str | None = None
 
     def to_dict(self) -> dict:
-        return {"settings": asdict(self.settings), "flags": self.settings.flags(), "outcome": self.outcome,
-                "seconds": round(self.seconds, 1), "run_dir": self.run_dir}
+        return {
+            "settings": asdict(self.settings),
+            "flags": self.settings.flags(),
+            "outcome": self.outcome,
+            "seconds": round(self.seconds, 1),
+            "run_dir": self.run_dir,
+        }
 
 
 @dataclass(frozen=True)
@@ -130,9 +144,15 @@ class ShrinkResult:
     cut: str | None = None  # why the search stopped before every axis was decided
 
     def to_dict(self) -> dict:
-        return {"class": self.cls, "start": asdict(self.start), "minimal": asdict(self.minimal),
-                "minimal_flags": self.minimal.flags(), "axes": [asdict(a) for a in self.axes],
-                "probes": [p.to_dict() for p in self.probes], "cut": self.cut}
+        return {
+            "class": self.cls,
+            "start": asdict(self.start),
+            "minimal": asdict(self.minimal),
+            "minimal_flags": self.minimal.flags(),
+            "axes": [asdict(a) for a in self.axes],
+            "probes": [p.to_dict() for p in self.probes],
+            "cut": self.cut,
+        }
 
     def summary(self) -> str:
         decided = "; ".join(a.words for a in self.axes)
@@ -140,9 +160,15 @@ class ShrinkResult:
         return f"smallest configuration failing as {self.cls}: {self.minimal.describe()} ({decided}){cut}"
 
 
-def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_probes: int = 8,
-           max_seconds: float = 3600.0, clock: Callable[[], float] = time.monotonic,
-           failing_prompts: tuple[str, ...] = ()) -> ShrinkResult:
+def shrink(
+    start: Settings,
+    cls: str,
+    probe: Callable[[Settings], Probe],
+    max_probes: int = 8,
+    max_seconds: float = 3600.0,
+    clock: Callable[[], float] = time.monotonic,
+    failing_prompts: tuple[str, ...] = (),
+) -> ShrinkResult:
     """Greedy, one axis at a time. ``probe`` runs one configuration for real (or, in tests, a fake).
     ``failing_prompts``: the run's failing sequential prompts, shortest first (the prompts axis tries them alone)."""
     result = ShrinkResult(cls, start, start)
@@ -151,16 +177,24 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
     for axis in axes:
         candidates = axis.simpler(result.minimal)
         if not candidates:
-            result.axes.append(AxisVerdict(axis.name, "minimal", f"{axis.name} not needed (already "
-                                                                  f"{_changed(axis, result.minimal)} in the run)"))
+            result.axes.append(
+                AxisVerdict(
+                    axis.name,
+                    "minimal",
+                    f"{axis.name} not needed (already {_changed(axis, result.minimal)} in the run)",
+                )
+            )
             continue
         seen: list[str] = []
         adopted = None
         for cand in candidates:
             if len(result.probes) >= max_probes or clock() - t0 >= max_seconds:
                 spent, n = clock() - t0, len(result.probes)
-                result.cut = (f"{n} probes, the budget is {max_probes}" if n >= max_probes
-                              else f"{spent:.0f} s, the budget is {max_seconds:.0f} s")
+                result.cut = (
+                    f"{n} probes, the budget is {max_probes}"
+                    if n >= max_probes
+                    else f"{spent:.0f} s, the budget is {max_seconds:.0f} s"
+                )
                 break
             p = probe(cand)
             result.probes.append(p)
@@ -171,22 +205,34 @@ def shrink(start: Settings, cls: str, probe: Callable[[Settings], Probe], max_pr
         if adopted is not None:
             result.minimal = adopted
             at = _changed(axis, adopted)
-            words = (f"one prompt is enough (still {cls} with {at} alone)" if axis.name == "prompts"
-                     else f"{axis.name} irrelevant (still {cls} at {at})")
+            words = (
+                f"one prompt is enough (still {cls} with {at} alone)"
+                if axis.name == "prompts"
+                else f"{axis.name} irrelevant (still {cls} at {at})"
+            )
             result.axes.append(AxisVerdict(axis.name, "irrelevant", words))
         elif result.cut is not None:
             result.axes.append(AxisVerdict(axis.name, "undecided", f"{axis.name} undecided (budget)"))
             break
         else:
-            result.axes.append(AxisVerdict(axis.name, "needed", f"{axis.needed_words(result.minimal)} (simpler: "
-                                                                  + "; ".join(seen) + ")"))
+            result.axes.append(
+                AxisVerdict(
+                    axis.name, "needed", f"{axis.needed_words(result.minimal)} (simpler: " + "; ".join(seen) + ")"
+                )
+            )
     done = {a.axis for a in result.axes}
-    result.axes += [AxisVerdict(a.name, "undecided", f"{a.name} not tried (budget)")
-                    for a in axes if a.name not in done]
+    result.axes += [
+        AxisVerdict(a.name, "undecided", f"{a.name} not tried (budget)") for a in axes if a.name not in done
+    ]
     return result
 
 
 def _changed(axis: Axis, s: Settings) -> str:
-    return {"load": "load 0", "prefix cache": "prefix cache off", "KV dtype": "KV dtype auto",
-            "TP": f"P TP{s.tp_p} -> D TP{s.tp_d}", "block sizes": f"block {s.block_size_p}/{s.block_size_d}",
-            "prompts": f"prompt {','.join(s.prompts or ()) or 'all'}"}[axis.name]
+    return {
+        "load": "load 0",
+        "prefix cache": "prefix cache off",
+        "KV dtype": "KV dtype auto",
+        "TP": f"P TP{s.tp_p} -> D TP{s.tp_d}",
+        "block sizes": f"block {s.block_size_p}/{s.block_size_d}",
+        "prompts": f"prompt {','.join(s.prompts or ()) or 'all'}",
+    }[axis.name]

@@ -38,14 +38,60 @@ from harness.core.paths import CACHE_ROOT
 DEFAULT_CACHE = CACHE_ROOT / "tasks"
 GENERATOR_VERSION = 2  # bump when the examples or the YAML change, so caches are rebuilt
 
-NAMES = (
-    "Ann Bob Carl Dana Emma Fred Gina Hugo Ivy Jack Kate Leo Mia Nick Olga Paul Rosa Sam Tina Umar "
-    "Vera Will Xena Yuri Zoe Alan Beth Cody Dora Eric"
-).split()
-ITEMS = (
-    "apples pears books coins cards shells stamps pens cups hats kites bells rings boxes keys socks "
-    "eggs nuts plums beads"
-).split()
+NAMES = [
+    "Ann",
+    "Bob",
+    "Carl",
+    "Dana",
+    "Emma",
+    "Fred",
+    "Gina",
+    "Hugo",
+    "Ivy",
+    "Jack",
+    "Kate",
+    "Leo",
+    "Mia",
+    "Nick",
+    "Olga",
+    "Paul",
+    "Rosa",
+    "Sam",
+    "Tina",
+    "Umar",
+    "Vera",
+    "Will",
+    "Xena",
+    "Yuri",
+    "Zoe",
+    "Alan",
+    "Beth",
+    "Cody",
+    "Dora",
+    "Eric",
+]
+ITEMS = [
+    "apples",
+    "pears",
+    "books",
+    "coins",
+    "cards",
+    "shells",
+    "stamps",
+    "pens",
+    "cups",
+    "hats",
+    "kites",
+    "bells",
+    "rings",
+    "boxes",
+    "keys",
+    "socks",
+    "eggs",
+    "nuts",
+    "plums",
+    "beads",
+]
 MIN_N, MAX_N = 2, 99  # >= 2 so every item is plural; <= 99 so each number is one token
 
 # lm-eval renders a few-shot example as doc_to_text + target_delimiter +
@@ -113,7 +159,9 @@ def make_example(rng: random.Random, min_items: int = 1, max_items: int = 1) -> 
     return {"question": question, "answer": answer}
 
 
-def stream(seed: int, name: str, min_items: int = 1, max_items: int = 1, exclude: Iterable[str] = ()) -> Iterator[dict[str, str]]:
+def stream(
+    seed: int, name: str, min_items: int = 1, max_items: int = 1, exclude: Iterable[str] = ()
+) -> Iterator[dict[str, str]]:
     """Endless distinct examples of one named stream, skipping questions in ``exclude``."""
     rng = _rng(seed, name)
     seen = set(exclude)
@@ -132,7 +180,9 @@ def splits(spec: TaskSpec = TaskSpec()) -> dict[str, list[dict[str, str]]]:
     """The train and test splits; no test question is also a train question."""
     spec.validate()
     train = _take(stream(spec.seed, "train", spec.min_items, spec.max_items), spec.n_train)
-    test = _take(stream(spec.seed, "test", spec.min_items, spec.max_items, exclude=[e["question"] for e in train]), spec.n_test)
+    test = _take(
+        stream(spec.seed, "test", spec.min_items, spec.max_items, exclude=[e["question"] for e in train]), spec.n_test
+    )
     return {"train": train, "test": test}
 
 
@@ -158,7 +208,9 @@ def task_config(spec: TaskSpec, train_file: Path, test_file: Path) -> dict:
     return {
         "task": spec.task_name,
         "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"train": str(Path(train_file).resolve()), "test": str(Path(test_file).resolve())}},
+        "dataset_kwargs": {
+            "data_files": {"train": str(Path(train_file).resolve()), "test": str(Path(test_file).resolve())}
+        },
         "output_type": "generate_until",
         "training_split": "train",
         "fewshot_split": "train",
@@ -174,7 +226,10 @@ def task_config(spec: TaskSpec, train_file: Path, test_file: Path) -> dict:
         "generation_kwargs": {"until": list(UNTIL), "do_sample": False, "temperature": 0.0},
         "repeats": 1,
         "filter_list": [
-            {"name": "strict-match", "filter": [{"function": "regex", "regex_pattern": ANSWER_REGEX}, {"function": "take_first"}]},
+            {
+                "name": "strict-match",
+                "filter": [{"function": "regex", "regex_pattern": ANSWER_REGEX}, {"function": "take_first"}],
+            },
         ],
         # As builtin gsm8k: the target is reduced to its "#### N" number.
         "metric_list": [

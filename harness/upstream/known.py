@@ -96,8 +96,9 @@ class KnownIssues(BaseModel):
                 out.append(r)
         return out
 
-    def line_for(self, entry: str | None = None, cls: str | None = None, text: str = "",
-                 version: str | None = None) -> str:
+    def line_for(
+        self, entry: str | None = None, cls: str | None = None, text: str = "", version: str | None = None
+    ) -> str:
         """The line for a matrix entry's reports, else for those its failure (class, log text) matches."""
         return self.line((self.for_entry(entry, version) if entry else []) or self.for_failure(cls, text, version))
 

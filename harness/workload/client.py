@@ -53,8 +53,14 @@ class CompletionRun:
     failures: list[RequestFailed] = field(default_factory=list)
 
 
-def run_completions(base_url: str, model: str, prompts: Sequence[Prompt | TokenPrompt], gen: GenerationSettings, run_tag: str = "",
-                    around: Callable[[str], Callable[[], None]] | None = None) -> CompletionRun:
+def run_completions(
+    base_url: str,
+    model: str,
+    prompts: Sequence[Prompt | TokenPrompt],
+    gen: GenerationSettings,
+    run_tag: str = "",
+    around: Callable[[str], Callable[[], None]] | None = None,
+) -> CompletionRun:
     """Send prompts one at a time (a fixed batch composition keeps greedy runs comparable).
 
     ``around(prompt_id)`` is called before each request and returns what to call once it is answered (e.g. read
@@ -68,8 +74,10 @@ def run_completions(base_url: str, model: str, prompts: Sequence[Prompt | TokenP
         return f"{label}: prompt {sent[0]}/{len(prompts)} sent, waiting {time.monotonic() - sent[1]:.0f} s{failed}"
 
     rep = progress.current()
-    with rep.step(f"{label} requests", "requests", announce=f"{label}: sending {len(prompts)} prompts to {base_url}"), \
-            requests.Session() as s:
+    with (
+        rep.step(f"{label} requests", "requests", announce=f"{label}: sending {len(prompts)} prompts to {base_url}"),
+        requests.Session() as s,
+    ):
         rep.status(status)
         for p in prompts:
             t0 = time.monotonic()
@@ -77,7 +85,9 @@ def run_completions(base_url: str, model: str, prompts: Sequence[Prompt | TokenP
             headers = {"X-Request-Id": f"{run_tag}{p.id}"} if run_tag else {}
             after = around(p.id) if around is not None else None
             try:
-                r = s.post(f"{base_url}/v1/completions", json=gen.body(model, p.text), headers=headers, timeout=gen.timeout_s)
+                r = s.post(
+                    f"{base_url}/v1/completions", json=gen.body(model, p.text), headers=headers, timeout=gen.timeout_s
+                )
             except requests.RequestException as e:
                 out.failures.append(RequestFailed(p.id, None, f"{type(e).__name__}: {e}"))
                 continue

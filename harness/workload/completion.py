@@ -22,7 +22,7 @@ def _token_id(tok: str, prompt_id: str) -> int:
     if not isinstance(tok, str) or not tok.startswith(_PREFIX):
         raise ValueError(f"{prompt_id}: token {tok!r} is not 'token_id:N' (request return_tokens_as_token_ids)")
     try:
-        return int(tok[len(_PREFIX):])
+        return int(tok[len(_PREFIX) :])
     except ValueError:
         raise ValueError(f"{prompt_id}: token {tok!r} is not 'token_id:N'") from None
 
@@ -42,4 +42,6 @@ def parse_completion(prompt_id: str, response_json: dict) -> Completion:
     while len(tops) < len(ids):
         tops.append({})
     usage = response_json.get("usage") or {}
-    return Completion(prompt_id, ids, tuple(tops), choice.get("text", ""), choice.get("finish_reason"), usage.get("prompt_tokens"))
+    return Completion(
+        prompt_id, ids, tuple(tops), choice.get("text", ""), choice.get("finish_reason"), usage.get("prompt_tokens")
+    )

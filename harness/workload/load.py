@@ -27,7 +27,9 @@ class LoadSettings:
 
     def validate(self) -> None:
         if self.requests < 0 or self.concurrency < 1 or self.abort_every < 0 or self.abort_after_tokens < 1:
-            raise ValueError("load settings: requests >= 0, concurrency >= 1, abort_every >= 0, abort_after_tokens >= 1")
+            raise ValueError(
+                "load settings: requests >= 0, concurrency >= 1, abort_every >= 0, abort_after_tokens >= 1"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -69,7 +71,9 @@ def lengths(n: int, block_size: int, max_len: int, seed: int = 0) -> list[tuple[
             out.append(edge[(len(out) - len(out) // 4) % len(edge)])
         else:
             length = rng.randint(1, max_len)
-            out.append((length, "other" if length % block_size not in (0, 1, block_size - 1) else _shape(length, block_size)))
+            out.append(
+                (length, "other" if length % block_size not in (0, 1, block_size - 1) else _shape(length, block_size))
+            )
     return out
 
 
@@ -78,7 +82,9 @@ def _shape(length: int, bs: int) -> str:
     return "k*bs" if r == 0 else "k*bs+1" if r == 1 else "k*bs-1"
 
 
-def plan_load(s: LoadSettings, block_size: int, max_model_len: int, max_tokens: int, seed: int = 0) -> list[LoadRequest]:
+def plan_load(
+    s: LoadSettings, block_size: int, max_model_len: int, max_tokens: int, seed: int = 0
+) -> list[LoadRequest]:
     """The load phase's requests in the order they are sent (lengths interleaved, aborts spread out)."""
     s.validate()
     plain = lengths(s.requests, block_size, max_model_len - max_tokens, seed)
@@ -94,18 +100,25 @@ def plan_load(s: LoadSettings, block_size: int, max_model_len: int, max_tokens: 
             length = min(length, abort_room)
             shape = _shape(length, block_size) if length % block_size in (0, 1, block_size - 1) else "other"
         mt = s.abort_max_tokens if abort == "decode" else max_tokens
-        out.append(LoadRequest(f"load{i:03d}-t{length}", length, shape, mt, abort,
-                               s.abort_after_tokens if abort == "decode" else 0))
+        out.append(
+            LoadRequest(
+                f"load{i:03d}-t{length}", length, shape, mt, abort, s.abort_after_tokens if abort == "decode" else 0
+            )
+        )
     random.Random(seed + 1).shuffle(out)  # mixed lengths in flight at once
     return out
 
 
-def token_prompts(requests: list[LoadRequest], tokenize: Callable[[str], list[int]], seed: int = 0) -> dict[str, list[int]]:
+def token_prompts(
+    requests: list[LoadRequest], tokenize: Callable[[str], list[int]], seed: int = 0
+) -> dict[str, list[int]]:
     """Token ids of each request's prompt, exactly ``length`` long and unique from the first block on."""
     return unique_token_prompts({r.id: r.length for r in requests}, tokenize, seed)
 
 
-def unique_token_prompts(lengths: dict[str, int], tokenize: Callable[[str], list[int]], seed: int = 0) -> dict[str, list[int]]:
+def unique_token_prompts(
+    lengths: dict[str, int], tokenize: Callable[[str], list[int]], seed: int = 0
+) -> dict[str, list[int]]:
     """Token ids for each id, exactly its length long, no two sharing their first 16 tokens.
 
     ``tokenize`` is a server's /tokenize (text -> ids, BOS included where the model adds one)."""

@@ -32,9 +32,17 @@ class LoadOutcome:
     detail: str = ""
 
     def to_dict(self) -> dict:
-        return {"id": self.request.id, "length": self.request.length, "shape": self.request.shape,
-                "abort": self.request.abort, "status": self.status, "ttft_s": self.ttft_s, "latency_s": self.latency_s,
-                "tokens_before_abort": self.tokens_before_abort, "detail": self.detail}
+        return {
+            "id": self.request.id,
+            "length": self.request.length,
+            "shape": self.request.shape,
+            "abort": self.request.abort,
+            "status": self.status,
+            "ttft_s": self.ttft_s,
+            "latency_s": self.latency_s,
+            "tokens_before_abort": self.tokens_before_abort,
+            "detail": self.detail,
+        }
 
 
 @dataclass
@@ -85,12 +93,27 @@ class _Stream:
         return False
 
     def answer(self) -> dict:
-        return {"choices": [{"text": "".join(self.text), "finish_reason": self.finish,
-                             "logprobs": {"tokens": self.tokens, "top_logprobs": self.tops}}], "usage": self.usage}
+        return {
+            "choices": [
+                {
+                    "text": "".join(self.text),
+                    "finish_reason": self.finish,
+                    "logprobs": {"tokens": self.tokens, "top_logprobs": self.tops},
+                }
+            ],
+            "usage": self.usage,
+        }
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: dict, req: LoadRequest, headers: dict,
-               prefill_abort_s: float, timeout_s: float) -> LoadOutcome:
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    req: LoadRequest,
+    headers: dict,
+    prefill_abort_s: float,
+    timeout_s: float,
+) -> LoadOutcome:
     t0 = time.monotonic()
     out = LoadOutcome(req, "failed")
     try:
@@ -98,7 +121,10 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, req: LoadRe
             try:
                 resp = await asyncio.wait_for(session.post(url, json=body, headers=headers), prefill_abort_s)
             except asyncio.TimeoutError:
-                out.status, out.detail = "aborted", f"closed {1000 * prefill_abort_s:.0f} ms after sending, before any answer"
+                out.status, out.detail = (
+                    "aborted",
+                    f"closed {1000 * prefill_abort_s:.0f} ms after sending, before any answer",
+                )
                 return out
             resp.close()  # the answer had already started: P was done, so this cancel lands in the decode hop
             out.status, out.detail = "aborted", "the answer had started before the planned cancel (P already done)"
@@ -133,23 +159,50 @@ async def _one(session: aiohttp.ClientSession, url: str, body: dict, req: LoadRe
     return out
 
 
-async def _all(url: str, model: str, requests: list[LoadRequest], prompts: dict[str, list[int]], gen: GenerationSettings,
-               concurrency: int, prefill_abort_s: float, run_tag: str, done: list[LoadOutcome]) -> list[LoadOutcome]:
+async def _all(
+    url: str,
+    model: str,
+    requests: list[LoadRequest],
+    prompts: dict[str, list[int]],
+    gen: GenerationSettings,
+    concurrency: int,
+    prefill_abort_s: float,
+    run_tag: str,
+    done: list[LoadOutcome],
+) -> list[LoadOutcome]:
     sem = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency + 2)
     async with aiohttp.ClientSession(connector=connector) as session:
+
         async def one(req: LoadRequest) -> LoadOutcome:
             async with sem:
                 headers = {"X-Request-Id": f"{run_tag}{req.id}"}
-                out = await _one(session, f"{url}/v1/completions", load_body(gen, model, req, prompts[req.id]), req, headers,
-                                 prefill_abort_s, gen.timeout_s)
+                out = await _one(
+                    session,
+                    f"{url}/v1/completions",
+                    load_body(gen, model, req, prompts[req.id]),
+                    req,
+                    headers,
+                    prefill_abort_s,
+                    gen.timeout_s,
+                )
                 done.append(out)  # read by the progress line
                 return out
+
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def run_load(url: str, model: str, requests: list[LoadRequest], prompts: dict[str, list[int]], gen: GenerationSettings,
-             concurrency: int, prefill_abort_s: float = 0.0, run_tag: str = "", with_aborts: bool = True) -> LoadRun:
+def run_load(
+    url: str,
+    model: str,
+    requests: list[LoadRequest],
+    prompts: dict[str, list[int]],
+    gen: GenerationSettings,
+    concurrency: int,
+    prefill_abort_s: float = 0.0,
+    run_tag: str = "",
+    with_aborts: bool = True,
+) -> LoadRun:
     """Every request at ``concurrency`` in flight. ``with_aborts=False`` (a reference server): the requests planned
     as aborts are skipped, since they have no answer to compare."""
     sent = [r for r in requests if with_aborts or r.abort is None]
@@ -158,10 +211,18 @@ def run_load(url: str, model: str, requests: list[LoadRequest], prompts: dict[st
     label = f"{run_tag.rstrip('-') or 'load'} load"
     rep = progress.current()
     with rep.step(label, "requests", announce=f"{label}: {len(sent)} requests at concurrency {concurrency} to {url}"):
-        rep.status(lambda: f"{label}: {len(done)}/{len(sent)} done, {sum(o.status == 'aborted' for o in done)} cancelled, "
-                           f"{sum(o.status == 'failed' for o in done)} failed")
-        outcomes = asyncio.run(_all(url.rstrip("/"), model, sent, prompts, gen, concurrency, prefill_abort_s, run_tag, done))
+        rep.status(
+            lambda: (
+                f"{label}: {len(done)}/{len(sent)} done, {sum(o.status == 'aborted' for o in done)} cancelled, "
+                f"{sum(o.status == 'failed' for o in done)} failed"
+            )
+        )
+        outcomes = asyncio.run(
+            _all(url.rstrip("/"), model, sent, prompts, gen, concurrency, prefill_abort_s, run_tag, done)
+        )
     by_id = {o.request.id: o for o in outcomes}
-    ordered = [by_id.get(r.id) or LoadOutcome(r, "skipped", detail="an abort request; not sent to a reference server")
-               for r in requests]
+    ordered = [
+        by_id.get(r.id) or LoadOutcome(r, "skipped", detail="an abort request; not sent to a reference server")
+        for r in requests
+    ]
     return LoadRun(ordered, time.monotonic() - t0, concurrency)

@@ -48,9 +48,19 @@ def plan_prefix(block_size: int) -> list[PrefixCase]:
     cases: list[PrefixCase] = []
     for shape, length in (("k*bs", BLOCKS * b), ("k*bs+1", BLOCKS * b + 1), ("k*bs-1", BLOCKS * b - 1)):
         base = f"pfx-{shape.replace('k*bs', f'{BLOCKS}bs')}"
-        cases += [PrefixCase(f"{base}-cold", "cold", shape, base, length), PrefixCase(f"{base}-again", "full-hit", shape, base, length)]
-    cases.append(PrefixCase("pfx-partial", "partial-hit", "2*bs+tail", f"pfx-{BLOCKS}bs", 2 * b + TAIL, shared=2 * b, tail_of="pfx-tail"))
-    cases += [PrefixCase("pfx-short-cold", "cold", "short", "pfx-short", SHORT), PrefixCase("pfx-short-again", "full-hit", "short", "pfx-short", SHORT)]
+        cases += [
+            PrefixCase(f"{base}-cold", "cold", shape, base, length),
+            PrefixCase(f"{base}-again", "full-hit", shape, base, length),
+        ]
+    cases.append(
+        PrefixCase(
+            "pfx-partial", "partial-hit", "2*bs+tail", f"pfx-{BLOCKS}bs", 2 * b + TAIL, shared=2 * b, tail_of="pfx-tail"
+        )
+    )
+    cases += [
+        PrefixCase("pfx-short-cold", "cold", "short", "pfx-short", SHORT),
+        PrefixCase("pfx-short-again", "full-hit", "short", "pfx-short", SHORT),
+    ]
     return cases
 
 
@@ -82,7 +92,9 @@ def expected_sources(prompts: list[list[int]], block_size: int) -> list[Expected
     for ids in prompts:
         n = len(ids)
         hit = 0
-        for blocks in range((n - 1) // block_size, 0, -1):  # the longest cached block-aligned prefix, at most N-1 tokens
+        for blocks in range(
+            (n - 1) // block_size, 0, -1
+        ):  # the longest cached block-aligned prefix, at most N-1 tokens
             if tuple(ids[: blocks * block_size]) in cached:
                 hit = blocks * block_size
                 break

@@ -10,11 +10,61 @@ from dataclasses import dataclass
 # prompt + completion stays well inside a 512-token context.
 WORD_COUNTS = (1, 2, 3, 5, 8, 13, 21, 30, 31, 32, 33, 47, 64, 96, 128, 160, 200, 240)
 
-VOCAB = (
-    "the river runs past an old stone house where a red cat sleeps near seven green trees while "
-    "north wind brings rain over the city and people count numbers like twelve forty nine or one "
-    "hundred then ask what the answer is before the sun sets behind silver hills far to the west"
-).split()
+VOCAB = [
+    "the",
+    "river",
+    "runs",
+    "past",
+    "an",
+    "old",
+    "stone",
+    "house",
+    "where",
+    "a",
+    "red",
+    "cat",
+    "sleeps",
+    "near",
+    "seven",
+    "green",
+    "trees",
+    "while",
+    "north",
+    "wind",
+    "brings",
+    "rain",
+    "over",
+    "the",
+    "city",
+    "and",
+    "people",
+    "count",
+    "numbers",
+    "like",
+    "twelve",
+    "forty",
+    "nine",
+    "or",
+    "one",
+    "hundred",
+    "then",
+    "ask",
+    "what",
+    "the",
+    "answer",
+    "is",
+    "before",
+    "the",
+    "sun",
+    "sets",
+    "behind",
+    "silver",
+    "hills",
+    "far",
+    "to",
+    "the",
+    "west",
+]
 
 
 @dataclass(frozen=True)

@@ -63,8 +63,9 @@ def token_span(ids: Sequence[int], position: int, text: str, decode: Decode) -> 
     return (len(before), len(through))
 
 
-def divergence_spans(prompts: list[dict], ids: dict[str, dict[str, Sequence[int]]], texts: dict[str, dict[str, str]],
-                     decode: Decode) -> dict[str, dict[str, list[int] | None]]:
+def divergence_spans(
+    prompts: list[dict], ids: dict[str, dict[str, Sequence[int]]], texts: dict[str, dict[str, str]], decode: Decode
+) -> dict[str, dict[str, list[int] | None]]:
     """For each prompt of a comparison block that diverged: the span of the divergent token in each side's text."""
     out: dict[str, dict[str, list[int] | None]] = {}
     for p in prompts:
@@ -75,7 +76,9 @@ def divergence_spans(prompts: list[dict], ids: dict[str, dict[str, Sequence[int]
         spans: dict[str, list[int] | None] = {}
         for side in ("baseline", "pd"):
             side_ids, text = ids[pid].get(side), texts.get(pid, {}).get(side)
-            span = None if side_ids is None or text is None else token_span(side_ids, int(div["position"]), text, decode)
+            span = (
+                None if side_ids is None or text is None else token_span(side_ids, int(div["position"]), text, decode)
+            )
             spans[side] = list(span) if span else None
         out[pid] = spans
     return out

@@ -98,7 +98,9 @@ class _Loader(importlib.abc.Loader):
             return
         try:
             _patch_worker(cls, float(_SCALE))
-        except Exception as e:  # a fault that cannot arm must not take the server down: the run's check sees it never fired
+        except (
+            Exception
+        ) as e:  # a fault that cannot arm must not take the server down: the run's check sees it never fired
             _log(f"could not arm on this vLLM ({type(e).__name__}: {e}); nothing changed")
 
 
