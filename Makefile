@@ -15,7 +15,7 @@ NIGHTLY_ARGS ?=
 WHEELHOUSE ?=
 WHEELHOUSE_ARGS ?=
 
-.PHONY: setup e2e test test-unit test-integration clean-runs nightly wheelhouse
+.PHONY: setup e2e test test-unit test-integration clean-runs nightly wheelhouse lint
 
 setup:
 	@DEVICE=$(DEVICE) WHEELHOUSE=$(WHEELHOUSE) bash scripts/setup.sh
@@ -33,6 +33,16 @@ e2e: setup
 
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+# ruff (its rules and the format check) and mypy over harness/; CI runs it before the tests and fails on a finding.
+# The tools go into .venv once per requirements/lint.txt (a stamp beside setup's).
+lint: setup
+	@stamp="$$(sha256sum requirements/lint.txt | cut -d' ' -f1)"; \
+	  [ "$$(cat .venv/.lint-stamp 2>/dev/null)" = "$$stamp" ] || \
+	  { $(PY) -m pip install -q --disable-pip-version-check -r requirements/lint.txt && echo "$$stamp" > .venv/.lint-stamp; }
+	$(PY) -m ruff check harness
+	$(PY) -m ruff format --check harness
+	$(PY) -m mypy
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

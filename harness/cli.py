@@ -1,4 +1,5 @@
-"""python -m harness: the e2e run, topology and model commands here; the others in their packages (SUBCOMMAND_MODULES)."""
+"""python -m harness: the e2e run, topology and model commands here; the others in their packages
+(SUBCOMMAND_MODULES)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import requested_versions
 from harness.gpu.detect import default_device
+from harness.hosts.placement import RunHosts, load_hosts
 from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, AttachSettings, E2EConfig, env_defaults
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 from harness.serve.vllm_cmd import CpuTuning
@@ -30,7 +32,7 @@ SUBCOMMAND_MODULES = {
     "history": "harness.releases.history_cli",
     "repro": "harness.repro.cli",
     "shrink": "harness.shrink.cli",
-    "wheelhouse": "harness.envs.wheelhouse_cli",
+    "wheelhouse": "harness.wheelhouse.cli",
     "calibrate": "harness.calibrate.cli",
 }
 
@@ -72,13 +74,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--permute-local-kv-d",
         action="store_true",
-        help="D permutes the HND blocks it receives into its NHD layout (vLLM's enable_permute_local_kv; with --kv-layout-d NHD)",
+        help="D permutes the HND blocks it receives into its NHD layout "
+        "(vLLM's enable_permute_local_kv; with --kv-layout-d NHD)",
     )
     e.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
+    e.add_argument(
+        "--hosts",
+        type=Path,
+        metavar="FILE",
+        help="a hosts file placing P, D, the proxy and the baseline on hosts with their own addresses "
+        "(docs/multi-host.md; default: all here on 127.0.0.1)",
+    )
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
     e.add_argument(
         "--vllm-version",
-        help="serve from this vLLM version, installed under .venvs/ the first time (default: $VLLM_VERSION or the pinned one)",
+        help="serve from this vLLM version, installed under .venvs/ the first time "
+        "(default: $VLLM_VERSION or the pinned one)",
     )
     e.add_argument("--max-tokens", type=positive_int, default=16)
     e.add_argument(
@@ -101,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--accuracy",
         action="store_true",
-        help="also run lm-eval through the proxy and against the baseline (on CPU: the tiny model trained on the offline task)",
+        help="also run lm-eval through the proxy and against the baseline "
+        "(on CPU: the tiny model trained on the offline task)",
     )
     e.add_argument(
         "--accuracy-task", help="lm-eval task (default: gsm8k_offline for a local model, gsm8k for a hub model)"
@@ -135,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--logprob-threshold",
         type=float,
-        help="largest |logprob difference| of a chosen token against the baseline (default: the device's, see docs/load.md)",
+        help="largest |logprob difference| of a chosen token against the baseline "
+        "(default: the device's, see docs/load.md)",
     )
     e.add_argument(
         "--proxy-fault-every", type=positive_int, default=1, help="apply --proxy-fault to every n-th request only"
@@ -274,6 +287,7 @@ def config_from_args(
         decode_kv_fault=a.decode_kv_fault,
         enforce_eager=a.enforce_eager,
         fresh_baseline=a.fresh_baseline,
+        hosts=_hosts(a.hosts, attached is not None),
         axes=ServerAxes(
             kv_cache_dtype=a.kv_cache_dtype,
             prefix_caching_d=a.prefix_caching_d,
@@ -367,7 +381,7 @@ def topology_main(a: argparse.Namespace) -> int:
             return 2
         # MLA: one latent head per rank, as wide as the model's latent (heads.py), whatever --head-dim says.
         mla = bool(heads.get("mla"))
-        head_dim = int(heads["head_dim"]) if mla and heads.get("head_dim") else a.head_dim
+        head_dim = int(heads["head_dim"]) if mla and heads["head_dim"] else a.head_dim
         shape = ModelShape(int(heads["attention_heads"] or 0), int(heads["kv_heads"]), head_dim, a.dtype, mla)
     else:
         if a.heads is None:
@@ -387,6 +401,20 @@ def topology_main(a: argparse.Namespace) -> int:
             f"  expected on vLLM {t.vllm_version or '(fixed)'} [{t.version_family}]: {t.expected} - {t.expected_reason}"
         )
     return 0
+
+
+def _hosts(path: Path | None, attach: bool) -> RunHosts:
+    if path is None:
+        return RunHosts()
+    if attach:
+        raise ConfigError("--hosts places servers this harness launches; attached servers are already placed")
+    hosts = load_hosts(path)
+    from harness.hosts.netns import hosts_problem
+
+    problem = hosts_problem(hosts)
+    if problem:
+        raise ConfigError(f"{path}: {problem}")
+    return hosts
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,7 +70,8 @@ ACCURACY_RUNS: tuple[tuple[str, int, int], ...] = (
 ACCURACY_TASK = HUB_TASK
 # Weight formats vLLM does not load when safetensors are there (e.g. meta-llama's original/*.pth): not downloaded.
 PREFETCH_IGNORE = ["*.pth", "*.bin", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "original/*"]
-# The checks of every e2e run (harness/run/pipeline.py, harness/checks/transfer.py) and of accuracy runs (harness/accuracy/lm_eval.py).
+# The checks of every e2e run (harness/run/pipeline.py, harness/checks/transfer.py) and of accuracy runs
+# (harness/accuracy/lm_eval.py).
 E2E_CHECKS = (
     "all_requests_answered",
     "outputs_match_baseline",
@@ -215,7 +216,7 @@ def _server_commands(
             model,
             bs,
             None,
-            Path("logs"),  # type: ignore[arg-type]
+            Path("logs"),
             cfg.kv_layout_d if s.role == "decode" else None,
             placement=s,
         )
@@ -273,7 +274,7 @@ def build_steps(
     steps: list[Step] = []
     hub_models: list[str] = []
     matrix_ids: list[str] = []
-    for version in list(versions) or [None]:
+    for version in list(versions) if versions else [None]:
         night = Night(
             tuple(gpus), python, run_dir, version, len(versions) > 1, util, hub_models, simulated, load_requests
         )
@@ -402,7 +403,8 @@ def _prefetch_step(python: str, hub_models: list[str]) -> Step:
 
 
 def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
-    """One GPU matrix entry as a nightly step: `python -m harness matrix FILE --only ID`, its plan and server commands."""
+    """One GPU matrix entry as a nightly step: `python -m harness matrix FILE --only ID`, its plan and server
+    commands."""
     from harness.matrix.run import config_for
 
     model = models[p.model].hub_id or p.model
@@ -546,7 +548,8 @@ def junit_xml(results: Sequence[StepResult], name: str = "nightly-gpu", simulate
 
 
 def run_step(step: Step, log_path: Path) -> StepResult:
-    """Run one step as its own process group; on timeout SIGTERM it (its harness tears down its servers), then SIGKILL."""
+    """Run one step as its own process group; on timeout SIGTERM it (its harness tears down its servers), then
+    SIGKILL."""
     from harness.serve.procs import ManagedProcess, ProcessSpec, tail
 
     t0 = time.monotonic()

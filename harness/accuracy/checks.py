@@ -102,7 +102,8 @@ def accuracy_checks(baseline: EvalRun, pd: EvalRun, s: AccuracySettings) -> tupl
         Check(
             "accuracy_pd_within_tolerance",
             n > 0 and abs(delta) <= tol,
-            f"P/D {pd.score:.3f} vs baseline {baseline.score:.3f} (delta {delta:+.3f}, tolerance {tol:.3f} for {n} samples)",
+            f"P/D {pd.score:.3f} vs baseline {baseline.score:.3f} (delta {delta:+.3f}, "
+            f"tolerance {tol:.3f} for {n} samples)",
         ),
         Check(
             "accuracy_responses_agree",
@@ -125,7 +126,8 @@ def accuracy_checks(baseline: EvalRun, pd: EvalRun, s: AccuracySettings) -> tupl
             Check(
                 "accuracy_matches_expected",
                 off <= EXPECTED_SCORE_TOLERANCE,
-                f"baseline {baseline.score:.3f}, P/D {pd.score:.3f}, expected {s.expected_score} ± {EXPECTED_SCORE_TOLERANCE}",
+                f"baseline {baseline.score:.3f}, P/D {pd.score:.3f}, "
+                f"expected {s.expected_score} ± {EXPECTED_SCORE_TOLERANCE}",
             )
         )
     block = {

@@ -99,6 +99,8 @@ def _first(x):
 
 def read_eval_output(out_dir: Path, s: AccuracySettings) -> EvalRun:
     """The score and per-sample answers lm-eval wrote under ``out_dir`` (it nests a folder per model)."""
+    if s.task is None:
+        raise ValueError("resolve the accuracy task before reading lm-eval's output")
     results = sorted(Path(out_dir).rglob("results_*.json"))
     samples_files = sorted(Path(out_dir).rglob(f"samples_{s.task}_*.jsonl"))
     if not results or not samples_files:
@@ -161,7 +163,8 @@ def run_lm_eval(
     watch: list,
     env: dict[str, str] | None = None,
 ) -> EvalRun:
-    """Run lm-eval to completion while watching the servers it talks to (anything with check()): a dead server ends the wait at once."""
+    """Run lm-eval to completion while watching the servers it talks to (anything with check()): a dead server ends the
+    wait at once."""
     # The offline task must never touch the hub; a hub task may need to download its dataset.
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"} if s.task == OFFLINE_TASK else {}
     spec = ProcessSpec(

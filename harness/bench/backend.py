@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import time
 
 # One KV params shape, as vLLM's NixlConnector returns it from P (what harness/proxy/app.py forwards to D).
@@ -121,7 +122,8 @@ class State:
 
 
 class HttpProtocol(asyncio.Protocol):
-    """HTTP/1.1 with keep-alive and pipelining; Content-Length bodies only (what the proxies and load generator send)."""
+    """HTTP/1.1 with keep-alive and pipelining; Content-Length bodies only (what the proxies and load generator
+    send)."""
 
     def __init__(self, state: State):
         self.state = state
@@ -200,8 +202,12 @@ def run(coro) -> None:
     except ImportError:
         asyncio.run(coro)
         return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(coro)
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(coro)
+    else:  # no asyncio.Runner before Python 3.11
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+        asyncio.run(coro)
 
 
 def main(argv: list[str] | None = None) -> int:

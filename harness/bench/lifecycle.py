@@ -114,7 +114,8 @@ def render(d: dict) -> str:
             f"leftovers {r['leftovers']}"
         )
     lines.append(
-        f"ready delay: median {1000 * d['ready_delay_s']['median']:.0f} ms, max {1000 * d['ready_delay_s']['max']:.0f} ms"
+        f"ready delay: median {1000 * d['ready_delay_s']['median']:.0f} ms, "
+        f"max {1000 * d['ready_delay_s']['max']:.0f} ms"
     )
     lines.append(f"teardown:    median {d['teardown_s']['median']:.2f} s, max {d['teardown_s']['max']:.2f} s")
     for t in d["targets"]:

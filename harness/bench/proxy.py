@@ -144,7 +144,7 @@ def target_checks(summary: dict) -> list[TargetCheck]:
 
 def summarize(direct: TargetResult, toy: TargetResult, reference: TargetResult, config: dict) -> dict:
     assert direct.latency is not None
-    d = {
+    d: dict = {
         "config": config,
         "direct": {
             "p50_ms": direct.latency.p50_ms,
@@ -165,8 +165,10 @@ def render(d: dict) -> str:
     levels = [str(c) for c in cfg["concurrency"]]
     lines = [
         f"proxy benchmark: {cfg['requests']} requests per measurement, {cfg['rounds']} round(s), time limit "
-        f"{cfg['time_limit_s']:g} s, load average before {cfg['load_average_before']} after {cfg.get('load_average_after')}",
-        f"direct (client -> backend, P hop then D hop): p50 {d['direct']['p50_ms']:.3f} ms, p99 {d['direct']['p99_ms']:.3f} ms",
+        f"{cfg['time_limit_s']:g} s, load average before {cfg['load_average_before']} "
+        f"after {cfg.get('load_average_after')}",
+        f"direct (client -> backend, P hop then D hop): p50 {d['direct']['p50_ms']:.3f} ms, "
+        f"p99 {d['direct']['p99_ms']:.3f} ms",
         "",
         f"{'proxy':<10} {'p50 added':>10} {'p99 added':>10} "
         + " ".join(f"{'c=' + c + ' req/s':>14}" for c in levels)

@@ -79,7 +79,8 @@ def render(d: dict) -> str:
     lines = [f"P TP{d['tp_p']} + D TP{d['tp_d']} on {d['cores']} cores (load {d['load_avg'][0]:.1f}): both ready after"]
     for r in d["rounds"]:
         lines.append(
-            f"  {r['order']:<10} {r['both_ready_s']:6.1f} s  ({', '.join(f'{k} {v:.1f} s' for k, v in r['launch_to_ready_s'].items())})"
+            f"  {r['order']:<10} {r['both_ready_s']:6.1f} s  "
+            f"({', '.join(f'{k} {v:.1f} s' for k, v in r['launch_to_ready_s'].items())})"
         )
     m = d["median_both_ready_s"]
     lines.append(

@@ -85,7 +85,8 @@ def markdown(c: Calibration) -> str:
             "| correct run: max |Δ logprob| | requests | KV fault | fault: max / median |Δ logprob| | requests | "
             "threshold now | suggested | verdict |",
             "|---|---|---|---|---|---|---|---|",
-            f"| {c.noise_max:.3g} | {c.noise_requests} | ×{c.fault_factor:g} | {c.fault_max:.3g} / {c.fault_median:.3g} | "
+            f"| {c.noise_max:.3g} | {c.noise_requests} | ×{c.fault_factor:g} | "
+            f"{c.fault_max:.3g} / {c.fault_median:.3g} | "
             f"{c.fault_requests} | {c.threshold:g} | {sug} | **{c.verdict}** |",
             "",
             c.why,

@@ -76,7 +76,8 @@ SIGNATURES: tuple[Signature, ...] = (
     ),
     _sig(
         "config-error",
-        r"is not divisible by|must be divisible by|should be divisible by|ValidationError|Invalid (?:value|argument)|error: argument|"
+        r"is not divisible by|must be divisible by|should be divisible by|ValidationError|"
+        r"Invalid (?:value|argument)|error: argument|"
         r"No common block size",
         "vLLM refused its configuration",
     ),
@@ -111,6 +112,8 @@ RUN_CLASSES = (
     "checks-failed",
     "lm-eval-failed",
     "metrics-unavailable",
+    "host-unreachable",
+    "kv-not-over-network",
     "gpu-check-failed",
     "interrupted",
     "harness-error",
@@ -149,8 +152,8 @@ def classify(texts: dict[str, str], exclude: frozenset[str] = frozenset()) -> Fa
             if m:
                 ex = every_matching_line(sig.pattern, texts) if sig.every_line else excerpt_around(text, m.start())
                 return Failure(sig.cls, ex, source, sig.meaning)
-    source = next((s for s, t in texts.items() if t), None)
-    return Failure("unknown", tail_text(texts[source]) if source else "", source, "no known signature matched")
+    first = next((s for s, t in texts.items() if t), None)
+    return Failure("unknown", tail_text(texts[first]) if first else "", first, "no known signature matched")
 
 
 def every_matching_line(pattern: re.Pattern[str], texts: dict[str, str], limit: int = 4000) -> str:

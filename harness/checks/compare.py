@@ -73,7 +73,8 @@ def compare_one(b: Completion, p: Completion, top_k: int) -> PromptComparison:
             "each token in the other's top-k"
             if ok
             else (
-                f"baseline token {'in' if bt in ptop else 'not in'} P/D top-{top_k}, P/D token {'in' if pt in btop else 'not in'} baseline top-{top_k}"
+                f"baseline token {'in' if bt in ptop else 'not in'} P/D top-{top_k}, "
+                f"P/D token {'in' if pt in btop else 'not in'} baseline top-{top_k}"
             )
         )
         return PromptComparison(
@@ -89,9 +90,9 @@ def compare_one(b: Completion, p: Completion, top_k: int) -> PromptComparison:
             f"length differs: baseline {len(b.token_ids)} tokens ({b.finish_reason}), "
             f"P/D {len(p.token_ids)} tokens ({p.finish_reason})"
         )
-        bt = b.token_ids[n] if n < len(b.token_ids) else None
-        pt = p.token_ids[n] if n < len(p.token_ids) else None
-        return PromptComparison(b.prompt_id, "mismatch", n, Divergence(n, bt, pt, (), (), False, reason), delta)
+        b_next = b.token_ids[n] if n < len(b.token_ids) else None
+        p_next = p.token_ids[n] if n < len(p.token_ids) else None
+        return PromptComparison(b.prompt_id, "mismatch", n, Divergence(n, b_next, p_next, (), (), False, reason), delta)
     return PromptComparison(b.prompt_id, "exact", n, None, delta)
 
 
@@ -133,11 +134,17 @@ class ComparisonResult:
         return None
 
     def summary(self) -> str:
-        s = f"{len(self.prompts)} prompts: {self.n_exact} exact, {self.n_tolerated} tolerated (top-{self.top_k}), {self.n_mismatch} mismatched"
+        s = (
+            f"{len(self.prompts)} prompts: {self.n_exact} exact, {self.n_tolerated} tolerated (top-{self.top_k}), "
+            f"{self.n_mismatch} mismatched"
+        )
         fd = self.first_divergence
         if fd and fd.divergence:
             d = fd.divergence
-            s += f"; first divergence {fd.prompt_id} at token {d.position}: baseline {d.baseline_token} vs P/D {d.pd_token} ({d.reason})"
+            s += (
+                f"; first divergence {fd.prompt_id} at token {d.position}: "
+                f"baseline {d.baseline_token} vs P/D {d.pd_token} ({d.reason})"
+            )
         return s
 
     def to_dict(self) -> dict:

@@ -198,7 +198,8 @@ def abort_expiries(found: Sequence[Expiry], cancels: Mapping[str, Sequence[str]]
     """Split lease expiries into those a client cancel explains (no D read the blocks of a request the client cancelled
     in one of the ``HOLD_STAGES``) and the others."""
     named = _matcher([i for stage in HOLD_STAGES for i in cancels.get(stage, [])])
-    explained, other = [], []
+    explained: list[Expiry] = []
+    other: list[Expiry] = []
     for e in found:
         (explained if e.read_by == 0 and named is not None and named.search(e.request_id) else other).append(e)
     return explained, other
@@ -208,7 +209,8 @@ def fault_expiries(found: Sequence[Expiry], faulted: Sequence[str]) -> tuple[lis
     """Split lease expiries into those of requests the harness's own proxy fault changed (D read the wrong blocks or
     its read failed, so P's blocks wait for the lease) and the others."""
     named = _matcher(faulted)
-    explained, other = [], []
+    explained: list[Expiry] = []
+    other: list[Expiry] = []
     for e in found:
         (explained if named is not None and named.search(e.request_id) else other).append(e)
     return explained, other

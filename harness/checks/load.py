@@ -205,7 +205,10 @@ def check_reuse(pools: list[Pool]) -> Check:
         if p.blocks is not None
     )
     if missing:
-        detail += f"; pool size unknown for {', '.join(missing)} (neither vllm:cache_config_info nor a 'KV cache size' log line)"
+        detail += (
+            f"; pool size unknown for {', '.join(missing)} "
+            "(neither vllm:cache_config_info nor a 'KV cache size' log line)"
+        )
     return Check("load_kv_blocks_reused", ok, detail or "no server")
 
 

@@ -76,7 +76,7 @@ def check_nixl_metrics(
     expired = delta(before, after, EXPIRED)
     nbytes = delta(before, after, BYTES_SUM)
     ext = delta(before, after, TOKENS_BY_SOURCE, source="external_kv_transfer")
-    checks = [
+    return [
         Check(
             "nixl_transfers_counted",
             xfers.present and xfers.delta >= requests_sent > 0,
@@ -102,7 +102,6 @@ def check_nixl_metrics(
             else f"D's /metrics has no {TOKENS_BY_SOURCE}{{source=external_kv_transfer}}",
         ),
     ]
-    return checks
 
 
 def check_decode_log(log_text: str) -> list[Check]:

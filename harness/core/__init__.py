@@ -1,1 +1,2 @@
-"""The ground floor: paths, errors, caches built once under a lock, atomic writes, signal handling. Imports nothing of the harness."""
+"""The ground floor: paths, errors, caches built once under a lock, atomic writes, signal handling. Imports nothing of
+the harness."""

@@ -33,7 +33,7 @@ def cache_lock(target: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def build_cached(target: Path, complete: Callable[[Path], bool], build: Callable[[Path], None]) -> Path:
+def build_cached(target: Path, complete: Callable[[Path], bool], build: Callable[[Path], object]) -> Path:
     """Return ``target``, built once by ``build(folder)`` if ``complete(target)`` is false.
 
     Concurrent callers (threads or processes) build it once: the first takes a file lock, the others wait

@@ -224,7 +224,8 @@ class Progress:
             return len(self._spans)
 
     def events_since(self, mark: int, origin: float) -> list[dict]:
-        """Spans begun since ``mark``, as offsets in seconds from ``origin`` (a clock reading); an open span ends now."""
+        """Spans begun since ``mark``, as offsets in seconds from ``origin`` (a clock reading); an open span ends
+        now."""
         now = self.clock()
         with self._lock:
             spans = list(self._spans[mark:])

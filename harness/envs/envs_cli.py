@@ -36,8 +36,8 @@ def main(a: argparse.Namespace) -> int:
         print(f"{'environment':<24} {'version':<10} {'size':>10} {'frees':>10}  {'last use':<12} state")
         for e in envs:
             print(
-                f"{e.name:<24} {e.version:<10} {human(e.size_bytes):>10} {human(e.frees_bytes):>10}  {ago(e.last_use):<12} "
-                f"{'ready' if e.ready else 'incomplete'}"
+                f"{e.name:<24} {e.version:<10} {human(e.size_bytes):>10} {human(e.frees_bytes):>10}  "
+                f"{ago(e.last_use):<12} {'ready' if e.ready else 'incomplete'}"
             )
         total, _ = disk_usage(venvs)
         print(f"total under {venvs} (shared files counted once, wheels and caches included): {human(total)}")

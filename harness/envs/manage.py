@@ -11,6 +11,7 @@ elsewhere stay).
 
 from __future__ import annotations
 
+import contextlib
 import filecmp
 import os
 import re
@@ -52,19 +53,15 @@ class EnvInfo:
 
 
 def touch_last_use(env: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # a read-only environment still serves
         (env / LAST_USE).touch()
-    except OSError:  # a read-only environment still serves
-        pass
 
 
 def _walk_files(root: Path) -> Iterable[os.stat_result]:
     for dirpath, dirnames, filenames in os.walk(root):
         for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            try:
+            with contextlib.suppress(OSError):
                 yield os.lstat(os.path.join(dirpath, n))
-            except OSError:
-                pass
 
 
 def disk_usage(root: Path) -> tuple[int, int]:

@@ -76,8 +76,9 @@ def run_bounded(
     Raises ``SubprocessTimedOut`` naming the command and ``log``; on any other exception the group is killed too."""
     if capture_output:
         popen_kwargs.update(stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    # Its own process group, so the limit reaches every process pip started.
-    with subprocess.Popen(list(cmd), process_group=0, **popen_kwargs) as proc:
+    # Its own process group (a new session: process_group=0 would need Python 3.11), so the limit reaches every
+    # process pip started.
+    with subprocess.Popen(list(cmd), start_new_session=True, **popen_kwargs) as proc:
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -90,7 +90,11 @@ def _unserved_torch_pin(requires: list[str], served: set[str]) -> str | None:
 
 
 def plan_install(
-    device: str, version: str, nixl: str, requires: list[str] | None = None, served_torch: set[str] = frozenset()
+    device: str,
+    version: str,
+    nixl: str,
+    requires: list[str] | None = None,
+    served_torch: set[str] | frozenset[str] = frozenset(),
 ) -> InstallPlan:
     """pip steps that give a working server environment for vLLM ``version`` (pure).
 
@@ -140,8 +144,8 @@ def wheel_requires(wheel: Path) -> list[str]:
 
 
 def wheel_dir(venvs: Path = VENVS_DIR) -> Path:
-    """The one wheel folder every environment install shares: each wheel is downloaded once, later installs find it here.
-    (pip's own HTTP cache is not enough: it stores only responses the index marks cacheable.)"""
+    """The one wheel folder every environment install shares: each wheel is downloaded once, later installs find it
+    here. (pip's own HTTP cache is not enough: it stores only responses the index marks cacheable.)"""
     return venvs / "wheels"
 
 

@@ -9,6 +9,7 @@ plan sets CUDA_DEVICE_ORDER=PCI_BUS_ID so that a server's CUDA_VISIBLE_DEVICES m
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -116,10 +117,8 @@ def _host(nvml) -> tuple[tuple[GpuInfo, ...], str | None] | str:
     except nvml.NVMLError as e:
         return f"NVML query failed: {e}"
     finally:
-        try:
+        with contextlib.suppress(nvml.NVMLError):
             nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
 
 
 def discover(nvml=None, env: Mapping[str, str] | None = None) -> Discovery:
@@ -166,7 +165,8 @@ def check_free(plan: GpuPlan, gpus: Sequence[GpuInfo], phase: str | None = None)
         elif g.free_gib < need:
             held = f"; held by PIDs {', '.join(map(str, g.pids))}" if g.pids else ""
             problems.append(
-                f"GPU {gid} ({g.name}) has {g.free_gib:.1f} GiB free of {g.total_gib:.1f}, the plan needs {need:.1f}{held}"
+                f"GPU {gid} ({g.name}) has {g.free_gib:.1f} GiB free of {g.total_gib:.1f}, "
+                f"the plan needs {need:.1f}{held}"
             )
     if problems:
         raise GpuCheckFailed("; ".join(problems))

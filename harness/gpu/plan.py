@@ -147,7 +147,8 @@ class GpuPlan:
         return tuple(s for s in self.servers if s.phase == phase)
 
     def required_free_gib(self, phase: str | None = None) -> dict[int, float]:
-        """GiB each GPU must have free before launch: the sum of its servers' shares (the larger phase, unless one is named)."""
+        """GiB each GPU must have free before launch: the sum of its servers' shares (the larger phase, unless one is
+        named)."""
         totals = {g.id: g.total_gib for g in self.gpus}
         phases = [phase] if phase else list(self.order)
         out: dict[int, float] = {}
@@ -379,10 +380,16 @@ def _too_small(
     load: dict[int, int] | None,
     ids: tuple[int, ...],
 ) -> str:
-    head = f"{role}{idx} (TP {tp}) needs {need:.1f} GiB per GPU, its share is {util:.2f} x {smallest:g} GiB = {util * smallest:.1f} GiB"
+    head = (
+        f"{role}{idx} (TP {tp}) needs {need:.1f} GiB per GPU, "
+        f"its share is {util:.2f} x {smallest:g} GiB = {util * smallest:.1f} GiB"
+    )
     alone_gib = need / max_util
     if load is not None and max(load[g] for g in ids) > 1 and max_util * smallest >= need:
-        return f"{head} (GPUs shared); it fits with {ranks} GPUs (P and D apart), or colocated on GPUs of >= {math.ceil(need * max(load.values()) / max_util)} GiB"
+        return (
+            f"{head} (GPUs shared); it fits with {ranks} GPUs (P and D apart), "
+            f"or colocated on GPUs of >= {math.ceil(need * max(load.values()) / max_util)} GiB"
+        )
     return f"{head}: it needs GPUs of >= {math.ceil(alone_gib)} GiB, or a larger TP"
 
 
@@ -406,7 +413,8 @@ def render_plan(plan: GpuPlan) -> str:
     )
     lines = [
         f"GPU plan: {describe_gpus(plan.gpus)}; {how}",
-        f"model weights {plan.model.weights_gib:.2f} GiB ({plan.model.source}); per rank: weights/TP x {WEIGHT_OVERHEAD} + {HEADROOM_GIB:g} GiB headroom",
+        f"model weights {plan.model.weights_gib:.2f} GiB ({plan.model.source}); "
+        f"per rank: weights/TP x {WEIGHT_OVERHEAD} + {HEADROOM_GIB:g} GiB headroom",
         "order: "
         + ", then ".join(
             "baseline alone"
@@ -418,7 +426,8 @@ def render_plan(plan: GpuPlan) -> str:
     ]
     for s in plan.servers:
         lines.append(
-            f"{s.name:<10} {s.tp:>3}  {s.cuda_visible_devices:<24} {s.gpu_memory_utilization:>22.2f}  {s.need_gib_per_gpu:>6.1f} GiB"
+            f"{s.name:<10} {s.tp:>3}  {s.cuda_visible_devices:<24} "
+            f"{s.gpu_memory_utilization:>22.2f}  {s.need_gib_per_gpu:>6.1f} GiB"
         )
     lines.append(f"(with CUDA_DEVICE_ORDER={CUDA_DEVICE_ORDER}, so the ids are nvidia-smi's)")
     if plan.colocated:

@@ -39,7 +39,7 @@ class GpuRun:
         self,
         tp_p: int,
         tp_d: int,
-        model: str,
+        model: str | None,
         nvml=None,
         release_timeout_s: float = RELEASE_TIMEOUT_S,
         sleep=time.sleep,

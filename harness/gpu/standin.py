@@ -221,7 +221,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         rid = self.headers.get("X-Request-Id") or f"{os.getpid()}-{id(req)}"
         s.begin()
-        steps, ok = [], False
+        steps: list[model.Step] = []
+        ok = False
         try:
             steps, kv = s.answer(rid, req)
             if req.stream:

@@ -51,7 +51,8 @@ def _cell(pair: dict, matrix_dir: Path) -> str:
     if observed is None and pair.get("skip_reason"):
         lines[1] = esc(pair["skip_reason"])
     lines.append(
-        f"<small>{esc(pair.get('id'))} &middot; regime {esc(pair.get('regime'))} &middot; predicted {esc(pair.get('predicted'))}</small>"
+        f"<small>{esc(pair.get('id'))} &middot; regime {esc(pair.get('regime'))} "
+        f"&middot; predicted {esc(pair.get('predicted'))}</small>"
     )
     inner = "<br>".join(lines)
     link = _report_link(pair, matrix_dir)
@@ -109,7 +110,8 @@ def render_page(data: dict, matrix_dir: Path) -> str:
     for (model, k, device, version), ps in grids(pairs).items():
         body.append(
             f'<h2 class="grid-title">{esc(model)} (K={esc(k)}, {esc(device)}) on vLLM {esc(version)}</h2>'
-            f'<div class="grid-wrap" data-model="{esc(model)}" data-version="{esc(version)}">{grid_table(ps, matrix_dir)}</div>'
+            f'<div class="grid-wrap" data-model="{esc(model)}" data-version="{esc(version)}">'
+            f"{grid_table(ps, matrix_dir)}</div>"
         )
     body.append(_pair_table(pairs, matrix_dir))
     body.append("</main>")
@@ -129,7 +131,8 @@ def _pair_table(pairs: list[dict], matrix_dir: Path) -> str:
         rows.append(
             f"<tr><td>{esc(p.get('vllm_version'))}</td><td>{esc(p.get('id'))}</td><td>{esc(p.get('kv_heads'))}</td>"
             f"<td>{esc(p.get('tp_p'))}&rarr;{esc(p.get('tp_d'))}</td><td>{esc(p.get('regime'))}</td><td>{esc(p.get('predicted'))}</td>"
-            f'<td>{esc(p.get("expected"))}{esc(tol)}</td><td class="{outcome_class(p)}">{esc(p.get("observed") or "-")}</td>'
+            f"<td>{esc(p.get('expected'))}{esc(tol)}</td>"
+            f'<td class="{outcome_class(p)}">{esc(p.get("observed") or "-")}</td>'
             f"<td>{esc(p.get('verdict'))}</td><td>{run}</td><td>{esc(p.get('detail'))}</td></tr>"
         )
     return (

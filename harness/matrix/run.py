@@ -132,7 +132,8 @@ def render_markdown(results: list[PairResult], versions: list[str], run_dir: Pat
         run = os.path.relpath(r.run_dir, run_dir) if r.run_dir else (p.skip_reason or "")
         lines.append(
             f"| {r.vllm_version} | {p.id} | {p.kv_heads} | {p.tp_p}→{p.tp_d} | {p.regime} | {p.predicted} | "
-            f"{p.expected}{f' (intermittent: {p.tolerated})' if p.tolerated else ''} | {r.observed or '-'}{' (simulated GPUs)' if r.simulated else ''} | {r.verdict} | {run} |"
+            f"{p.expected}{f' (intermittent: {p.tolerated})' if p.tolerated else ''} | "
+            f"{r.observed or '-'}{' (simulated GPUs)' if r.simulated else ''} | {r.verdict} | {run} |"
         )
     details = [r for r in results if r.detail or r.known_upstream]
     if details:
@@ -193,7 +194,8 @@ def run_matrix(
     out=sys.stdout,
     run_pair: Callable[[E2EConfig, dict], dict] | None = None,
 ) -> list[PairResult]:
-    """Every planned pair of every version, in order; the report is rewritten after each pair so an interrupt keeps it."""
+    """Every planned pair of every version, in order; the report is rewritten after each pair so an interrupt keeps
+    it."""
     from harness.run.pipeline import PDRun
 
     def default_run(cfg: E2EConfig, cache: dict) -> dict:
@@ -267,7 +269,8 @@ def summary(results: list[PairResult], versions: list[str]) -> str:
         + (f" ({flaky} with a known intermittent failure)" if flaky else "")
         + f", {len(results) - len(ran)} skipped"
         + (
-            f"; unexpected: {', '.join(f'{r.pair.id} on {r.vllm_version} ({r.observed}, expected {r.pair.expected})' for r in bad)}"
+            "; unexpected: "
+            + ", ".join(f"{r.pair.id} on {r.vllm_version} ({r.observed}, expected {r.pair.expected})" for r in bad)
             if bad
             else ""
         )

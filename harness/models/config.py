@@ -74,12 +74,15 @@ def entry_from_files(model: str) -> ModelEntry | None:
     shape = config_shape(cfg)
     w = weights(loc.folder)
     where = "the local Hugging Face cache" if loc.from_cache else "a local folder"
+    heads, kv_heads = shape["attention_heads"], shape["kv_heads"]
+    if heads is None or kv_heads is None:  # a config without heads: the preflight says what is wrong
+        return None
     try:
         return ModelEntry(
             id=Path(model).name,
             description=f"read from {where}: {loc.folder}",
-            attention_heads=shape["attention_heads"],
-            kv_heads=shape["kv_heads"],
+            attention_heads=heads,
+            kv_heads=kv_heads,
             params_b=w.params / 1e9 if w and w.params else None,
             family=shape["family"],
             head_dim=shape["head_dim"],

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from harness.models.config import load_models
-from harness.models.hub import config_shape, read_config
+from harness.models.hub import ModelHeads, config_shape, read_config
 
 __all__ = ["config_shape", "model_heads"]
 
 
-def model_heads(model: str) -> dict[str, int | str | bool | None]:
+def model_heads(model: str) -> ModelHeads:
     """Attention and KV heads (K), family (model_type), head_dim (MLA: the latent width kv_lora_rank +
     qk_rope_head_dim), sliding window (tokens, None when none), whether it uses MLA, and layers: from the config.json
     of a local folder or of the hub id's snapshot in the local Hugging Face cache, else from configs/models.yaml

@@ -15,6 +15,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypedDict
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit: a longer "header" is not one
@@ -163,7 +164,20 @@ def _text_config(c: dict) -> dict:
     return {**c, **c["text_config"]} if isinstance(c.get("text_config"), dict) else c
 
 
-def config_shape(c: dict) -> dict:
+class ModelHeads(TypedDict):
+    """A model's KV-relevant shape (``config_shape``, ``harness.models.heads.model_heads``); None: unknown."""
+
+    attention_heads: int | None
+    kv_heads: int | None
+    family: str | None
+    head_dim: int | None
+    sliding_window: int | None
+    mla: bool
+    kv_cache_groups: int
+    layers: int | None
+
+
+def config_shape(c: dict) -> ModelHeads:
     """The KV-relevant shape of a config.json's contents (see ``harness.models.heads.model_heads``)."""
     c = _text_config(c)
     heads = c.get("num_attention_heads")

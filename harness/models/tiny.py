@@ -1,4 +1,5 @@
-"""Tiny random-weights models (Llama by default, other families on request) with a locally trained tokenizer, built offline.
+"""Tiny random-weights models (Llama by default, other families on request) with a locally trained tokenizer, built
+offline.
 
 Nothing comes from a hub: the tokenizer is a byte-level BPE trained on a
 corpus generated here, the weights are drawn from a seeded generator. The
@@ -247,7 +248,7 @@ def build_model(spec: TinyModelSpec, vocab_size: int):
         eos_token_id=2,
     )
     torch.manual_seed(spec.seed)
-    return LlamaForCausalLM(config).to(torch.float32)
+    return LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # wraps()-typed .to() drops self
 
 
 # ---------------------------------------------------------------- other families
@@ -385,7 +386,10 @@ def build_family_model(spec: TinyModelSpec, vocab_size: int):
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = FAMILIES[spec.family](spec, vocab_size)
+    config_fn = FAMILIES[spec.family]
+    if config_fn is None:  # the Llama: build_model's own recipe
+        raise TypeError(f"{spec.family} has no family config: build_model builds it")
+    config = config_fn(spec, vocab_size)
     torch.manual_seed(spec.seed)
     return AutoModelForCausalLM.from_config(config).to(torch.float32)
 

@@ -52,6 +52,7 @@ from harness.tasks.gsm8k_offline import (
 TRAINED_NAME = "tiny-llama-trained"
 TRAINER_VERSION = 2  # bump when the recipe changes, so caches are rebuilt
 META_FILE = "harness_trained_model.json"
+DEFAULT_TASK = TaskSpec()  # the offline task at its defaults (a frozen dataclass, shared)
 
 
 def default_arch() -> TinyModelSpec:
@@ -172,7 +173,7 @@ def _batch(rows: list[tuple[list[int], list[bool]]], pad_id: int):
         n = len(tok)
         ids[i, :n] = torch.tensor(tok)
         attn[i, :n] = 1
-        labels[i, :n] = torch.tensor([t if m else -100 for t, m in zip(tok, mask)])
+        labels[i, :n] = torch.tensor([t if m else -100 for t, m in zip(tok, mask, strict=True)])
     return ids, attn, labels
 
 
@@ -238,7 +239,8 @@ def train(spec: TrainedModelSpec, model, tokenizer, log_every: int = 50) -> Trai
         losses.append(loss.item())
         if log_every and (step + 1) % log_every == 0:
             print(
-                f"step {step + 1}/{t.steps} loss {sum(losses[-log_every:]) / log_every:.4f} {time.monotonic() - start:.0f}s",
+                f"step {step + 1}/{t.steps} loss {sum(losses[-log_every:]) / log_every:.4f} "
+                f"{time.monotonic() - start:.0f}s",
                 flush=True,
             )
     seconds = time.monotonic() - start
@@ -271,7 +273,7 @@ def cut_at_stops(text: str, until: list[str] = UNTIL) -> str:
 
 def greedy_accuracy(
     model_dir: Path,
-    task: TaskSpec = TaskSpec(),
+    task: TaskSpec = DEFAULT_TASK,
     limit: int | None = None,
     batch_size: int = 25,
     max_new_tokens: int = 24,
@@ -311,7 +313,7 @@ def evaluate(
                 pad_token_id=tokenizer.eos_token_id,
                 eos_token_id=tokenizer.eos_token_id,
             )
-        for d, row in zip(chunk, out[:, width:]):
+        for d, row in zip(chunk, out[:, width:], strict=True):
             completion = cut_at_stops(tokenizer.decode(row, skip_special_tokens=True))
             samples.append(
                 {"question": d["question"], "target": answer_number(d["answer"]) or "", "completion": completion}

@@ -266,7 +266,8 @@ def create_app(
                     raise HopError(
                         502,
                         "prefill",
-                        f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, so no KV transfer can happen",
+                        f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, "
+                        "so no KV transfer can happen",
                     )
             else:
                 stats.prefill_with_kv_transfer_params += 1

@@ -105,7 +105,8 @@ class BisectError(ValueError):
 
 def verdict(outcome: str, old: str | None, new: str, aliases: dict[str, str] | None = None) -> str:
     """old / new / skip for one outcome. ``old`` None: any judgeable outcome other than ``new`` is old.
-    ``aliases`` maps an outcome to the one it counts as (e.g. a known intermittent failure that passed the handshake)."""
+    ``aliases`` maps an outcome to the one it counts as (e.g. a known intermittent failure that passed the
+    handshake)."""
     o = (aliases or {}).get(outcome, outcome)
     if o == new:
         return "new"
@@ -172,12 +173,14 @@ def bisect(
                 f"its end of the range needs ({o.source})"
             )
 
-    lo, hi, tried = 0, len(versions) - 1, set()
+    lo, hi = 0, len(versions) - 1
+    tried: set[int] = set()
     exhausted = False
     while True:
-        i = next_index(lo, hi, tried)
-        if i is None:
+        found = next_index(lo, hi, tried)
+        if found is None:
             break
+        i = found
         if calls >= max_probes:
             exhausted = True
             break

@@ -132,7 +132,8 @@ def main(a: argparse.Namespace) -> int:
         elif outcome is not None:
             ends[v] = Observation(outcome, "given")
     print(
-        f"bisect {a.entry} over {len(versions)} releases ({versions[0]} .. {versions[-1]}): {len(versions) - 2} between the ends; "
+        f"bisect {a.entry} over {len(versions)} releases ({versions[0]} .. {versions[-1]}): "
+        f"{len(versions) - 2} between the ends; "
         f"old outcome {old_outcome or '(what ' + versions[0] + ' shows)'}, new outcome {new_outcome}"
         + (f"; {', '.join(f'{k} counts as {v}' for k, v in aliases.items())} (known intermittent)" if aliases else "")
         + f"; harness revision {store.revision}; folder {run_dir}",

@@ -153,7 +153,8 @@ def known_section(t: HistoryTable) -> list[str]:
 
 
 def render_png(t: HistoryTable, path) -> None:
-    """A heatmap: one row per release (oldest at the top), one column per entry, the outcome class written in each cell."""
+    """A heatmap: one row per release (oldest at the top), one column per entry, the outcome class written in each
+    cell."""
     import matplotlib
 
     matplotlib.use("Agg")

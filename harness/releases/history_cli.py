@@ -50,22 +50,23 @@ def import_runs(folder: Path, store, by: str) -> int:
         except (OSError, ValueError):
             continue
         for p in d.get("pairs") or []:
-            if p.get("observed") and p.get("vllm_version"):
-                if (
-                    store.put(
-                        p["id"],
-                        p["vllm_version"],
-                        p["observed"],
-                        seconds=0.0,
-                        run_dir=p.get("run_dir"),
-                        detail=p.get("detail") or "",
-                        expected=p.get("expected"),
-                        regime=p.get("regime"),
-                        by=f"{by} (imported from {report})",
-                    )
-                    is not None
-                ):
-                    n += 1
+            if (
+                p.get("observed")
+                and p.get("vllm_version")
+                and store.put(
+                    p["id"],
+                    p["vllm_version"],
+                    p["observed"],
+                    seconds=0.0,
+                    run_dir=p.get("run_dir"),
+                    detail=p.get("detail") or "",
+                    expected=p.get("expected"),
+                    regime=p.get("regime"),
+                    by=f"{by} (imported from {report})",
+                )
+                is not None
+            ):
+                n += 1
     return n
 
 
@@ -92,7 +93,7 @@ def main(a: argparse.Namespace) -> int:
             raise ConfigError(f"unknown matrix id(s): {', '.join(unknown)}")
         if not ids:
             raise ConfigError(f"no {device} entry to draw")
-        wrong = [i for i in ids if matrix.get(i).device != device]
+        wrong = [e.id for e in matrix.entries if e.id in ids and e.device != device]
         if wrong:
             raise ConfigError(f"{', '.join(wrong)}: not {device} entries; this run is on {device}")
     except ConfigError as e:
@@ -159,7 +160,8 @@ def main(a: argparse.Namespace) -> int:
         return 130
     write_table(table, out)
     print(
-        f"history: {ran} cells run, {reused} reused, {sum(1 for v in versions for i in ids if (v, i) not in table.cells)} not measured"
+        f"history: {ran} cells run, {reused} reused, "
+        f"{sum(1 for v in versions for i in ids if (v, i) not in table.cells)} not measured"
     )
     for c in columns:
         print(f"  {c.id}: " + ("; ".join(table.boundaries(c.id)) or "no change over the measured releases"))

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from harness.matrix.config import MatrixEntry, MatrixFile
 from harness.models.config import ModelEntry
@@ -34,7 +35,7 @@ class Prober:
     fresh_baseline: bool = False  # compute baselines again instead of reusing cached answers (docs/performance.md)
     run_lock: Path | None = None
     by: str = ""  # the command, recorded with each stored result
-    out: object = sys.stdout
+    out: TextIO = sys.stdout
 
     def entry(self, entry_id: str) -> MatrixEntry:
         e = self.matrix.get(entry_id)
@@ -50,7 +51,8 @@ class Prober:
             got = self.store.get(entry_id, version)
             if got is not None:
                 print(
-                    f"  {entry_id} on {version}: {got.outcome} (stored {got.measured_at}, harness revision {got.revision})",
+                    f"  {entry_id} on {version}: {got.outcome} "
+                    f"(stored {got.measured_at}, harness revision {got.revision})",
                     file=self.out,
                     flush=True,
                 )

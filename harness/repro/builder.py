@@ -90,9 +90,10 @@ def builder_script(spec: dict, run_weights_sha256: str | None) -> str:
     family = spec.get("family", "llama")
     if family != "llama":  # the family's own config recipe, and what build_model hands it to
         config_fn = tiny.FAMILIES[family]
+        assert config_fn is not None  # only the Llama has no config recipe of its own
         parts.append(f"\n\nMLA_KV_LORA_RANK = {tiny.MLA_KV_LORA_RANK}\nMLA_ROPE_DIM = {tiny.MLA_ROPE_DIM}\n")
-        for fn in (tiny._common, config_fn):
-            parts.append("\n" + inspect.getsource(fn))
+        for recipe in (tiny._common, config_fn):
+            parts.append("\n" + inspect.getsource(recipe))
         parts.append(f"\n\nFAMILIES = {{{family!r}: {config_fn.__name__}}}\n")
         parts.append("\n" + inspect.getsource(tiny.build_family_model))
     return "".join(parts) + FOOTER

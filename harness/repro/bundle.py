@@ -60,10 +60,14 @@ while todo:
             continue
         k = canon(r.name)
         if k in installed:
-            todo.append((k, tuple(r.extras)))  # an extra of a dependency (cuda-toolkit[cufile]) brings packages of its own
+            # an extra of a dependency (cuda-toolkit[cufile]) brings packages of its own
+            todo.append((k, tuple(r.extras)))
         else:
             missing.add(k)
-print(json.dumps({"pins": sorted(f"{installed[n].metadata['Name']}=={installed[n].version}" for n in done), "missing": sorted(missing)}))
+print(json.dumps({
+    "pins": sorted(f"{installed[n].metadata['Name']}=={installed[n].version}" for n in done),
+    "missing": sorted(missing),
+}))
 """
 
 
@@ -134,7 +138,8 @@ def signature_of(report: dict, wanted: str | None) -> tuple[str, str]:
 
 
 def environment_lock(python: str) -> tuple[list[str], list[str]] | None:
-    """(exact pins of vLLM's and NIXL's closure, required names not installed) from the run's interpreter, if it still exists."""
+    """(exact pins of vLLM's and NIXL's closure, required names not installed) from the run's interpreter, if it still
+    exists."""
     if not Path(python).exists():
         return None
     try:
@@ -197,7 +202,8 @@ def server_lines(cmd: ServerCommand, prefix: str, model: str | None) -> list[str
 
 
 def request_bodies(report: dict, served_name: str) -> list[dict]:
-    """The run's first request (the one that needs the first KV transfer, where a handshake fails), as its client sent it."""
+    """The run's first request (the one that needs the first KV transfer, where a handshake fails), as its client sent
+    it."""
     from harness.workload.client import GenerationSettings
     from harness.workload.prompts import prompt_set
 
@@ -362,8 +368,10 @@ def _header(b: Script) -> list[str]:
     )
     how = (
         [
-            "# model, starts a plain server with the run's baseline command and sends it the run's failing request(s) as",
-            "# token ids, stops it, starts P and D with the run's commands and environment, sends the same to P then to",
+            "# model, starts a plain server with the run's baseline command "
+            "and sends it the run's failing request(s) as",
+            "# token ids, stops it, starts P and D with the run's commands and environment, "
+            "sends the same to P then to",
             "# D (no proxy), and compares D's answers with the plain server's by the run's rule (top-k tolerance,",
             "# |Δlogprob| threshold): REPRODUCED (exit 0) with the prompt and its first divergence, NOT REPRODUCED",
             "# (exit 1), or INCONCLUSIVE (exit 3: the servers or requests did not get that far). Setup errors exit 2.",
@@ -391,7 +399,8 @@ def _header(b: Script) -> list[str]:
         + (", B_BLOCK_SIZE" if b.compared else "")
         + " (default: the run's; a control such as D_BLOCK_SIZE=<P's> replays at equal block sizes).",
         "set -euo pipefail",
-        "# Nothing leaves the machine: usage reporting off in everything this script starts (pip, the model build, servers).",
+        "# Nothing leaves the machine: usage reporting off in everything this script starts "
+        "(pip, the model build, servers).",
         "export " + " ".join(f"{k}={v}" for k, v in NO_TRACK_ENV.items()),
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         'WORK="${REPRO_WORK:-$PWD/repro-work}"',
@@ -418,7 +427,8 @@ def _install(b: Script) -> list[str]:
         '  VENV_PY="$WORK/venv/bin/python"',
         '  if [ ! -f "$WORK/venv/.repro-installed" ]; then',
         '    have="$("$PYTHON" -c \'import sys; print("%d.%d" % sys.version_info[:2])\')"',
-        f'    [ "$have" = "{py_mm}" ] || echo "repro: warning: the run used Python {py_mm}, $PYTHON is $have; the locked wheels may not fit" >&2',
+        f'    [ "$have" = "{py_mm}" ] || echo "repro: warning: the run used Python {py_mm}, $PYTHON is $have; the '
+        'locked wheels may not fit" >&2',
         '    "$PYTHON" -m venv "$WORK/venv" || { echo "repro: cannot create a venv with $PYTHON" >&2; exit 2; }',
         '    pip_args=(install --disable-pip-version-check -q -r "$HERE/requirements.lock")',
         *(
@@ -433,7 +443,8 @@ def _install(b: Script) -> list[str]:
         '    touch "$WORK/venv/.repro-installed"',
         "  fi",
         "fi",
-        f'"$VENV_PY" -c \'import importlib.metadata as m; print("repro: {dist}", m.version("{dist}"), "nixl", m.version("nixl"), "torch", m.version("torch"))\' '
+        f'"$VENV_PY" -c \'import importlib.metadata as m; print("repro: {dist}", m.version("{dist}"), "nixl", '
+        'm.version("nixl"), "torch", m.version("torch"))\' '
         '|| { echo "repro: the packages do not import" >&2; exit 2; }',
         "",
     ]
@@ -457,7 +468,8 @@ def _model(b: Script) -> list[str]:
         "# 2. The model.",
         *step,
         "",
-        'if [ "${REPRO_SETUP_ONLY:-}" = 1 ]; then echo "repro: set up in $WORK (REPRO_SETUP_ONLY=1); run again without it to replay"; exit 0; fi',
+        'if [ "${REPRO_SETUP_ONLY:-}" = 1 ]; then '
+        'echo "repro: set up in $WORK (REPRO_SETUP_ONLY=1); run again without it to replay"; exit 0; fi',
         "",
     ]
 
@@ -473,7 +485,8 @@ def _servers(b: Script) -> list[str]:
     return [
         "# 3. Ports (free ones unless given) and the servers, each in a process group of its own; on exit only",
         "#    those groups are stopped.",
-        f'read -r {" ".join("f" + n for n in names)} < <("$VENV_PY" "$HERE/repro_client.py" ports {" ".join(map(str, sizes))})',
+        f'read -r {" ".join("f" + n for n in names)} < <("$VENV_PY" "$HERE/repro_client.py" ports '
+        f"{' '.join(map(str, sizes))})",
         *[f'{v}="${{{v}:-$f{v}}}"' for v in names],
         "PIDS=()",
         "stop_group() {  # TERM to the group, up to 30 s, then KILL",
@@ -503,8 +516,10 @@ def _start_pd() -> list[str]:
         "PIDS+=($!); D_PID=$!",
         "set +m",
         "ready=1",
-        '"$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$P_PORT" "$P_PID" "$LOGS/prefill.log" --timeout "$READY_TIMEOUT" --pattern "$PATTERN" || ready=0',
-        '[ "$ready" = 1 ] && { "$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$D_PORT" "$D_PID" "$LOGS/decode.log" --timeout "$READY_TIMEOUT" --pattern "$PATTERN" || ready=0; }',
+        '"$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$P_PORT" "$P_PID" "$LOGS/prefill.log" '
+        '--timeout "$READY_TIMEOUT" --pattern "$PATTERN" || ready=0',
+        '[ "$ready" = 1 ] && { "$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$D_PORT" "$D_PID" '
+        '"$LOGS/decode.log" --timeout "$READY_TIMEOUT" --pattern "$PATTERN" || ready=0; }',
         "",
     ]
 
@@ -515,12 +530,14 @@ def _log_steps(b: Script) -> list[str]:
         "# 4. The run's request: to P (prefill only, asking to hand KV over), then to D with P's kv_transfer_params.",
         'rm -f "$WORK/answers.json"',
         'if [ "$ready" = 1 ]; then',
-        '  "$VENV_PY" "$HERE/repro_client.py" send "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT" "$HERE/requests.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/answers.json"',
+        '  "$VENV_PY" "$HERE/repro_client.py" send "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT" '
+        '"$HERE/requests.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/answers.json"',
         "fi",
         "",
         f"# 5. The verdict: a line of P's or D's log matching the {b.cls} signature.",
         "set +e",
-        '"$VENV_PY" "$HERE/repro_client.py" verdict "$PATTERN" "$LOGS/decode.log" "$LOGS/prefill.log" --answers "$WORK/answers.json"',
+        '"$VENV_PY" "$HERE/repro_client.py" verdict "$PATTERN" "$LOGS/decode.log" "$LOGS/prefill.log" '
+        '--answers "$WORK/answers.json"',
         "rc=$?",
         "exit $rc",
         "",
@@ -538,10 +555,12 @@ def _compare_steps(b: Script) -> list[str]:
         'env "${B_ENV[@]}" "${B_CMD[@]}" > "$LOGS/baseline.log" 2>&1 &',
         "PIDS+=($!); B_PID=$!",
         "set +m",
-        'if ! "$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$B_PORT" "$B_PID" "$LOGS/baseline.log" --timeout "$READY_TIMEOUT"; then',
+        'if ! "$VENV_PY" "$HERE/repro_client.py" wait "http://127.0.0.1:$B_PORT" "$B_PID" "$LOGS/baseline.log" '
+        '--timeout "$READY_TIMEOUT"; then',
         '  echo "INCONCLUSIVE: the plain server did not start (log $LOGS/baseline.log)"; exit 3',
         "fi",
-        'if ! "$VENV_PY" "$HERE/repro_client.py" baseline "http://127.0.0.1:$B_PORT" "$HERE/requests.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/baseline.json" --ids-out "$WORK/sent.json"; then',
+        'if ! "$VENV_PY" "$HERE/repro_client.py" baseline "http://127.0.0.1:$B_PORT" "$HERE/requests.json" '
+        '--timeout "$REQUEST_TIMEOUT" --out "$WORK/baseline.json" --ids-out "$WORK/sent.json"; then',
         '  echo "INCONCLUSIVE: the plain server did not answer (log $LOGS/baseline.log)"; exit 3',
         "fi",
         'stop_group "$B_PID"',
@@ -549,7 +568,8 @@ def _compare_steps(b: Script) -> list[str]:
         "# 5. P and D, the same token ids: to P (prefill only), then to D with P's kv_transfer_params.",
         *_start_pd(),
         'if [ "$ready" = 1 ]; then',
-        '  "$VENV_PY" "$HERE/repro_client.py" send "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT" "$WORK/sent.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/answers.json"',
+        '  "$VENV_PY" "$HERE/repro_client.py" send "http://127.0.0.1:$P_PORT" "http://127.0.0.1:$D_PORT" '
+        '"$WORK/sent.json" --timeout "$REQUEST_TIMEOUT" --out "$WORK/answers.json"',
         "fi",
         "",
         f"# 6. The verdict: D's answers against the plain server's, by the run's rule ({b.cls}).",

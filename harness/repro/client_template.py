@@ -113,7 +113,9 @@ def wait(url, pid, log, timeout, pattern):
 
 def items(path):
     """(id, body) of each request of FILE: a bare body (id: its position), or {"id": ..., "body": ...}."""
-    for i, item in enumerate(json.load(open(path))):
+    with open(path) as f:
+        data = json.load(f)
+    for i, item in enumerate(data):
         yield (item["id"], item["body"]) if "body" in item else (str(i), item)
 
 
@@ -222,7 +224,8 @@ def verdict(pattern, logs, answers, wait_s):
             break
         time.sleep(1)
     try:
-        results = json.load(open(answers))
+        with open(answers) as f:
+            results = json.load(f)
     except (OSError, ValueError):
         results = []
     served = [r for r in results if r.get("decode_status") == 200]
@@ -247,9 +250,11 @@ def compare(base_path, answers_path, cls, threshold, top_k):
     from compare import compare_one  # the harness's own rule, copied into the bundle
     from completion import parse_completion
 
-    base = {r["id"]: r for r in json.load(open(base_path))}
+    with open(base_path) as f:
+        base = {r["id"]: r for r in json.load(f)}
     try:
-        answers = json.load(open(answers_path))
+        with open(answers_path) as f:
+            answers = json.load(f)
     except (OSError, ValueError):
         answers = []
     got, failed = [], []

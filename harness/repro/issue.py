@@ -130,7 +130,8 @@ def issue_markdown(
         )
     else:
         title = (
-            f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, num_key_value_heads={k} on {dist} "
+            f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, "
+            f"num_key_value_heads={k} on {dist} "
             f"{v.get('vllm')}: {report.get('verdict')} ({observed_cls or 'no failure'}); {cls} not seen"
         )
     gpu = (
@@ -149,7 +150,12 @@ def issue_markdown(
         f"- Python: {v.get('python')}",
         f"- platform: {platform.platform()} (the machine that wrote this bundle)",
         f"- GPU / driver: {gpu}",
-        f"- exact package versions: `requirements.lock` of the bundle ({'the whole closure of the run' if locked else 'only the top-level versions: the run environment was gone'})",
+        "- exact package versions: `requirements.lock` of the bundle "
+        + (
+            "(the whole closure of the run)"
+            if locked
+            else "(only the top-level versions: the run environment was gone)"
+        ),
         "",
         "## Model",
         "",
@@ -159,11 +165,15 @@ def issue_markdown(
             if Path(str(cfg.get("resolved_model") or "")).joinpath("harness_tiny_model.json").exists()
             else f"({cfg.get('resolved_model')})"
         ),
-        f"- K (num_key_value_heads): {k}; attention heads: {mc.get('num_attention_heads')}; head_dim: {mc.get('head_dim')}"
+        f"- K (num_key_value_heads): {k}; attention heads: {mc.get('num_attention_heads')}; "
+        f"head_dim: {mc.get('head_dim')}"
         + "".join(
             f"; {n}: {mc[n]}" for n in ("hidden_size", "num_hidden_layers", "vocab_size") if mc.get(n) is not None
         ),
-        f"- dtype: {'float32' if '--dtype' in dec.argv and dec.flag('--dtype') == 'float32' else (dec.flag('--dtype') or 'auto')}",
+        "- dtype: "
+        + (
+            "float32" if "--dtype" in dec.argv and dec.flag("--dtype") == "float32" else (dec.flag("--dtype") or "auto")
+        ),
         "",
         "## Topology",
         "",
@@ -175,7 +185,8 @@ def issue_markdown(
         "",
         "## Commands",
         "",
-        "Prefill and decode, exactly as the run started them (each on 127.0.0.1; `repro.sh` uses the same with its own ports):",
+        "Prefill and decode, exactly as the run started them "
+        "(each on 127.0.0.1; `repro.sh` uses the same with its own ports):",
         "",
         "```bash",
         report["commands"]["prefill"],
@@ -183,7 +194,8 @@ def issue_markdown(
         report["commands"]["decode"],
         "```",
         "",
-        'Then one request to the prefill server with `max_tokens: 1` and `"kv_transfer_params": {"do_remote_decode": true, ...}`, '
+        "Then one request to the prefill server with `max_tokens: 1` and "
+        '`"kv_transfer_params": {"do_remote_decode": true, ...}`, '
         "and the same request to the decode server with the `kv_transfer_params` the prefill server returned "
         "(`repro_client.py send`, the body is in `requests.json`).",
         "",
@@ -210,9 +222,9 @@ def issue_markdown(
         ]
     if any("PD_HARNESS_" in k for k in {**pre.env, **dec.env}):
         lines += [
-            "The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): on a small CPU "
-            "machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning and shortens idle "
-            "spinning. It changes scheduling only, never what is computed.",
+            "The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): "
+            "on a small CPU machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning "
+            "and shortens idle spinning. It changes scheduling only, never what is computed.",
             "",
         ]
     lines += ["## Log excerpt", ""]
@@ -273,10 +285,11 @@ def issue_markdown(
         f"`{harness_command(report, run_dir)}` (vLLM P/D heterogeneous-TP harness); run folder `{run_dir}`.",
         (
             "`repro.sh` in this folder replays it without the harness: the plain server's answers, then P and D's, "
-            "compared by the run's rule; it prints REPRODUCED with the prompt and its first divergence, or NOT REPRODUCED."
-            if base is not None
-            else "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching log line, "
+            "compared by the run's rule; it prints REPRODUCED with the prompt and its first divergence, "
             "or NOT REPRODUCED."
+            if base is not None
+            else "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching "
+            "log line, or NOT REPRODUCED."
         ),
         "",
     ]

@@ -164,7 +164,8 @@ def _not_launched(ctx: RunContext) -> None:
 
 
 def _lookup(ctx: RunContext, server_id: dict[str, Any], block_size: int | None) -> _DiskLookup:
-    """The disk cache's key and entry for this baseline; whatever goes wrong is a miss with its reason, never an error."""
+    """The disk cache's key and entry for this baseline; whatever goes wrong is a miss with its reason, never an
+    error."""
     cfg = ctx.cfg
     if disk.disabled():
         return _DiskLookup(

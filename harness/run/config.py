@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 from harness.accuracy.settings import AccuracySettings
 from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
+from harness.hosts.placement import RunHosts
 from harness.serve.axes import ServerAxes
 from harness.serve.servers import Attach, Served
 from harness.serve.vllm_cmd import CpuTuning
@@ -83,6 +84,7 @@ class E2EConfig:
     )
     axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
     prompt_ids: tuple[str, ...] | None = None  # only these of the sequential prompts (None: all; a shrink narrows it)
+    hosts: RunHosts = field(default_factory=RunHosts)  # the host of P, D, the proxy and the baseline (default: here)
 
     def validate(self) -> None:
         for name in ("tp_p", "tp_d"):
@@ -112,6 +114,9 @@ class E2EConfig:
                 raise ConfigError(
                     f"unknown prompt id(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(known)})"
                 )
+        nodes = 1 + len(self.hosts.decode_nodes)
+        if self.tp_d % nodes:
+            raise ConfigError(f"D's TP size {self.tp_d} does not split evenly over its {nodes} nodes")
         if self.max_tokens < 1 or self.logprobs < 1:
             raise ConfigError("max_tokens and logprobs must be >= 1")
         if self.proxy_fault_every < 1:
@@ -125,7 +130,8 @@ class E2EConfig:
             raise ConfigError(str(e)) from None
         if self.load.enabled and self.load.abort_max_tokens >= self.model_len:
             raise ConfigError(
-                f"load abort_max_tokens {self.load.abort_max_tokens} leaves no room for a prompt in {self.model_len} tokens"
+                f"load abort_max_tokens {self.load.abort_max_tokens} leaves no room for a prompt "
+                f"in {self.model_len} tokens"
             )
 
     @property
@@ -165,6 +171,7 @@ class E2EConfig:
         d["runs_root"] = str(self.runs_root)
         d["block_size_p"], d["block_size_d"] = self.block_sizes()
         d["kv_lease_s"] = self.lease_s
+        d["hosts"] = self.hosts.to_dict()
         return d
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,9 @@ class RunContext:
         )
         self.report.commands[role] = srv.command
         self.report.logs[role] = str(srv.proc.spec.log_path)
+        for name, proc, command in srv.followers:
+            self.report.commands[name] = command
+            self.report.logs[name] = str(proc.spec.log_path)
         return srv
 
     def proxy(
@@ -109,6 +113,7 @@ class RunContext:
             self.cfg.request_timeout_s,
             fault=self.cfg.proxy_fault,
             fault_every=self.cfg.proxy_fault_every,
+            host=self.cfg.hosts.proxy,
         )
         self.report.commands["proxy"] = " ".join(proc.spec.argv)
         self.report.logs["proxy"] = str(proc.spec.log_path)
@@ -130,8 +135,6 @@ class RunContext:
         """Every log this run recorded, by name (a log not written yet is left out)."""
         out = {}
         for role, path in self.report.logs.items():
-            try:
+            with contextlib.suppress(OSError):
                 out[role] = Path(path).read_text(errors="replace")
-            except OSError:
-                pass
         return out

@@ -23,6 +23,8 @@ from harness.checks.load import (
     pool_from_metrics,
 )
 from harness.checks.prefix_cache import check_sources
+from harness.checks.transport import CHECK_NAME as KV_NETWORK_CHECK
+from harness.checks.transport import check_kv_over_network
 from harness.checks.usage_stats import CHECK_NAME as USAGE_CHECK
 from harness.checks.usage_stats import check_no_usage_reporting
 from harness.run import simulated
@@ -61,6 +63,14 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
                 pd.idle.faulted if pd.idle is not None else (),
             )
         )
+    if ctx.cfg.hosts.spans_hosts and not pd.attached:
+        decode_logs = {k: v for k, v in pd.logs.items() if k.startswith("decode")}
+        checks.append(check_kv_over_network(decode_logs, ctx.cfg.tp_d))
+    else:
+        why = (
+            "attach mode" if pd.attached else "P and D on one host, where a same-host transport is what UCX should use"
+        )
+        ctx.report.skipped_checks.append({"name": KV_NETWORK_CHECK, "reason": why})
     if pd.environs is not None:
         checks.append(check_no_usage_reporting(pd.environs))
     else:
@@ -210,7 +220,9 @@ def evaluate_load(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> tu
         "settings": s.to_dict(),
         "requests": len(run.outcomes),
         "concurrency": run.concurrency,
-        "baseline_answered": f"the same prompts at the same concurrency ({base.concurrency}), without the cancelled ones",
+        "baseline_answered": (
+            f"the same prompts at the same concurrency ({base.concurrency}), without the cancelled ones"
+        ),
         "why_noise_cannot_fail": (
             "different batching changes float rounding, which can only flip a near tie: the comparison "
             "tolerates a divergence where each side's token is in the other's top-k and stops there, "

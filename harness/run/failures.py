@@ -11,8 +11,10 @@ from harness.accuracy.lm_eval import AccuracyFailed
 from harness.checks import transfer
 from harness.checks.check import Check
 from harness.checks.classify import Failure, classify
+from harness.checks.transport import CHECK_NAME as KV_NETWORK_CHECK
 from harness.core.errors import ConfigError
 from harness.gpu.nvml import GpuCheckFailed
+from harness.hosts.reach import HostUnreachable
 from harness.serve.procs import ProcessFailed
 from harness.serve.servers import MetricsUnavailable
 from harness.workload.client import CompletionRun
@@ -34,6 +36,8 @@ def from_exception(e: Exception, logs: Callable[[], dict[str, str]]) -> dict:
         return {"class": "config-error", "reason": str(e), "source": "preflight", "excerpt": ""}
     if isinstance(e, GpuCheckFailed):
         return {"class": "gpu-check-failed", "reason": str(e), "source": "nvml", "excerpt": ""}
+    if isinstance(e, HostUnreachable):
+        return {"class": "host-unreachable", "reason": str(e), "source": e.host.name, "excerpt": ""}
     if isinstance(e, MetricsUnavailable):
         return {"class": "metrics-unavailable", "reason": str(e), "source": e.source, "excerpt": e.detail}
     # a harness bug must still leave a report that says what happened
@@ -109,6 +113,8 @@ def from_checks(checks: list[Check], logs: dict[str, str], request_runs: list[Co
             if "load_aborts_fired" in names
             else "accuracy-mismatch"
             if any(n.startswith("accuracy_") for n in names)
+            else "kv-not-over-network"
+            if KV_NETWORK_CHECK in names
             else "checks-failed"
         )
         f = Failure(cls, reason[:2000], None, "checks failed")

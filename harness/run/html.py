@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 CSS = """
-body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:0;color:#1f2328;background:#fff}
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
+margin:0;color:#1f2328;background:#fff}
 main{max-width:1200px;margin:0 auto;padding:0 20px 40px}
 h1{font-size:22px;margin:0 0 6px}h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #d0d7de;padding-bottom:4px}
 header.top{padding:16px 20px;color:#fff}header.top .inner{max-width:1200px;margin:0 auto}
@@ -25,7 +26,8 @@ header.top{padding:16px 20px;color:#fff}header.top .inner{max-width:1200px;margi
 .badge{display:inline-block;font-weight:700;padding:2px 10px;border-radius:12px;background:#fff;letter-spacing:.04em}
 .v-pass .badge{color:#1a7f37}.v-fail .badge{color:#cf222e}.v-interrupted .badge{color:#9a6700}
 .reason{margin-top:6px;white-space:pre-wrap}.meta{color:#57606a;margin:10px 0}.meta span{margin-right:16px}
-table{border-collapse:collapse;margin:6px 0;width:100%}th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;margin:6px 0;width:100%}
+th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top}
 th{background:#f6f8fa}tr.pass td.res{color:#1a7f37;font-weight:600}tr.fail td.res{color:#cf222e;font-weight:700}
 tr.fail{background:#ffebe9}tr.skip td.res{color:#57606a}
 .st-exact{color:#1a7f37}.st-tolerated{color:#9a6700;font-weight:600}.st-mismatch{color:#cf222e;font-weight:700}
@@ -33,10 +35,12 @@ pre{background:#f6f8fa;border:1px solid #d0d7de;padding:8px;overflow:auto;white-
 .diverged{border:1px solid #d0d7de;border-left:4px solid #cf222e;padding:6px 10px;margin:10px 0}
 .diverged.tolerated{border-left-color:#9a6700}
 .side{display:grid;grid-template-columns:90px 1fr;gap:4px 10px;margin:4px 0}.side .who{color:#57606a;font-weight:600}
-.text{font-family:ui-monospace,"DejaVu Sans Mono",monospace;white-space:pre-wrap;word-break:break-word;background:#f6f8fa;padding:3px 6px}
+.text{font-family:ui-monospace,"DejaVu Sans Mono",monospace;white-space:pre-wrap;word-break:break-word;
+background:#f6f8fa;padding:3px 6px}
 mark.div-token{background:#ffd33d;color:#1f2328;outline:2px solid #bf8700;border-radius:2px;padding:0 1px}
 .after{color:#8c959f}.note{color:#57606a;font-style:italic}
-.grid{border-collapse:collapse;width:auto;margin:8px 0 18px}.grid td,.grid th{text-align:center;min-width:120px}.grid td{height:54px}
+.grid{border-collapse:collapse;width:auto;margin:8px 0 18px}
+.grid td,.grid th{text-align:center;min-width:120px}.grid td{height:54px}
 .grid td a{color:inherit;text-decoration:none;display:block}.grid td a:hover{text-decoration:underline}
 .o-ok{background:#dafbe1}.o-assert-45330{background:#ffd8b5}.o-rejected{background:#ddf4ff}.o-fail{background:#ffcecb}
 .o-skipped{background:#eaeef2;color:#57606a}.unexpected{outline:3px solid #1f2328;outline-offset:-3px;font-weight:700}
@@ -88,7 +92,8 @@ def render_page(d: dict, run_dir: Path) -> str:
     except Exception:
         body = (
             _header(d) + "<main><h2>This page could not be rendered in full</h2>"
-            f'<p>See report.json and report.md beside it.</p><pre id="render-error">{esc(traceback.format_exc())}</pre></main>'
+            "<p>See report.json and report.md beside it.</p>"
+            f'<pre id="render-error">{esc(traceback.format_exc())}</pre></main>'
         )
     return page(title, body)
 
@@ -177,12 +182,14 @@ def _checks(d: dict) -> str:
     for c in d.get("checks") or []:
         ok = bool(c.get("passed"))
         rows.append(
-            f'<tr class="{"pass" if ok else "fail"}"><td>{esc(c.get("name"))}</td><td class="res">{"pass" if ok else "FAIL"}</td>'
+            f'<tr class="{"pass" if ok else "fail"}"><td>{esc(c.get("name"))}</td>'
+            f'<td class="res">{"pass" if ok else "FAIL"}</td>'
             f"<td>{esc(c.get('detail'))}</td></tr>"
         )
     for c in d.get("skipped_checks") or []:
         rows.append(
-            f'<tr class="skip"><td>{esc(c.get("name"))}</td><td class="res">not checked</td><td>{esc(c.get("reason"))}</td></tr>'
+            f'<tr class="skip"><td>{esc(c.get("name"))}</td><td class="res">not checked</td>'
+            f"<td>{esc(c.get('reason'))}</td></tr>"
         )
     if not rows:
         return '<h2>Checks</h2><p class="note">No check ran.</p>'
@@ -203,7 +210,8 @@ def _failure(d: dict) -> str:
 
 
 def _marked(text: str, span: list[int] | None) -> str:
-    """The text with the divergent token in a <mark>; what follows it is dimmed (greedy continuations differ after it)."""
+    """The text with the divergent token in a <mark>; what follows it is dimmed (greedy continuations differ after
+    it)."""
     if span is None:
         return f'<span class="text">{esc(text)}</span>'
     s, e = span
@@ -265,7 +273,8 @@ def _comparison(d: dict) -> str:
         why = ""
         if unmarked and not comp.get("token_spans_note"):
             why = (
-                '<p class="note">The token&#39;s place in the text is not shown where the model&#39;s tokenizer does not '
+                '<p class="note">The token&#39;s place in the text is not shown where '
+                "the model&#39;s tokenizer does not "
                 "reproduce the server&#39;s text exactly.</p>"
             )
         out.append(
@@ -295,8 +304,10 @@ def _accuracy(d: dict) -> str:
         a.get("score_flips"),
     ]
     return (
-        f'<h2>Accuracy ({esc(a.get("task"))}, lm-eval {esc(a.get("lm_eval"))})</h2><table id="accuracy"><tr><th>samples</th>'
-        "<th>baseline</th><th>P/D</th><th>delta</th><th>tolerance</th><th>differing responses</th><th>score flips</th></tr>"
+        f"<h2>Accuracy ({esc(a.get('task'))}, lm-eval {esc(a.get('lm_eval'))})</h2>"
+        '<table id="accuracy"><tr><th>samples</th>'
+        "<th>baseline</th><th>P/D</th><th>delta</th><th>tolerance</th>"
+        "<th>differing responses</th><th>score flips</th></tr>"
         "<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr></table>"
     )
 
@@ -331,17 +342,20 @@ def timeline_svg(events: list[dict], wall: float | None = None) -> str:
     for i, e in enumerate(evs):
         y = top + i * row_h
         w = max(1.5, x(e["end_s"]) - x(e["start_s"]))
-        colour = KIND_COLOUR.get(e.get("kind"), "#6e7781")
+        colour = KIND_COLOUR.get(e.get("kind") or "", "#6e7781")
         failed = e.get("ok") is False
         stroke = ' stroke="#cf222e" stroke-width="2"' if failed else ""
         indent = 0 if e.get("kind") == "phase" else 12
         label = f"{e['name']}{' (failed)' if failed else ''}"
         bold = "" if indent else ' font-weight="bold"'
         out.append(
-            f'<g class="ev" data-kind="{esc(e.get("kind"))}"><text x="{4 + indent}" y="{y + 14}"{bold}>{esc(label)}</text>'
-            f'<rect x="{x(e["start_s"]):.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" rx="2" fill="{colour}"{stroke}>'
+            f'<g class="ev" data-kind="{esc(e.get("kind"))}">'
+            f'<text x="{4 + indent}" y="{y + 14}"{bold}>{esc(label)}</text>'
+            f'<rect x="{x(e["start_s"]):.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" rx="2" '
+            f'fill="{colour}"{stroke}>'
             f"<title>{esc(e['name'])}: {e['start_s']:.1f} s to {e['end_s']:.1f} s</title></rect>"
-            f'<text x="{x(e["start_s"]) + w + 4:.1f}" y="{y + 14}" fill="#57606a">{e["end_s"] - e["start_s"]:.1f} s</text></g>'
+            f'<text x="{x(e["start_s"]) + w + 4:.1f}" y="{y + 14}" '
+            f'fill="#57606a">{e["end_s"] - e["start_s"]:.1f} s</text></g>'
         )
     out.append("</svg>")
     return "".join(out)
@@ -352,7 +366,10 @@ def _timeline(d: dict) -> str:
     timings = d.get("timings_s") or {}
     legend = "".join(f'<span style="border-left:12px solid {c}">{k}</span>' for k, c in KIND_COLOUR.items())
     if events:
-        return f'<h2>Timeline</h2><div class="legend">{legend}</div><div id="timeline">{timeline_svg(events, timings.get("wall"))}</div>'
+        return (
+            f'<h2>Timeline</h2><div class="legend">{legend}</div>'
+            f'<div id="timeline">{timeline_svg(events, timings.get("wall"))}</div>'
+        )
     if not timings:
         return ""
     # A report written before steps were recorded with their start: durations only, said so.
@@ -366,7 +383,8 @@ def _timeline(d: dict) -> str:
         for k, v in timings.items()
     ]
     return (
-        '<h2>Timeline</h2><p class="note">This report has durations but no start times; the bars below all start at 0.</p>'
+        "<h2>Timeline</h2>"
+        '<p class="note">This report has durations but no start times; the bars below all start at 0.</p>'
         f'<div id="timeline">{timeline_svg(evs)}</div>'
     )
 
@@ -376,7 +394,8 @@ def _breakdown(d: dict) -> str:
     if not tb:
         return ""
     rows = "".join(
-        f"<tr><td>{esc(k)}</td><td>{v:.1f} s</td><td>{100 * v / tb['wall_s'] if tb.get('wall_s') else 0:.1f} %</td></tr>"
+        f"<tr><td>{esc(k)}</td><td>{v:.1f} s</td>"
+        f"<td>{100 * v / tb['wall_s'] if tb.get('wall_s') else 0:.1f} %</td></tr>"
         for k, v in (tb.get("by_category_s") or {}).items()
     )
     own = (
@@ -402,6 +421,7 @@ def _details(d: dict, run_dir: Path) -> str:
         f"<h2>Logs</h2><ul>{logs}</ul>"
         f"<details><summary>Versions</summary><ul>{vers}</ul></details>"
         f"<details><summary>Commands</summary><ul>{cmds}</ul></details>"
-        f"<details><summary>Configuration</summary><pre>{esc(json.dumps(d.get('config') or {}, indent=2, default=str))}</pre></details>"
+        "<details><summary>Configuration</summary>"
+        f"<pre>{esc(json.dumps(d.get('config') or {}, indent=2, default=str))}</pre></details>"
         '<p class="note">report.json and report.md beside this page hold the same run.</p>'
     )

@@ -1,20 +1,23 @@
-"""What a run launches: the model it serves, a vLLM server of a role, the proxy; each a managed process not yet started."""
+"""What a run launches: the model it serves, a vLLM server of a role, the proxy; each a managed process not yet
+started."""
 
 from __future__ import annotations
 
 import datetime as dt
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from harness.checks.classify import FATAL_PATTERNS
+from harness.checks.transport import PROTO_INFO_ENV
 from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
 from harness.gpu.claims import STATE_ENV, box_state
 from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
 from harness.gpu.simulate import SIMULATED_ENV, simulated_box
+from harness.hosts.placement import LOCAL, Host
 from harness.run.config import E2EConfig
-from harness.serve.ports import PortAllocator, server_ports
+from harness.serve.ports import PortAllocator, Ports, ServerPorts, server_ports
 from harness.serve.procs import ManagedProcess, ProcessSpec
 from harness.serve.vllm_cmd import API_SERVER_MODULE, FATAL_LOG_PATTERNS, Command, ServerSpec, build_server_command
 
@@ -30,6 +33,8 @@ class Server:
     proc: ManagedProcess
     url: str
     command: str
+    # the followers of a TP group across nodes (started headless on D's further hosts): (name, process, command)
+    followers: tuple[tuple[str, ManagedProcess, str], ...] = ()
 
 
 def new_run_dir(cfg: E2EConfig) -> Path:
@@ -40,7 +45,8 @@ def new_run_dir(cfg: E2EConfig) -> Path:
 
 
 def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
-    """(model path or hub id, served model name). Accuracy runs on CPU use the tiny model trained on the offline task."""
+    """(model path or hub id, served model name). Accuracy runs on CPU use the tiny model trained on the offline
+    task."""
     if cfg.model is None and cfg.accuracy is not None:
         from harness.models.trained import TRAINED_NAME, ensure_trained_model
 
@@ -56,7 +62,7 @@ def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
 
 def make_server(
     cfg: E2EConfig,
-    alloc: PortAllocator,
+    alloc: Ports,
     role: str,
     tp: int,
     model: str,
@@ -76,7 +82,54 @@ def make_server(
     ``label`` names the process and its log (default: the role); ``kv_load_failure_policy`` other than
     "fail" is for tests that must see the harness refuse a silently recomputed transfer. ``placement``
     (GPU): the server's GPUs and memory share from the run's GPU plan (which holds a given --gpu-memory-utilization)."""
-    spec = ServerSpec(
+    host = cfg.hosts.for_role(role)
+    nodes = (host, *cfg.hosts.decode_nodes) if role == "decode" else (host,)
+    binds = _node_binds(cpu_bind, len(nodes))
+    spec = replace(
+        _spec(cfg, role, tp, model, name, block_size, binds[0], kv_layout, kv_load_failure_policy, placement),
+        extra_env=(*((("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else ()), *host_env(cfg, host)),
+        num_blocks=num_blocks,
+        log_requests=log_requests,
+    )
+    if len(nodes) > 1:  # rank 0's torch.distributed address, from our allocator like every port
+        spec = replace(spec, nodes=len(nodes), master=(host.address, alloc.port()))
+    ports = server_ports(alloc, tp // len(nodes))
+    url = host.url(ports.http)
+    proc, shown = _process(cfg, spec, ports, host, label or role, logs_dir, f"{url}/health")
+    followers = []
+    for rank, node in enumerate(nodes[1:], start=1):
+        f_spec = replace(
+            spec, node_rank=rank, host_ip=node.address, cpu_bind=binds[rank], extra_env=host_env(cfg, node)
+        )
+        f_name = f"{label or role}-node{rank}"
+        # no health of its own: D's API on rank 0 answers only once every node has joined
+        f_proc, f_shown = _process(cfg, f_spec, server_ports(alloc, tp // len(nodes)), node, f_name, logs_dir, None)
+        followers.append((f_name, f_proc, f_shown))
+    return Server(spec, proc, url, shown, tuple(followers))
+
+
+def _node_binds(cpu_bind: str | None, nodes: int) -> list[str | None]:
+    """Each node's share of a server's CPU binding (ranks separated by "|", in rank order)."""
+    if cpu_bind is None or nodes == 1:
+        return [cpu_bind] * nodes
+    ranks = cpu_bind.split("|")
+    per = len(ranks) // nodes
+    return ["|".join(ranks[i * per : (i + 1) * per]) for i in range(nodes)]
+
+
+def _spec(
+    cfg: E2EConfig,
+    role: str,
+    tp: int,
+    model: str,
+    name: str,
+    block_size: int | None,
+    cpu_bind: str | None,
+    kv_layout: str | None,
+    kv_load_failure_policy: str,
+    placement: ServerPlacement | None,
+) -> ServerSpec:
+    return ServerSpec(
         role=role,  # type: ignore[arg-type]
         model=model,
         served_model_name=name,
@@ -89,12 +142,8 @@ def make_server(
         # the plan's share: the run's own value where one was given, checked against colocation by the plan
         gpu_memory_utilization=placement.gpu_memory_utilization if placement else cfg.gpu_memory_utilization,
         gpus=placement.gpus if placement else (),
-        # CUDA_VISIBLE_DEVICES comes from ``gpus``; the plan's ids are NVML's, so CUDA must count in the same order
-        extra_env=(("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else (),
         seed=cfg.seed,
         kv_load_failure_policy=kv_load_failure_policy,
-        num_blocks=num_blocks,
-        log_requests=log_requests,
         fault_kv_scale=cfg.decode_kv_fault if role == "decode" else None,
         max_model_len=cfg.model_len,
         dtype=cfg.dtype or ("float32" if cfg.device == "cpu" else None),
@@ -105,25 +154,40 @@ def make_server(
         kv_buffer_device=cfg.axes.kv_buffer_device,
         prefix_caching=role == "decode" and cfg.axes.prefix_caching_d,
         permute_local_kv=role == "decode" and cfg.axes.permute_local_kv_d,
-        **({} if cfg.device == "cpu" else {"max_num_seqs": None}),
+        host_ip=cfg.hosts.for_role(role).address,
+        max_num_seqs=ServerSpec.max_num_seqs if cfg.device == "cpu" else None,  # GPU: vLLM's own default
     )
-    ports = server_ports(alloc, tp)
+
+
+def _process(
+    cfg: E2EConfig, spec: ServerSpec, ports: ServerPorts, host: Host, name: str, logs_dir: Path, health: str | None
+) -> tuple[ManagedProcess, str]:
+    """The managed process of one server (or node of one) and its command as the report shows it."""
     cmd = build_server_command(spec, ports, cfg.python, cfg.cpu_tuning)
-    url = f"http://127.0.0.1:{ports.http}"
     sim = simulated_spec(cfg)
     argv, env, shown = (cmd.argv, cmd.env, cmd.shell()) if sim is None else standin(cmd, sim)
+    if host.netns:
+        argv = host.wrap(argv)
+        shown = Command(argv, env).shell()
     proc = ManagedProcess(
         ProcessSpec(
-            name=label or role,
+            name=name,
             argv=argv,
             env={**env, RUN_TAG_ENV: str(logs_dir)},
-            log_path=logs_dir / f"{label or role}.log",
-            health_url=f"{url}/health",
+            log_path=logs_dir / f"{name}.log",
+            health_url=health,
             fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
             ready_timeout_s=cfg.ready_timeout_s,
         )
     )
-    return Server(spec, proc, url, shown)
+    return proc, shown
+
+
+def host_env(cfg: E2EConfig, host: Host) -> tuple[tuple[str, str], ...]:
+    """What a server gets from its host: the host's own settings and, where P and D are on different hosts, UCX's
+    protocol tables in its log (the evidence of which transport carried the KV, checks/transport.py)."""
+    proto = tuple(PROTO_INFO_ENV.items()) if cfg.hosts.spans_hosts else ()
+    return (*host.env, *proto)
 
 
 def simulated_spec(cfg: E2EConfig) -> str | None:
@@ -164,13 +228,14 @@ def make_proxy(
     fault: str = "none",
     name: str = "proxy",
     fault_every: int = 1,
+    host: Host = LOCAL,
 ) -> tuple[ManagedProcess, str]:
     port = alloc.port()
     argv = [
-        python,
+        *host.wrap([python]),
         str(PROXY_SCRIPT),
         "--host",
-        "127.0.0.1",
+        host.address,
         "--port",
         str(port),
         "--prefill",
@@ -184,7 +249,7 @@ def make_proxy(
     ]
     if fault_every != 1:
         argv += ["--fault-every", str(fault_every)]
-    url = f"http://127.0.0.1:{port}"
+    url = host.url(port)
     proc = ManagedProcess(
         ProcessSpec(
             name=name,

@@ -46,7 +46,8 @@ def prepare(ctx: RunContext, url: str) -> None:
 
 
 def tokenizer(url: str, model: str) -> Callable[[str], list[int]]:
-    """A served model's tokenizer through its server's /tokenize (text -> ids, BOS included where the model adds one)."""
+    """A served model's tokenizer through its server's /tokenize (text -> ids, BOS included where the model adds
+    one)."""
 
     def tokenize(text: str) -> list[int]:
         r = requests.post(f"{url}/tokenize", json={"model": model, "prompt": text}, timeout=60)

@@ -55,6 +55,7 @@ def local_servers(
         [(dec.url, dec.proc)],
         ctx.cfg.ready_timeout_s,
         stagger=ctx.gpu is not None and ctx.gpu.plan.stagger_start,
+        followers=[(name, proc) for name, proc, _ in (*pre.followers, *dec.followers)],
     )
 
 

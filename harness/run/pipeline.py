@@ -13,6 +13,7 @@ from harness.accuracy.resolve import resolve_accuracy
 from harness.core import progress
 from harness.core.errors import ConfigError
 from harness.gpu.run import GpuRun
+from harness.hosts.reach import check_reachable
 from harness.models.heads import model_heads
 from harness.run import failures
 from harness.run.baseline import BaselineResult, run_baseline
@@ -100,6 +101,9 @@ class PDRun:
         attached_baseline = self.attach.baseline_url if self.attach else None
 
         with PortAllocator() as alloc:
+            if len({h.name for h in cfg.hosts.placed()}) > 1:  # across hosts: each must answer before a launch
+                probed = check_reachable(cfg.hosts.placed(), alloc.port())
+                ctx.report.config["hosts_reached"] = probed
             # The baseline runs alone (never beside P/D), at D's TP and D's cores, so both sides compute alike.
             baseline = (
                 None

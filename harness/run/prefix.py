@@ -77,7 +77,7 @@ def pd_prefix(ctx: RunContext, proxy_url: str, servers: ServerSet, watch: list) 
     )
     ctx.timed("pd_prefix", t0)
     expected = expected_sources([p.text for p in prompts], ctx.cfg.block_sizes()[1] or 16)
-    sourced = [Sourced(c, e, measured.get(c.id)) for c, e in zip(ctx.prefix_cases, expected)]
+    sourced = [Sourced(c, e, measured.get(c.id)) for c, e in zip(ctx.prefix_cases, expected, strict=True)]
     return PDPrefix(run, sourced)
 
 

@@ -88,7 +88,7 @@ def preflight(
         return Preflight(tuple(problems), None)
 
     known = attention_heads is not None and kv_heads is not None
-    if known:
+    if attention_heads is not None and kv_heads is not None:  # known
         if attention_heads < 1 or kv_heads < 1 or (attention_heads % kv_heads and not mla):
             problems.append(
                 f"the model's heads are inconsistent: {attention_heads} attention heads, {kv_heads} KV heads"
@@ -124,7 +124,7 @@ def preflight(
                 )
 
     topo = None
-    if known:
+    if known and attention_heads is not None and kv_heads is not None:
         p = bs_p if bs_p and bs_p >= 1 else VLLM_DEFAULT_BLOCK
         d = bs_d if bs_d and bs_d >= 1 else p
         if mla and device == "cpu":

@@ -149,8 +149,8 @@ def render_markdown(d: dict[str, Any]) -> str:
             "",
             "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |",
             "|---|---|---|---|---|---|---|",
-            f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | {a['tolerance']:.3f} | "
-            f"{a['differing_responses']} | {a['score_flips']} |",
+            f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | "
+            f"{a['tolerance']:.3f} | {a['differing_responses']} | {a['score_flips']} |",
         ]
     lines += load_markdown(d.get("load"))
     lines += prefix_markdown(d.get("prefix_cache"))
@@ -171,10 +171,12 @@ def render_markdown(d: dict[str, Any]) -> str:
             dtxt = (
                 ""
                 if not div
-                else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} ({div['reason']})"
+                else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} "
+                f"({div['reason']})"
             )
             lines.append(
-                f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | {p['compared_tokens']} | {dtxt} |"
+                f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | "
+                f"{p['compared_tokens']} | {dtxt} |"
             )
     lines += ["", "## Configuration", "", "```json", json.dumps(cfg, indent=2), "```", "", "## Versions", ""]
     lines += [f"- {k}: {v}" for k, v in d.get("versions", {}).items()]

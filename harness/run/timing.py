@@ -132,7 +132,8 @@ def breakdown(timings: dict[str, float], staggered: bool = False) -> TimingBreak
             b.phases.append(PhaseRemainder(phase, float(timings[phase]), in_phase[phase]))
     if "baseline_cache_read" in timings:
         b.notes.append(
-            f"no baseline phase: its answers came from the disk cache (read in {float(timings['baseline_cache_read']):.1f} s, "
+            "no baseline phase: its answers came from the disk cache "
+            f"(read in {float(timings['baseline_cache_read']):.1f} s, "
             "counted as harness time)"
         )
     if "baseline_phase" in timings and "baseline_teardown" not in timings:

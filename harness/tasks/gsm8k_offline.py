@@ -153,7 +153,7 @@ def make_example(rng: random.Random, min_items: int = 1, max_items: int = 1) -> 
     items = rng.sample(ITEMS, rng.randint(min_items, max_items))
     counts = rng.sample(range(MIN_N, MAX_N + 1), len(items))  # distinct, so the asked count is unambiguous
     asked = rng.randrange(len(items))
-    facts = _join([f"{n} {item}" for n, item in zip(counts, items)])
+    facts = _join([f"{n} {item}" for n, item in zip(counts, items, strict=True)])
     question = f"{name} has {facts}. How many {items[asked]} does {name} have?"
     answer = f"{name} has {counts[asked]} {items[asked]}.\n#### {counts[asked]}"
     return {"question": question, "answer": answer}

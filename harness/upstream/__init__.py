@@ -1,1 +1,2 @@
-"""What upstream already knows: the harness's findings mapped to vLLM issue and PR threads (configs/known_issues.yaml)."""
+"""What upstream already knows: the harness's findings mapped to vLLM issue and PR threads
+(configs/known_issues.yaml)."""

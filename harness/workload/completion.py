@@ -37,7 +37,7 @@ def parse_completion(prompt_id: str, response_json: dict) -> Completion:
         raise ValueError(f"{prompt_id}: response has no logprobs (request logprobs=k)")
     ids = tuple(_token_id(t, prompt_id) for t in lp["tokens"])
     tops = []
-    for pos, top in enumerate(lp.get("top_logprobs") or [None] * len(ids)):
+    for top in lp.get("top_logprobs") or [None] * len(ids):
         tops.append({_token_id(t, prompt_id): float(v) for t, v in (top or {}).items()})
     while len(tops) < len(ids):
         tops.append({})

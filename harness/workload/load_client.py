@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +20,11 @@ from harness.core import progress
 from harness.workload.client import GenerationSettings
 from harness.workload.completion import Completion, parse_completion
 from harness.workload.load import LoadRequest
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # aiohttp brings async-timeout on Python 3.10
+    from async_timeout import timeout
 
 
 @dataclass
@@ -129,24 +135,23 @@ async def _one(
             resp.close()  # the answer had already started: P was done, so this cancel lands in the decode hop
             out.status, out.detail = "aborted", "the answer had started before the planned cancel (P already done)"
             return out
-        async with asyncio.timeout(timeout_s):
-            async with session.post(url, json=body, headers=headers) as resp:
-                if resp.status != 200:
-                    out.detail = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+        async with timeout(timeout_s), session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                out.detail = f"HTTP {resp.status}: {(await resp.text())[:500]}"
+                return out
+            stream = _Stream()
+            done = False
+            async for line in resp.content:  # read to the end even after [DONE]: a connection cut early is a cancel
+                if done:
+                    continue
+                done = stream.feed(line)
+                if stream.tokens and out.ttft_s is None:
+                    out.ttft_s = time.monotonic() - t0
+                if req.abort == "decode" and len(stream.tokens) >= req.abort_after_tokens:
+                    out.status, out.tokens_before_abort = "aborted", len(stream.tokens)
+                    out.detail = f"closed the stream after {len(stream.tokens)} tokens"
+                    resp.close()
                     return out
-                stream = _Stream()
-                done = False
-                async for line in resp.content:  # read to the end even after [DONE]: a connection cut early is a cancel
-                    if done:
-                        continue
-                    done = stream.feed(line)
-                    if stream.tokens and out.ttft_s is None:
-                        out.ttft_s = time.monotonic() - t0
-                    if req.abort == "decode" and len(stream.tokens) >= req.abort_after_tokens:
-                        out.status, out.tokens_before_abort = "aborted", len(stream.tokens)
-                        out.detail = f"closed the stream after {len(stream.tokens)} tokens"
-                        resp.close()
-                        return out
         if req.abort == "decode":
             out.detail = f"the stream ended after {len(stream.tokens)} tokens, before the planned cancel"
             return out

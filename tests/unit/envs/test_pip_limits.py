@@ -23,7 +23,7 @@ from harness.core.notrack import NO_TRACK_ENV, missing_no_track
 from harness.envs import vllm_env
 from harness.envs.pip_limits import TIMEOUT_ENV, SubprocessTimedOut, pip_network_args, run_bounded
 from harness.envs.vllm_env import EnvSetupFailed
-from harness.envs.wheelhouse_pip import PipFailed, PipTarget, Sources, dry_run, run_pip
+from harness.wheelhouse.pip import PipFailed, PipTarget, Sources, dry_run, run_pip
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,5 +1,5 @@
 """Build (or plan, with dry_run) an offline wheelhouse and check one: the steps behind ``python -m harness
-wheelhouse``. The decisions are in wheelhouse.py (pure), pip and downloads in wheelhouse_pip.py.
+wheelhouse``. The decisions are in plan.py (pure), pip and downloads in pip.py.
 
 A wheelhouse folder holds the wheels, ``manifest.json`` (target, choices, every wheel with version, sha256 and
 size, what was left out and why, dropped kernels, the check), ``requirements.txt`` (what ``make setup
@@ -10,33 +10,39 @@ whose metadata asks for both CUDA backends although it loads only the one matchi
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import sys
 import tempfile
 import time
+import urllib.error
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from email.parser import HeaderParser
 from pathlib import Path
 
+from packaging.version import Version
+
 from harness.core.errors import ConfigError
-from harness.core.files import write_atomic
+from harness.core.files import sha256_of, write_atomic
 from harness.core.paths import CACHE_ROOT, REPO_ROOT
-from harness.envs import wheelhouse as wh
-from harness.envs.pypi import Index, releases
-from harness.envs.wheel_repack import drop_files, matching
-from harness.envs.wheelhouse_pip import (
+from harness.wheelhouse import plan as wh
+from harness.wheelhouse.index import PYPI, Index, IndexFile, releases, requires_dist, served_versions
+from harness.wheelhouse.pip import (
     PipFailed,
     PipTarget,
     Sources,
+    Unservable,
     fetch_all,
     find_python,
     pip_check,
+    pip_resolves,
     resolve,
-    sha256_of,
     stub_wheel,
     stub_wheel_name,
 )
+from harness.wheelhouse.repack import drop_files, matching
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -70,6 +76,19 @@ class Plan:
     no_deps: list[str] = field(default_factory=list)
     harness_pins: list[str] = field(default_factory=list)
     info: dict = field(default_factory=dict)  # vllm / torch / nixl choices, for the manifest
+    # gpu: the vllm releases with a wheel for the target (newest first) and the chosen one's Requires-Dist, to look
+    # for an older release when the chosen one cannot be installed
+    vllm_releases: dict[Version, IndexFile] = field(default_factory=dict)
+    vllm_requires: list[str] = field(default_factory=list)
+
+
+class ReleaseUnavailable(PipFailed):
+    """The chosen vLLM release cannot be installed for the target: the message says why, and which older release
+    can (``suggestion``) with the command that picks it."""
+
+    def __init__(self, message: str, suggestion: str | None):
+        super().__init__(message)
+        self.suggestion = suggestion
 
 
 def requirement_lines(path: Path) -> list[str]:
@@ -94,7 +113,7 @@ def pinned_version(lines: list[str], name: str) -> str | None:
 
 def kernel_patterns(names: tuple[str, ...]) -> list[str]:
     """--drop-kernels values: a known name (fa2) or a glob of paths inside the vllm wheel."""
-    out = []
+    out: list[str] = []
     for n in names:
         if n in wh.KERNEL_GLOBS:
             out += wh.KERNEL_GLOBS[n]
@@ -117,23 +136,26 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
     if not rel:
         raise ConfigError(f"the index has no vllm wheel for python {req.python_version} {req.platform}")
 
+    requires: dict[str, list[str]] = {}
+
     def candidates():
         for v, f in rel.items():
-            if req.vllm is None or v == wh.Version(req.vllm):
-                yield str(v), wh_requires(index, f)
+            if req.vllm is None or v == Version(req.vllm):
+                requires[str(v)] = wh_requires(index, f)
+                yield str(v), requires[str(v)]
 
     # A generator: release metadata is fetched newest first and only down to the first fit.
     chosen, checked = wh.choose_vllm(candidates(), torch, env, req.vllm)
     say(
         f"vllm {chosen}: "
-        + ("asked for" if req.vllm else "newest release whose torch pin admits the image's torch")
-        + f" {torch} (looked at {', '.join(f'{c.version} torch{c.torch}' for c in checked)})"
+        + ("asked for (--vllm); its torch pin admits" if req.vllm else "newest release whose torch pin admits")
+        + f" the image's torch {torch} (looked at {', '.join(f'{c.version} torch{c.torch}' for c in checked)})"
     )
     torch_files = releases(
         index.project("torch"), req.python_version, PipTarget("", req.python_version, req.platform).platforms
     )
     base = wh.base_version(torch)
-    tf = torch_files.get(wh.Version(base))
+    tf = torch_files.get(Version(base))
     if tf is None:
         raise ConfigError(f"the index has no torch {base} wheel for python {req.python_version} {req.platform}")
     index_cuda = wh.cuda_major(None, wh_requires(index, tf))
@@ -159,6 +181,8 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
         resolve_only=[f"torch=={base}"],
         no_deps=[f"nixl=={nixl}"],
         harness_pins=harness,
+        vllm_releases=rel,
+        vllm_requires=requires[chosen],
         info={
             "vllm": {"version": chosen, "forced": req.vllm is not None, "checked": [asdict(c) for c in checked]},
             "torch": {"image": torch, "cuda_major": image_cuda, "index_torch_cuda_major": index_cuda},
@@ -173,10 +197,129 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
     )
 
 
-def wh_requires(index: Index, f) -> list[str]:
-    from harness.envs.pypi import requires_dist
-
+def wh_requires(index: Index, f: IndexFile) -> list[str]:
     return requires_dist(index.metadata(f))
+
+
+# --- when the chosen vLLM release cannot be installed ---------------------------------------------------------------
+
+MAX_PIP_CONFIRMS = 2  # older releases pip is asked about (one dry run each) before giving up
+
+
+class ServedVersions:
+    """Versions the index serves for the target (``served_versions`` of index.py), one project page per name, read 16
+    at a time and kept."""
+
+    def __init__(self, index: Index, target: PipTarget):
+        self.index, self.target = index, target
+        self.pages: dict[str, list[Version]] = {}
+
+    def _read(self, name: str) -> list[Version]:
+        try:
+            files = self.index.project(name)
+        except urllib.error.HTTPError as e:
+            if e.code == 404:  # not on the index at all
+                return []
+            raise
+        return served_versions(files, self.target.python_version, self.target.platforms)
+
+    def prefetch(self, names: list[str]) -> None:
+        todo = sorted({n for n in names if n not in self.pages})
+        with ThreadPoolExecutor(16) as ex:
+            self.pages.update(zip(todo, ex.map(self._read, todo), strict=True))
+
+    def __call__(self, name: str) -> list[Version]:
+        if name not in self.pages:
+            self.prefetch([name])
+        return self.pages[name]
+
+
+def _names(requires: list[str], env: dict[str, str]) -> list[str]:
+    reqs = (wh.parse_requirement(x) for x in requires)
+    return [wh.canon(r.name) for r in reqs if r is not None and not r.url and wh.applies(r, env)]
+
+
+def command_line(req: Request, vllm: str) -> str:
+    """``python -m harness wheelhouse`` with the request's options and ``--vllm`` set to ``vllm``."""
+    args = ["--dry-run"] if req.dry_run or req.out is None else ["--out", str(req.out)]
+    args += ["--image-freeze", req.freeze_file] if req.freeze_file else ["--torch", req.torch or ""]
+    args += ["--python", req.python_version, "--platform", req.platform, "--vllm", vllm]
+    if req.nixl:
+        args += ["--nixl", req.nixl]
+    if req.cuda is not None:
+        args += ["--cuda", str(req.cuda)]
+    if req.drop_kernels:
+        args += ["--drop-kernels", *req.drop_kernels]
+    if req.stubs:
+        args += ["--stub", *req.stubs]
+    if req.sources.index_url != PYPI:
+        args += ["--index-url", req.sources.index_url] if req.sources.index_url else []
+    for u in req.sources.extra_index_urls:
+        args += ["--extra-index-url", u]
+    for f in req.sources.find_links:
+        args += ["--find-links", f]
+    return "python -m harness wheelhouse " + shlex.join(args)
+
+
+def older_release_error(
+    e: Unservable, plan: Plan, req: Request, target: PipTarget, index: Index, log, say
+) -> PipFailed:
+    """The error for a vLLM release pip cannot install for the target: why (the requirement of the release the index
+    does not serve), and the newest of at most ``wh.OLDER_RELEASES`` older releases that can, found from the index's
+    data (``wh.older_releases``) and confirmed by one pip dry run each (at most ``MAX_PIP_CONFIRMS``). ``e`` itself
+    when the requirement is not vLLM's doing (the harness's own, or pip resolves the release alone)."""
+    chosen, torch = plan.info["vllm"]["version"], req.torch or ""
+    failed = wh.parse_requirement(e.requirement)
+    harness = {wh.canon(r.name) for r in map(wh.parse_requirement, plan.harness_pins) if r is not None}
+    if failed is not None and wh.canon(failed.name) in harness:
+        return e  # the harness's own requirement: no vLLM release changes that
+    env = wh.marker_env(req.python_version, target.machine)
+    nixl = plan.info["nixl"]
+
+    def asks_pip(version: str) -> str | None:
+        lines = [f"vllm=={version}", f"{nixl['backend']}=={nixl['version']}", *plan.resolve_only]
+        work = Path(tempfile.mkdtemp(prefix="older-", dir=WORK_DIR))
+        try:
+            return pip_resolves(target, req.sources, lines, work, log, [WORK_DIR / "built"])
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    try:
+        served = ServedVersions(index, target)
+        served.prefetch(_names(plan.vllm_requires, env))
+        missing = wh.unserved(plan.vllm_requires, env, served)
+        if missing is None and asks_pip(chosen) is None:
+            return e  # pip resolves the release with its own requirements: what fails comes from elsewhere
+        why = missing.why() if missing else str(e)
+        say(f"vllm {chosen} cannot be installed: {why}; looking at older releases")
+
+        def candidates():
+            for v, f in plan.vllm_releases.items():
+                if v < Version(chosen):
+                    requires = wh_requires(index, f)
+                    served.prefetch(_names(requires, env))
+                    yield str(v), requires
+
+        checked: list[wh.ReleaseCheck] = []
+        suggestion, asked = None, 0
+        for c in wh.older_releases(candidates(), torch, env, served):
+            if c.blocker is None:
+                asked += 1
+                say(f"vllm {c.version}: the index serves what it needs; asking pip")
+                no = asks_pip(c.version)
+                if no is None:
+                    checked.append(c)
+                    suggestion = c.version
+                    break
+                c = replace(c, blocker=no)
+            checked.append(c)
+            if asked >= MAX_PIP_CONFIRMS:
+                break
+    except OSError as err:
+        return PipFailed(f"{e} (looking for an older vllm release that can be installed failed: {err})")
+    where = f"python {req.python_version} {req.platform}"
+    command = command_line(req, suggestion) if suggestion else ""
+    return ReleaseUnavailable(wh.release_advice(chosen, torch, where, why, checked, suggestion, command), suggestion)
 
 
 def plan_cpu(req: Request) -> Plan:
@@ -208,7 +351,7 @@ def resolve_plan(plan: Plan, target: PipTarget, req: Request, work: Path, log, i
         plan.info["harness_pins"] = {"kept": plan.harness_pins, "replaced": []}
         return json.loads(got.report.read_text())
     except PipFailed as e:
-        if not plan.harness_pins or not _conflict(e):
+        if not plan.harness_pins or isinstance(e, Unservable) or not _conflict(e):
             raise
         say(f"the harness's pins do not resolve with vllm {plan.info['vllm']['version']}: {e}; resolving without them")
     free = [wh.unpin(x) if x in plan.harness_pins else x for x in lines]
@@ -240,6 +383,7 @@ def image_of(req: Request, graph: wh.Graph) -> tuple[dict[str, str | None], dict
     if req.device == "cpu":
         return {}, {}
     pins = wh.torch_pins(graph)
+    image: dict[str, str | None]
     if req.freeze is not None:
         image = dict(req.freeze)
         why = {n: f"in the image's freeze ({req.freeze_file})" for n in req.freeze}
@@ -249,7 +393,7 @@ def image_of(req: Request, graph: wh.Graph) -> tuple[dict[str, str | None], dict
                 image[n] = v
                 why[n] = f"in the image's list, and its torch pins it exactly ({n}=={v})"
         return image, why
-    image: dict[str, str | None] = {"torch": req.torch, **pins}
+    image = {"torch": req.torch, **pins}
     why = {"torch": "the image's torch"}
     why.update(
         {n: f"torch {wh.base_version(req.torch or '')} pins it exactly: the image has it with its torch" for n in pins}
@@ -282,8 +426,10 @@ def no_deps_files(plan: Plan, target: PipTarget, index: Index) -> list[wh.Dist]:
     out = []
     for line in plan.no_deps:
         r = wh.parse_requirement(line)
-        version = next(s.version for s in r.specifier if s.operator == "==")
-        f = releases(index.project(r.name), target.python_version, target.platforms).get(wh.Version(version))
+        version = next((s.version for s in r.specifier if s.operator == "=="), None) if r is not None else None
+        if r is None or version is None:
+            raise ConfigError(f"a --no-deps line must be name==version, not {line!r}")
+        f = releases(index.project(r.name), target.python_version, target.platforms).get(Version(version))
         if f is None:
             raise ConfigError(
                 f"the index has no {r.name} {version} wheel for python {target.python_version} {target.platform}"
@@ -317,7 +463,12 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
                 f"resolving {len(plan.roots)} requirements for python {req.python_version} {req.platform} with pip "
                 f"(log {log_path})"
             )
-            report = resolve_plan(plan, target, req, work, log, index, say)
+            try:
+                report = resolve_plan(plan, target, req, work, log, index, say)
+            except Unservable as e:
+                if req.device != "gpu":
+                    raise
+                raise older_release_error(e, plan, req, target, index, log, say) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
     dists = wh.parse_report(report)
@@ -384,27 +535,30 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
         manifest["dropped_kernels"] = _planned_drops(ship, patterns, index) if patterns else []
         manifest["totals"] = _totals(manifest)
         return manifest
-    say(f"downloading {len(ship)} wheels into {req.out}")
-    paths = fetch_all([(d.url, d.sha256, req.out / _version_name(d)) for d in ship])
+    folder = req.out
+    if folder is None:  # refused above: only a dry run goes without a folder
+        raise ConfigError("a wheelhouse needs an output folder (--out DIR)")
+    say(f"downloading {len(ship)} wheels into {folder}")
+    paths = fetch_all([(d.url, d.sha256, folder / _version_name(d)) for d in ship])
     wanted = {p.name for p in paths} | {stub_wheel_name(n, v) for n, v in stubs.items()}
-    for stale in req.out.glob("*.whl"):
+    for stale in folder.glob("*.whl"):
         if stale.name not in wanted:
             stale.unlink()
     dropped = _drop(paths, patterns, say) if patterns else []
-    manifest["wheels"] = [_wheel_entry(d, p, notes.get(d.name)) for d, p in zip(ship, paths)]
+    manifest["wheels"] = [_wheel_entry(d, p, notes.get(d.name)) for d, p in zip(ship, paths, strict=True)]
     for name, version in stubs.items():
-        p = stub_wheel(req.out, name, version)
+        p = stub_wheel(folder, name, version)
         manifest["wheels"].append({**_wheel_entry(wh.Dist(name, version, ()), p, None), "stub": True})
         say(f"stubbed {name} {version}: an empty stand-in wheel")
     manifest["dropped_kernels"] = dropped
     manifest["totals"] = _totals(manifest)
-    write_atomic(req.out / "requirements.txt", "".join(x + "\n" for x in manifest["requirements"]))
-    write_atomic(req.out / "requirements-nodeps.txt", "".join(x + "\n" for x in plan.no_deps))
-    write_atomic(req.out / "pip-report.json", json.dumps(report) + "\n")
-    write_atomic(req.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    manifest["verify"] = verify(req.out, req.resolver_python, err=err)
+    write_atomic(folder / "requirements.txt", "".join(x + "\n" for x in manifest["requirements"]))
+    write_atomic(folder / "requirements-nodeps.txt", "".join(x + "\n" for x in plan.no_deps))
+    write_atomic(folder / "pip-report.json", json.dumps(report) + "\n")
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    manifest["verify"] = verify(folder, req.resolver_python, err=err)
     manifest["build_s"] = round(time.monotonic() - t0, 1)
-    write_atomic(req.out / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -412,7 +566,7 @@ def _exact(line: str, by_name: dict[str, wh.Dist]) -> str:
     """A root requirement pinned to what was resolved (``lm_eval[api]`` -> ``lm_eval[api]==0.4.13``)."""
     r = wh.parse_requirement(line)
     d = by_name.get(wh.canon(r.name)) if r else None
-    if d is None:
+    if r is None or d is None:
         return line
     extras = f"[{','.join(sorted(r.extras))}]" if r.extras else ""
     return f"{r.name}{extras}=={d.version}" + (f"; {r.marker}" if r.marker else "")
@@ -429,6 +583,10 @@ def _planned_drops(ship: list[wh.Dist], patterns: list[str], index: Index) -> li
     if vllm is None:
         return []
     f = next((f for f in index.project("vllm") if f.filename == _version_name(vllm)), None)
+    if f is None:
+        raise ConfigError(
+            f"--drop-kernels: the index does not list {_version_name(vllm)}, so the dry run cannot read it"
+        )
     with index.remote_wheel(f) as z:
         files = matching(z.infolist(), patterns)
     return [_drop_entry(f.filename, files)]
@@ -454,7 +612,8 @@ def _drop(paths: list[Path], patterns: list[str], say) -> list[dict]:
         entry = _drop_entry(p.name, files)
         for x in files:
             say(
-                f"dropped {x.path} from {p.name}: {x.size / 1e6:.1f} MB installed, {x.compressed / 1e6:.1f} MB in the wheel"
+                f"dropped {x.path} from {p.name}: {x.size / 1e6:.1f} MB installed, "
+                f"{x.compressed / 1e6:.1f} MB in the wheel"
             )
         out.append(entry)
     return out
@@ -499,10 +658,6 @@ def _totals(manifest: dict) -> dict:
 
 def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
     """(canonical name, version, Requires-Dist) of a wheel file."""
-    from email.parser import HeaderParser
-
-    from harness.envs.pypi import requires_dist
-
     with zipfile.ZipFile(path) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1)
         text = z.read(meta).decode()
@@ -531,7 +686,7 @@ def verify(folder: Path, resolver_python: str | None = None, err=sys.stderr) -> 
     # What the image provides, at its version; what is needed only through it is any version (never followed).
     image = {x["name"]: (x["version"] if x["provided"] else None) for x in manifest["left_out"]}
     env = wh.marker_env(t["python"], PipTarget("", t["python"], t["platform"]).machine)
-    no_deps = {wh.canon(wh.parse_requirement(x).name) for x in manifest["no_deps"]}
+    no_deps = {wh.canon(r.name) for r in map(wh.parse_requirement, manifest["no_deps"]) if r is not None}
     roots = (folder / "requirements.txt").read_text().split("\n")
     roots = [x for x in roots if x.strip()] + manifest["no_deps"]
     problems += wh.check_closure(roots, wheels, image, env, no_deps)
@@ -560,7 +715,7 @@ def verify(folder: Path, resolver_python: str | None = None, err=sys.stderr) -> 
                 )
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        result["pip"] = "ok" if not pip_problems else pip_problems
+        result["pip"] = pip_problems or "ok"
         problems = problems + pip_problems
     result["ok"] = not problems
     print(

@@ -8,6 +8,7 @@ line); ``make setup WHEELHOUSE=...`` then installs from the folder as from any w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import lzma
 import os
@@ -15,11 +16,13 @@ import shutil
 import subprocess
 import tarfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
+from harness.core.files import sha256_of
 from harness.core.notrack import with_no_track
-from harness.envs.wheelhouse_pip import sha256_of
 
 MIB = 1 << 20
 
@@ -42,18 +45,27 @@ class Packed:
     unpack: str  # the command that reassembles the folder on the node
 
 
-def _xz_writer(path: Path, threads: int):
+@contextlib.contextmanager
+def _xz_writer(path: Path, threads: int) -> Iterator[IO[bytes]]:
     """A writable stream that xz-compresses into ``path``: the xz command (multi-threaded) when there is one,
-    else Python's lzma (one thread)."""
+    else Python's lzma (one thread). Raises when xz fails."""
     xz = shutil.which("xz")
-    if xz:
-        out = open(path, "wb")
+    if not xz:
+        with lzma.open(path, "wb", preset=6) as f:
+            yield f
+        return
+    with open(path, "wb") as out:
         proc = subprocess.Popen(
             [xz, "-6", f"-T{threads}", "-c"], stdin=subprocess.PIPE, stdout=out, env=with_no_track(os.environ)
         )
-        return proc.stdin, lambda: (proc.stdin.close(), proc.wait(), out.close(), proc.returncode)[-1]
-    f = lzma.open(path, "wb", preset=6)
-    return f, lambda: (f.close(), 0)[-1]
+        assert proc.stdin is not None  # stdin=PIPE
+        try:
+            yield proc.stdin
+        finally:
+            proc.stdin.close()
+            rc = proc.wait()
+    if rc:
+        raise RuntimeError(f"xz failed with exit code {rc}")
 
 
 def pack(folder: Path, out: Path, part_mib: int = 60, threads: int = 2) -> Packed:
@@ -74,11 +86,8 @@ def pack(folder: Path, out: Path, part_mib: int = 60, threads: int = 2) -> Packe
         if (folder / name).exists():
             shutil.copyfile(folder / name, stage / name)
     whole = out / ".stage" / f"{folder.name}.tar.xz"
-    stream, finish = _xz_writer(whole, threads)
-    with tarfile.open(fileobj=stream, mode="w|") as tar:
+    with _xz_writer(whole, threads) as stream, tarfile.open(fileobj=stream, mode="w|") as tar:
         tar.add(stage, arcname=folder.name)
-    if finish():
-        raise RuntimeError("xz failed")
     for old in out.glob(f"{folder.name}.tar.xz.*"):
         old.unlink()
     parts = []

@@ -15,8 +15,15 @@ import zipfile
 from dataclasses import dataclass
 from email.parser import HeaderParser
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.tags import Tag, compatible_tags, cpython_tags
-from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.utils import (
+    InvalidSdistFilename,
+    InvalidWheelFilename,
+    canonicalize_name,
+    parse_sdist_filename,
+    parse_wheel_filename,
+)
 from packaging.version import InvalidVersion, Version
 
 PYPI = "https://pypi.org/simple"
@@ -104,13 +111,46 @@ def wheel_version(filename: str) -> Version | None:
         return None
 
 
+def file_version(filename: str) -> Version | None:
+    """A wheel's or an sdist's version from its file name (packaging's rules); None for a name they refuse."""
+    try:
+        return (parse_wheel_filename(filename) if filename.endswith(".whl") else parse_sdist_filename(filename))[1]
+    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
+        return None
+
+
+def _admits_python(f: IndexFile, python_version: str) -> bool:
+    if not f.requires_python:
+        return True
+    try:
+        return SpecifierSet(f.requires_python).contains(python_version + ".0")
+    except InvalidSpecifier:
+        return True
+
+
+def served_versions(files: list[IndexFile], python_version: str, platforms: list[str]) -> list[Version]:
+    """The versions of a project that a resolution for the target can take from these files, newest first: a wheel
+    whose tags install there, or an sdist (a wheelhouse build makes a pure-Python wheel of it), not yanked, with a
+    Requires-Python that admits the target's Python. Pre-releases included: whether they count is the specifier's
+    business, as in pip."""
+    tags = target_tags(python_version, platforms)
+    out: set[Version] = set()
+    for f in files:
+        if f.yanked or not _admits_python(f, python_version):
+            continue
+        if f.is_wheel and wheel_rank(f.filename, tags) is None:
+            continue
+        v = file_version(f.filename)
+        if v is not None:
+            out.add(v)
+    return sorted(out, reverse=True)
+
+
 def releases(
     files: list[IndexFile], python_version: str, platforms: list[str], pre: bool = False
 ) -> dict[Version, IndexFile]:
     """The best wheel of each release that installs on the target, newest release first (yanked and, unless
     ``pre``, pre-releases left out)."""
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
     tags = target_tags(python_version, platforms)
     best: dict[Version, tuple[int, IndexFile]] = {}
     for f in files:
@@ -120,12 +160,8 @@ def releases(
         rank = wheel_rank(f.filename, tags)
         if v is None or rank is None or (v.is_prerelease and not pre):
             continue
-        if f.requires_python:
-            try:
-                if not SpecifierSet(f.requires_python).contains(python_version + ".0"):
-                    continue
-            except InvalidSpecifier:
-                pass
+        if not _admits_python(f, python_version):
+            continue
         if v not in best or rank < best[v][0]:
             best[v] = (rank, f)
     return {v: best[v][1] for v in sorted(best, reverse=True)}
@@ -139,8 +175,6 @@ def requires_dist(metadata: str) -> list[str]:
 def min_glibc(files: list[IndexFile], python_version: str, arch: str, specifier: str = "") -> tuple[int, int] | None:
     """The oldest glibc any wheel of a release in ``specifier`` needs for the Python and machine: used to explain
     why none matched a ``--platform`` (e.g. llguidance 1.7 ships only manylinux_2_31 wheels for x86_64)."""
-    from packaging.specifiers import SpecifierSet
-
     spec = SpecifierSet(specifier)
     tags = target_tags(python_version, expand_platform(f"manylinux_2_99_{arch}"))
     best = None

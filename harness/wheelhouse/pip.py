@@ -15,25 +15,29 @@ import sys
 import tempfile
 import urllib.request
 import zipfile
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
-from packaging.utils import (
-    InvalidSdistFilename,
-    InvalidWheelFilename,
-    canonicalize_name,
-    parse_sdist_filename,
-    parse_wheel_filename,
-)
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from harness.core.files import sha256_of
 from harness.core.notrack import with_no_track
 from harness.envs.pip_limits import SubprocessTimedOut, log_name, pip_network_args, run_bounded, wall_timeout_s
-from harness.envs.pypi import Index, IndexFile, expand_platform, min_glibc, platform_machine, target_tags, wheel_rank
+from harness.wheelhouse.index import (
+    Index,
+    IndexFile,
+    expand_platform,
+    file_version,
+    min_glibc,
+    platform_machine,
+    target_tags,
+    wheel_rank,
+)
 
 # PIP_* settings that only say how to reach an index, not which packages to take.
 _PIP_ENV_KEPT = (
@@ -51,6 +55,14 @@ _NO_MATCH = re.compile(r"No matching distribution found for (.+?)\s*$", re.MULTI
 
 class PipFailed(RuntimeError):
     pass
+
+
+class Unservable(PipFailed):
+    """pip found no distribution of a requirement for the target, and the index has none that would do."""
+
+    def __init__(self, message: str, requirement: str):
+        super().__init__(message)
+        self.requirement = requirement  # "flashinfer-python==0.7.3"
 
 
 def isolated_env(base: dict[str, str] | None = None) -> dict[str, str]:
@@ -138,7 +150,8 @@ def find_python(version: str, given: str | None = None) -> str | None:
 
 
 def pip_command(python: str, args: list[str], env: dict[str, str]) -> list[str]:
-    """``python -m pip`` with the network bounds (pip_limits.py; ``env``'s PIP_DEFAULT_TIMEOUT / PIP_RETRIES win)."""
+    """``python -m pip`` with the network bounds (envs/pip_limits.py; ``env``'s PIP_DEFAULT_TIMEOUT and PIP_RETRIES
+    win)."""
     return [python, "-m", "pip", *pip_network_args(env), *args]
 
 
@@ -175,7 +188,7 @@ def dry_run(
     constraints: list[str],
     work: Path,
     log,
-    extra_find_links: list[Path] = (),
+    extra_find_links: Sequence[Path] = (),
 ) -> tuple[int, str, Path]:
     """One ``pip install --dry-run --report`` for the target; returns (exit code, output, report path)."""
     work.mkdir(parents=True, exist_ok=True)
@@ -201,6 +214,19 @@ def dry_run(
         args += ["-c", str(cons)]
     got = run_pip(target.python, args, log, check=False)
     return got.returncode, got.stdout + got.stderr, report
+
+
+def pip_resolves(
+    target: PipTarget, sources: Sources, requirements: list[str], work: Path, log, find_links: Sequence[Path] = ()
+) -> str | None:
+    """None when pip resolves ``requirements`` for the target (one dry run, nothing built), else what it says."""
+    rc, out, _ = dry_run(target, sources, requirements, [], work, log, find_links)
+    if rc == 0:
+        return None
+    m = _NO_MATCH.search(out)
+    if m:
+        return f"pip finds no distribution of {m.group(1)} for that target"
+    return f"pip cannot resolve it for that target: {_pip_error(out) or f'exit code {rc}'}"
 
 
 @dataclass
@@ -260,7 +286,7 @@ def _in_spec_files(files: list[IndexFile], spec: SpecifierSet) -> list[IndexFile
     return [
         f
         for f in files
-        if not f.yanked and (v := _file_version(f.filename)) is not None and spec.contains(v, prereleases=True)
+        if not f.yanked and (v := file_version(f.filename)) is not None and spec.contains(v, prereleases=True)
     ]
 
 
@@ -311,7 +337,7 @@ def newer_sdist_only(report: Path, target: PipTarget, index: Index, built_dir: P
     """Releases newer than pip's pick that every requirement on the package admits but that have only an sdist."""
     import json
 
-    from harness.envs import wheelhouse as wh
+    from harness.wheelhouse import plan as wh
 
     dists = wh.parse_report(json.loads(report.read_text()))
     graph = wh.build_graph(dists, wh.marker_env(target.python_version, target.machine))
@@ -325,9 +351,9 @@ def newer_sdist_only(report: Path, target: PipTarget, index: Index, built_dir: P
             files = _in_spec_files(index.project(d.name), spec)
         except OSError:
             return None
-        newer = {}
+        newer: dict[Version, list[IndexFile]] = {}
         for f in files:
-            v = _file_version(f.filename)
+            v = file_version(f.filename)
             if (
                 v is not None
                 and v > wh.Version(d.version)
@@ -372,22 +398,18 @@ def _build_missing(target: PipTarget, sources: Sources, line: str, built_dir: Pa
         raise PipFailed(f"pip found no {line} for the target although the index has a wheel (see the log)")
     glibc = min_glibc(files, target.python_version, target.machine, str(req.specifier))
     if any(f.is_wheel for f in in_spec) and glibc:
-        raise PipFailed(
+        raise Unservable(
             f"{req.name}{req.specifier} has no wheel for {target.platform}: its wheels need manylinux_"
             f"{glibc[0]}_{glibc[1]} (glibc {glibc[0]}.{glibc[1]}); if the target's glibc (`ldd --version`) "
-            f"is at least that, give --platform manylinux_{glibc[0]}_{glibc[1]}_{target.machine}"
+            f"is at least that, give --platform manylinux_{glibc[0]}_{glibc[1]}_{target.machine}",
+            f"{req.name}{req.specifier}",
         )
     if not any(not f.is_wheel for f in in_spec):
-        raise PipFailed(f"no distribution of {line} on the index for python {target.python_version} {target.platform}")
+        raise Unservable(
+            f"no distribution of {line} on the index for python {target.python_version} {target.platform}",
+            f"{req.name}{req.specifier}",
+        )
     return build_wheel(target, sources, f"{req.name}{req.specifier}", built_dir, log)
-
-
-def _file_version(filename: str) -> Version | None:
-    """A wheel's or an sdist's version from its file name (packaging's rules); None for a name they refuse."""
-    try:
-        return (parse_wheel_filename(filename) if filename.endswith(".whl") else parse_sdist_filename(filename))[1]
-    except (InvalidWheelFilename, InvalidSdistFilename, InvalidVersion):
-        return None
 
 
 def fetch(url: str, sha256: str, dest: Path, timeout: float = 300.0) -> Path:

@@ -7,15 +7,18 @@
 - the harness's own pins that a vLLM release does not allow (vLLM's requirements win);
 - whether a folder of wheels plus the image satisfies every requirement (the ``--verify`` closure check).
 
-The pip and download steps live in wheelhouse_pip.py, the command in wheelhouse_cli.py.
+The package index is read in index.py, pip and the downloads run in pip.py, the steps in build.py, the command in
+cli.py.
 """
 
 from __future__ import annotations
 
 import re
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import islice
 
 from packaging.markers import UndefinedEnvironmentName
 from packaging.requirements import InvalidRequirement, Requirement
@@ -134,7 +137,7 @@ class Graph:
     def out_of(self, name: str) -> list[Edge]:
         return [e for e in self.edges if e.src == name]
 
-    def reachable(self, start: list[str], blocked: set[str] = frozenset()) -> set[str]:
+    def reachable(self, start: list[str], blocked: AbstractSet[str] = frozenset()) -> set[str]:
         """Dists reachable from ``start`` without passing through ``blocked`` (those are not expanded)."""
         seen: set[str] = set()
         todo = deque(n for n in start if n in self.dists)
@@ -149,7 +152,7 @@ class Graph:
         return seen
 
 
-def build_graph(dists: list[Dist], env: dict[str, str], roots: list[str] = ()) -> Graph:
+def build_graph(dists: list[Dist], env: dict[str, str], roots: Sequence[str] = ()) -> Graph:
     """Edges of the resolution: each dist's requirements that apply on the target with its active extras (an
     extra is active when a root or a dependent asks for it). ``roots`` are the command-line requirement lines
     (their edges come from ""); requested dists without a line are roots too."""
@@ -157,11 +160,11 @@ def build_graph(dists: list[Dist], env: dict[str, str], roots: list[str] = ()) -
     extras: dict[str, set[str]] = {d.name: set(d.extras) for d in dists}
     edges: list[Edge] = []
     root_reqs = [r for r in (parse_requirement(x) for x in roots) if r is not None]
-    for r in root_reqs:
-        if canon(r.name) in by_name and applies(r, env):
-            extras[canon(r.name)] |= set(r.extras)
-            edges.append(Edge("", canon(r.name), str(r.specifier), str(r)))
-    named = {canon(r.name) for r in root_reqs}
+    for root in root_reqs:
+        if canon(root.name) in by_name and applies(root, env):
+            extras[canon(root.name)] |= set(root.extras)
+            edges.append(Edge("", canon(root.name), str(root.specifier), str(root)))
+    named = {canon(root.name) for root in root_reqs}
     for d in dists:
         if d.requested and d.name not in named:
             edges.append(Edge("", d.name, "", d.name))
@@ -203,6 +206,13 @@ def torch_requirement(requires: list[str], env: dict[str, str]) -> str | None:
     return None
 
 
+def torch_fit(requires: list[str], torch_version: str, env: dict[str, str]) -> tuple[str | None, bool]:
+    """A release's torch specifier for the target, and whether it admits the image's torch (a local label such as
+    ``+cu130`` is ignored by a specifier without one, as pip does)."""
+    spec = torch_requirement(requires, env)
+    return spec, spec is not None and SpecifierSet(spec).contains(torch_version, prereleases=True)
+
+
 @dataclass(frozen=True)
 class VllmCandidate:
     version: str
@@ -220,8 +230,7 @@ def choose_vllm(
     for version, requires in candidates:
         if forced is not None and Version(version) != Version(forced):
             continue
-        spec = torch_requirement(requires, env)
-        fits = spec is not None and SpecifierSet(spec).contains(torch_version, prereleases=True)
+        spec, fits = torch_fit(requires, torch_version, env)
         checked.append(VllmCandidate(version, spec, fits))
         if fits:
             return version, checked
@@ -235,7 +244,7 @@ def choose_vllm(
     raise ConfigError(f"no vllm release on the index pins a torch that admits {torch_version}; newest seen: {seen}")
 
 
-def cuda_major(torch_version: str | None = None, requires: list[str] = ()) -> int | None:
+def cuda_major(torch_version: str | None = None, requires: Sequence[str] = ()) -> int | None:
     """The CUDA major of a torch build: from its local label (``+cu130`` -> 13, ``+cu128`` -> 12), else from the
     CUDA wheels its metadata requires (``cuda-toolkit==13.0.2``, ``nvidia-cudnn-cu13``); None for a CPU build or
     when nothing tells."""
@@ -264,6 +273,138 @@ def cuda_major(torch_version: str | None = None, requires: list[str] = ()) -> in
 
 def base_version(version: str) -> str:
     return version.split("+", 1)[0]
+
+
+# --- when the chosen release cannot be installed: an older one that can --------------------------------------------
+
+# How many releases older than the one that cannot be installed are looked at (each costs one metadata read).
+OLDER_RELEASES = 8
+
+
+@dataclass(frozen=True)
+class Unserved:
+    """A requirement of a release that no file the index serves for the target meets."""
+
+    requirement: str  # "flashinfer-python==0.7.3"
+    nearest: tuple[str, ...] = ()  # the served versions nearest to it: the newest below, the oldest above
+
+    def why(self) -> str:
+        name = canon(Requirement(self.requirement).name)
+        if not self.nearest:
+            return f"it needs {self.requirement}, and the index serves no {name} for that target"
+        return (
+            f"it needs {self.requirement}, which the index does not serve for that target "
+            f"(nearest there: {', '.join(self.nearest)})"
+        )
+
+
+def _nearest(versions: list[Version], spec: SpecifierSet) -> tuple[str, ...]:
+    """The served versions on either side of what the specifier names (its highest bound), finals first."""
+    pivots = []
+    for s in spec:
+        try:
+            pivots.append(Version(s.version.removesuffix(".*")))
+        except InvalidVersion:
+            continue
+    finals = [v for v in versions if not v.is_prerelease] or versions
+    if not pivots:
+        return tuple(str(v) for v in sorted(finals, reverse=True)[:1])
+    pivot = max(pivots)
+    below = [v for v in finals if v < pivot]
+    above = [v for v in finals if v > pivot]
+    return tuple(str(v) for v in ([max(below)] if below else []) + ([min(above)] if above else []))
+
+
+def unserved(requires: Iterable[str], env: dict[str, str], served: Callable[[str], list[Version]]) -> Unserved | None:
+    """The first requirement of a release, among those that apply on the target, that no version the index serves
+    for the target (``served``: canonical name -> versions) meets; None when each is met by some version. Like pip,
+    a pre-release counts where the specifier names one or nothing else meets it. Only the release's own
+    requirements are looked at, not theirs: what pip then finds further down is for pip to say."""
+    for line in requires:
+        r = parse_requirement(line)
+        if r is None or r.url or not applies(r, env):
+            continue
+        versions = served(canon(r.name))
+        if not list(r.specifier.filter(versions)):
+            return Unserved(f"{canon(r.name)}{r.specifier}", _nearest(versions, r.specifier))
+    return None
+
+
+@dataclass(frozen=True)
+class ReleaseCheck:
+    """An older release looked at for the image's torch and the target."""
+
+    version: str
+    torch: str | None  # its torch specifier
+    blocker: str | None  # why it cannot be installed; None: nothing in the index data stops it
+
+    def line(self) -> str:
+        return f"{self.version}: {self.blocker}" if self.blocker else f"{self.version}: nothing stops it"
+
+
+def older_releases(
+    candidates: Iterable[tuple[str, list[str]]],
+    torch_version: str,
+    env: dict[str, str],
+    served: Callable[[str], list[Version]],
+    limit: int = OLDER_RELEASES,
+) -> Iterator[ReleaseCheck]:
+    """Each of at most ``limit`` releases (``candidates``: version and Requires-Dist, newest first, all older than
+    the release that cannot be installed), checked as that one was: its torch specifier must admit the image's
+    torch, and the index must serve something for each of its requirements on the target. A check with no
+    ``blocker`` is a release that can be installed as far as the index's data shows; a caller that asks pip
+    and hears otherwise goes on with the next one. Lazy: release metadata is read only down to where the caller
+    stops."""
+    for version, requires in islice(candidates, limit):
+        spec, fits = torch_fit(requires, torch_version, env)
+        if not fits:
+            yield ReleaseCheck(version, spec, f"it needs torch{spec or ' (none)'}, not {torch_version}")
+            continue
+        missing = unserved(requires, env, served)
+        yield ReleaseCheck(version, spec, missing.why() if missing else None)
+
+
+def installable_release(
+    candidates: Iterable[tuple[str, list[str]]],
+    torch_version: str,
+    env: dict[str, str],
+    served: Callable[[str], list[Version]],
+    limit: int = OLDER_RELEASES,
+) -> tuple[str | None, list[ReleaseCheck]]:
+    """The newest of at most ``limit`` older releases that the index data lets install (None when none does), and
+    the releases looked at."""
+    checked = []
+    for c in older_releases(candidates, torch_version, env, served, limit):
+        checked.append(c)
+        if c.blocker is None:
+            return c.version, checked
+    return None, checked
+
+
+def release_advice(
+    failed: str,
+    torch_version: str,
+    where: str,
+    why: str,
+    checked: list[ReleaseCheck],
+    suggestion: str | None,
+    command: str,
+    limit: int = OLDER_RELEASES,
+) -> str:
+    """The one message for a release that cannot be installed: why, and which older release can, with the command
+    that picks it (``command`` ends in ``--vllm`` plus that version), or that none of those looked at can."""
+    head = f"vllm {failed} cannot be installed for torch {torch_version} on {where}: {why}"
+    if suggestion is not None:
+        skipped = [c.line() for c in checked if c.version != suggestion]
+        also = f" ({'; '.join(skipped)})" if skipped else ""
+        return f"{head}; vllm {suggestion} can{also}: {command}"
+    if not checked:
+        return f"{head}; the index has no older vllm release for that target"
+    looked = "; ".join(c.line() for c in checked)
+    return (
+        f"{head}; no older release can (looked at {len(checked)}, at most {limit}: {looked}); give --vllm VERSION "
+        "for an older one, or use an index that serves what it needs (--index-url, --find-links)"
+    )
 
 
 # --- what the image has, what the wheelhouse holds ----------------------------------------------------------------
@@ -427,7 +568,7 @@ def check_closure(
     wheels: dict[str, tuple[str, list[str]]],
     image: dict[str, str | None],
     env: dict[str, str],
-    no_deps: set[str] = frozenset(),
+    no_deps: AbstractSet[str] = frozenset(),
 ) -> list[str]:
     """Problems that would stop ``pip install --no-index`` from the folder: a requirement reachable from the roots
     that no wheel (name -> version, Requires-Dist) and nothing of the image (name -> version or None: any)

