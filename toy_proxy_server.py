@@ -9,10 +9,14 @@ import argparse
 import logging
 import sys
 
-from harness.proxy.app import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app, wrong_engine_id
+from pathlib import Path
+
+from harness.proxy.app import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app, hold_until_released, wrong_engine_id
 
 # Fault injection for tests that must see the harness fail a run; "no-remote-decode" skips the transfer.
-FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids, "wrong-engine-id": wrong_engine_id, "no-remote-decode": None}
+# "hold-between-hops" holds a request after P's answer until the harness has put a network fault in place (--hold-dir).
+FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids, "wrong-engine-id": wrong_engine_id,
+          "no-remote-decode": None, "hold-between-hops": None}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -30,6 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="larger request bodies get 413 (default %(default)g MiB)")
     ap.add_argument("--fault", choices=sorted(FAULTS), default="none", help="fault injection for tests")
     ap.add_argument("--fault-every", type=int, default=1, metavar="N", help="apply the fault to every N-th request only (default 1: all)")
+    ap.add_argument("--hold-dir", type=Path, help="with --fault hold-between-hops: where held requests are marked")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
     try:
@@ -40,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--max-body-mib must be > 0")
     if args.fault_every < 1:
         ap.error("--fault-every must be >= 1")
+    if (args.fault == "hold-between-hops") != (args.hold_dir is not None):
+        ap.error("--fault hold-between-hops and --hold-dir go together")
     return args
 
 
@@ -70,7 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     prefill, decode = backend_urls(args)
     app = create_app(prefill, decode, timeout_s=args.timeout, kv_params_hook=FAULTS[args.fault],
-                     max_body_bytes=int(args.max_body_mib * 2**20), skip_transfer=args.fault == "no-remote-decode", fault_every=args.fault_every)
+                     max_body_bytes=int(args.max_body_mib * 2**20), skip_transfer=args.fault == "no-remote-decode",
+                     fault_every=args.fault_every,
+                     between_hops=hold_until_released(args.hold_dir) if args.hold_dir is not None else None)
     # uvloop and httptools (pinned in requirements/harness.txt) when installed; uvicorn's pure-Python fallbacks otherwise.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, loop="auto", http="auto")
 

@@ -15,6 +15,7 @@ from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import requested_versions
 from harness.gpu.detect import default_device
+from harness.hosts.faults import NET_FAULTS
 from harness.hosts.placement import RunHosts, load_hosts
 from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, AttachSettings, E2EConfig, env_defaults
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
@@ -84,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a hosts file placing P, D, the proxy and the baseline on hosts with their own addresses "
         "(docs/multi-host.md; default: all here on 127.0.0.1)",
+    )
+    e.add_argument(
+        "--net-fault",
+        choices=NET_FAULTS,
+        default="none",
+        help="fault injection between hosts: p-link-down cuts P's host off while a request is between its hops "
+        "(P on a namespace host; docs/multi-host.md)",
     )
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
     e.add_argument(
@@ -288,6 +296,7 @@ def config_from_args(
         enforce_eager=a.enforce_eager,
         fresh_baseline=a.fresh_baseline,
         hosts=_hosts(a.hosts, attached is not None),
+        net_fault=a.net_fault,
         axes=ServerAxes(
             kv_cache_dtype=a.kv_cache_dtype,
             prefix_caching_d=a.prefix_caching_d,

@@ -113,6 +113,7 @@ RUN_CLASSES = (
     "lm-eval-failed",
     "metrics-unavailable",
     "host-unreachable",
+    "server-unreachable",
     "kv-not-over-network",
     "gpu-check-failed",
     "interrupted",

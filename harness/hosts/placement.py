@@ -93,6 +93,11 @@ class RunHosts:
         return self.prefill.name != self.decode.name
 
     @property
+    def over_network(self) -> bool:
+        """Some server is not on this machine's loopback: reaching it is part of it being alive."""
+        return not all(h.is_local for h in self.placed())
+
+    @property
     def namespaces(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(h.netns for h in self.placed() if h.netns))
 

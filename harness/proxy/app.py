@@ -19,13 +19,16 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from harness.hosts.faults import GO, HELD
 
 log = logging.getLogger("toy_proxy")
 
@@ -136,6 +139,21 @@ def encode(body: dict) -> bytes:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
+def hold_until_released(hold_dir: Path, limit_s: float = 60.0) -> Callable[[str], Awaitable[None]]:
+    """A between-hops hook: mark the request held (``<id>.held`` in ``hold_dir``) and wait until ``<id>.go`` appears
+    (or ``limit_s`` passes), so whoever injects a fault does so while this request is between its hops."""
+
+    async def hold(request_id: str) -> None:
+        held = hold_dir / f"{request_id}{HELD}"
+        held.touch()
+        log.warning("req %s: held between hops for a fault (%s)", request_id, held)
+        deadline = time.monotonic() + limit_s
+        while not (hold_dir / f"{request_id}{GO}").exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    return hold
+
+
 def corrupt_block_ids(params: dict) -> dict:
     """Fault injection: shift every remote block id by one, keeping the shape, so D reads the wrong blocks."""
     p = copy.deepcopy(params)
@@ -173,6 +191,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     skip_transfer: bool = False,
     fault_every: int = 1,
+    between_hops: Callable[[str], Awaitable[None]] | None = None,
 ) -> FastAPI:
     """``skip_transfer`` is fault injection: act like a proxy that forgot ``do_remote_decode`` and decodes anyway
     (D then computes the whole prompt itself; outputs look right, but no KV moved). ``fault_every``: the fault
@@ -184,7 +203,7 @@ def create_app(
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
     decode_urls = [u.rstrip("/") for u in decode_urls]
     hook = kv_params_hook or (lambda p: p)
-    faulty = kv_params_hook is not None or skip_transfer
+    faulty = kv_params_hook is not None or skip_transfer or between_hops is not None
     p_cycle, d_cycle = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
 
     @asynccontextmanager
@@ -255,6 +274,8 @@ def create_app(
             stage[0] = "prefill"
             p_raw = await read("prefill", p_url, await send("prefill", p_url, path, p_body, headers))
             stage[0] = "between_hops"
+            if fault and between_hops is not None:
+                await between_hops(request_id)  # P holds the KV; a fault between hosts lands here
             stats.prefill_hop_ms = [*stats.prefill_hop_ms[-(KEEP_HOP_TIMES - 1) :], 1000 * (time.monotonic() - t0)]
             try:
                 kv = json.loads(p_raw).get("kv_transfer_params")

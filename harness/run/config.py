@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 from harness.accuracy.settings import AccuracySettings
 from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
+from harness.hosts.faults import NET_FAULTS
 from harness.hosts.placement import RunHosts
 from harness.serve.axes import ServerAxes
 from harness.serve.servers import Attach, Served
@@ -46,7 +47,8 @@ PROXY_FAULTS = (
     "corrupt-block-ids",
     "wrong-engine-id",
     "no-remote-decode",
-)  # what toy_proxy_server.py --fault accepts
+)  # what toy_proxy_server.py --fault accepts by hand
+HARNESS_PROXY_FAULTS = ("hold-between-hops",)  # what the harness sets itself (--net-fault), never by hand
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class E2EConfig:
     axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
     prompt_ids: tuple[str, ...] | None = None  # only these of the sequential prompts (None: all; a shrink narrows it)
     hosts: RunHosts = field(default_factory=RunHosts)  # the host of P, D, the proxy and the baseline (default: here)
+    net_fault: str = "none"  # a network fault between hosts (harness/hosts/faults.py): "p-link-down"
 
     def validate(self) -> None:
         for name in ("tp_p", "tp_d"):
@@ -114,6 +117,14 @@ class E2EConfig:
                 raise ConfigError(
                     f"unknown prompt id(s) {', '.join(unknown) or '(none given)'} (known: {', '.join(known)})"
                 )
+        if self.net_fault not in NET_FAULTS:
+            raise ConfigError(f"net fault must be one of {', '.join(NET_FAULTS)}, got {self.net_fault!r}")
+        if self.net_fault != "none" and (self.hosts.prefill.netns is None or not self.hosts.spans_hosts):
+            raise ConfigError(
+                f"--net-fault {self.net_fault} cuts P's host off: P must be on a namespace host of its own"
+            )
+        if self.net_fault != "none" and self.proxy_fault != "none":
+            raise ConfigError("--net-fault and --proxy-fault both need the proxy's fault hook: give one")
         nodes = 1 + len(self.hosts.decode_nodes)
         if self.tp_d % nodes:
             raise ConfigError(f"D's TP size {self.tp_d} does not split evenly over its {nodes} nodes")

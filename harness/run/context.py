@@ -10,6 +10,7 @@ from pathlib import Path
 from harness.accuracy.lm_eval import EvalRun, run_lm_eval
 from harness.accuracy.settings import AccuracySettings
 from harness.gpu.run import GpuRun
+from harness.hosts.faults import HOLD_EVERY
 from harness.run.config import E2EConfig
 from harness.run.launch import Server, make_proxy, make_server
 from harness.run.preflight import CPU_MLA_BLOCK
@@ -111,13 +112,19 @@ class RunContext:
             decode_urls,
             self.logs,
             self.cfg.request_timeout_s,
-            fault=self.cfg.proxy_fault,
-            fault_every=self.cfg.proxy_fault_every,
+            fault=self.cfg.proxy_fault if self.cfg.net_fault == "none" else "hold-between-hops",
+            fault_every=self.cfg.proxy_fault_every if self.cfg.net_fault == "none" else HOLD_EVERY,
             host=self.cfg.hosts.proxy,
+            hold_dir=None if self.cfg.net_fault == "none" else self.hold_dir,
         )
         self.report.commands["proxy"] = " ".join(proc.spec.argv)
         self.report.logs["proxy"] = str(proc.spec.log_path)
         return proc, url
+
+    @property
+    def hold_dir(self) -> Path:
+        """Where the proxy marks a request it holds for a network fault, and the harness lets it go on."""
+        return self.run_dir / "faults"
 
     def lm_eval(self, url: str, which: str, watch: list) -> EvalRun:
         """lm-eval against ``url`` (``which``: pd or baseline) while watching the servers it talks to."""

@@ -16,7 +16,7 @@ from harness.core.errors import ConfigError
 from harness.gpu.nvml import GpuCheckFailed
 from harness.hosts.reach import HostUnreachable
 from harness.serve.procs import ProcessFailed
-from harness.serve.servers import MetricsUnavailable
+from harness.serve.servers import MetricsUnavailable, ServerUnreachable
 from harness.workload.client import CompletionRun
 
 
@@ -28,6 +28,15 @@ def interrupted(e: KeyboardInterrupt) -> dict:
 
 def from_exception(e: Exception, logs: Callable[[], dict[str, str]]) -> dict:
     """The failure of a run that ended with ``e``; ``logs`` reads the run's logs (only when a class needs them)."""
+    if isinstance(e, ServerUnreachable):
+        reason = f"{e.name}: {e.reason}"
+        return {
+            "class": "server-unreachable",
+            "reason": reason,
+            "source": e.name,
+            "log": str(e.log_path),
+            "excerpt": e.log_tail,
+        }
     if isinstance(e, ProcessFailed):
         return process_failure(e, logs())
     if isinstance(e, AccuracyFailed):

@@ -229,6 +229,7 @@ def make_proxy(
     name: str = "proxy",
     fault_every: int = 1,
     host: Host = LOCAL,
+    hold_dir: Path | None = None,
 ) -> tuple[ManagedProcess, str]:
     port = alloc.port()
     argv = [
@@ -249,6 +250,8 @@ def make_proxy(
     ]
     if fault_every != 1:
         argv += ["--fault-every", str(fault_every)]
+    if hold_dir is not None:
+        argv += ["--hold-dir", str(hold_dir)]
     url = host.url(port)
     proc = ManagedProcess(
         ProcessSpec(

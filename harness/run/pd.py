@@ -14,6 +14,7 @@ from harness.accuracy.lm_eval import EvalRun
 from harness.checks import smoke, transfer
 from harness.checks.check import Check
 from harness.checks.leak import IdleWatch, state_of, wait_idle
+from harness.hosts.faults import LinkCutter
 from harness.models.config import load_models
 from harness.run.context import RunContext
 from harness.run.load import PDLoad, pd_load
@@ -56,6 +57,7 @@ def local_servers(
         ctx.cfg.ready_timeout_s,
         stagger=ctx.gpu is not None and ctx.gpu.plan.stagger_start,
         followers=[(name, proc) for name, proc, _ in (*pre.followers, *dec.followers)],
+        over_network=ctx.cfg.hosts.over_network,
     )
 
 
@@ -71,6 +73,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
             ctx.report.timings_s[f"{role}_launch_to_ready"] = secs
         proxy, proxy_url = ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
         ctx.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
+        start_net_fault(ctx, stack)
         watch = [servers, proxy]
         idle = {name: state_of(samples) for name, samples in server_metrics(servers).items()}
         before = decode_metrics(servers)
@@ -107,6 +110,23 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
     ctx.leftovers += servers.leftover_pids() + proxy.leftover_pids()
     out.logs = servers.logs()  # after teardown, so the logs are complete
     return out
+
+
+def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack) -> LinkCutter | None:
+    """--net-fault: the cutter waits for the proxy to hold a request between hops; what it did (or why it could not)
+    goes into the report when the phase ends, however it ends."""
+    if ctx.cfg.net_fault == "none":
+        return None
+    cutter = LinkCutter(ctx.cfg.hosts.prefill, ctx.hold_dir)
+
+    def record() -> None:
+        cutter.stop()
+        fired = dict(cutter.fired) or {"fault": ctx.cfg.net_fault, "fired": False, "error": cutter.error}
+        ctx.report.config["net_fault_fired"] = fired
+
+    cutter.start()
+    stack.callback(record)
+    return cutter
 
 
 def watched_requests(ctx: RunContext, url: str, watch: list) -> CompletionRun:

@@ -49,7 +49,8 @@ class PDRun:
         cfg.validate()
         self.cfg = cfg
         self.attach = attach
-        self.baseline_last = baseline_last
+        # a network fault is meant to end the run in the P/D phase: a baseline first would be started for nothing
+        self.baseline_last = baseline_last or cfg.net_fault != "none"
         self.baseline_cache = baseline_cache
         self.run_dir = new_run_dir(cfg)
         self.ctx = RunContext(

@@ -58,11 +58,14 @@ class LocalServers:
         ready_timeout_s: float,
         stagger: bool = False,
         followers: Sequence[tuple[str, ManagedProcess]] = (),
+        over_network: bool = False,
     ):
         pre, dec = self._pairs("prefill", prefill), self._pairs("decode", decode)
         self._procs = {ep.name: proc for ep, proc in pre + dec}
         # nodes of a TP group across hosts that serve no API of their own: owned, watched and stopped like the rest
         self._procs.update(dict(followers))
+        # servers on other hosts: a live process is not enough, the harness must still reach them
+        self._watch = HealthWatch([ep for ep, _ in pre + dec]) if over_network else None
         self.prefill = [ep for ep, _ in pre]
         self.decode = [ep for ep, _ in dec]
         self.ready_timeout_s = ready_timeout_s
@@ -88,6 +91,17 @@ class LocalServers:
     def check(self, force: bool = False) -> None:
         for p in self.processes:
             p.check()
+        gone = self._watch.probe(force) if self._watch is not None else None
+        if gone is not None:
+            proc = self._procs[gone.name]
+            raise ServerUnreachable(
+                gone.name,
+                f"{gone.url} stopped answering /health over the network while its process runs",
+                None,
+                proc.spec.log_path,
+                proc.log_text()[-2000:],
+                after_ready=True,
+            )
 
     def logs(self) -> dict[str, str]:
         return {name: p.log_text() for name, p in self._procs.items()}
@@ -121,11 +135,44 @@ class LocalServers:
         return out
 
 
+class HealthWatch:
+    """Liveness over the network: a server that stops answering /health MISSES times in a row is gone, whatever its
+    process does (one slow answer is no death)."""
+
+    MISSES = 2
+
+    def __init__(self, endpoints: Sequence[Endpoint], probe_every_s: float = 1.0):
+        self.endpoints = list(endpoints)
+        self.probe_every_s = probe_every_s
+        self._misses: dict[str, int] = {}
+        self._last_probe = 0.0
+
+    def probe(self, force: bool = False) -> Endpoint | None:
+        """At most once per ``probe_every_s`` (``force``: now, as often as it takes to decide): the first endpoint
+        found gone, or None."""
+        now = time.monotonic()
+        if not force and now - self._last_probe < self.probe_every_s:
+            return None
+        self._last_probe = now
+        for _ in range(self.MISSES if force else 1):
+            for ep in self.endpoints:
+                self._misses[ep.name] = 0 if http_ok(f"{ep.url}/health") else self._misses.get(ep.name, 0) + 1
+                if self._misses[ep.name] >= self.MISSES:
+                    return ep
+            if not force or not any(self._misses.values()):
+                return None
+            time.sleep(0.3)
+        return None
+
+
+class ServerUnreachable(ProcessFailed):
+    """A server on another host whose process still runs, but which stopped answering over the network."""
+
+
 class AttachedServers:
     """Servers started elsewhere: readiness and liveness from /health, proof of transfer from /metrics only."""
 
     attached = True
-    MISSES = 2  # consecutive failed /health probes before a server counts as gone (one slow answer is no death)
 
     def __init__(
         self,
@@ -137,9 +184,7 @@ class AttachedServers:
         self.prefill = endpoints("prefill", prefill_urls)
         self.decode = endpoints("decode", decode_urls)
         self.ready_timeout_s = ready_timeout_s
-        self.probe_every_s = probe_every_s
-        self._misses: dict[str, int] = {}
-        self._last_probe = 0.0
+        self._watch = HealthWatch(self.all, probe_every_s)
 
     @property
     def all(self) -> list[Endpoint]:
@@ -162,21 +207,9 @@ class AttachedServers:
 
     def check(self, force: bool = False) -> None:
         """Probe /health at most once per ``probe_every_s``; ``force`` probes now, as often as it takes to decide."""
-        now = time.monotonic()
-        if not force and now - self._last_probe < self.probe_every_s:
-            return
-        self._last_probe = now
-        for _ in range(self.MISSES if force else 1):
-            for ep in self.all:
-                self._misses[ep.name] = 0 if http_ok(f"{ep.url}/health") else self._misses.get(ep.name, 0) + 1
-                if self._misses[ep.name] >= self.MISSES:
-                    raise ProcessFailed(
-                        ep.name, f"{ep.url} stopped answering /health", None, None, "", after_ready=True
-                    )
-            if force and not any(self._misses.values()):
-                return
-            if force:
-                time.sleep(0.3)
+        gone = self._watch.probe(force)
+        if gone is not None:
+            raise ProcessFailed(gone.name, f"{gone.url} stopped answering /health", None, None, "", after_ready=True)
 
     def logs(self) -> dict[str, str]:
         return {}

@@ -38,7 +38,7 @@ def run_in(host, argv, timeout_s):
     return proc.returncode, out, err
 
 
-def lab_run(base: Path, names: list[str], roles: dict, cut_off: str | None = None) -> dict:
+def lab_run(base: Path, names: list[str], roles: dict, cut_off: str | None = None, args: tuple = ()) -> dict:
     """One e2e run (P1->D2, no load phase) from host ctl with ``roles`` placed on the lab's hosts; ``cut_off``: a host
     whose link is taken down first (and verified down) before the run."""
     run_dir = base / "run"
@@ -54,7 +54,7 @@ def lab_run(base: Path, names: list[str], roles: dict, cut_off: str | None = Non
         }))
         rc, out, err = run_in(hosts["ctl"], [sys.executable, "-m", "harness", "e2e", "--hosts", str(hosts_file),
                                              "--tp-p", "1", "--tp-d", "2", "--load-requests", "0",
-                                             "--run-dir", str(run_dir)], timeout_s=1200)
+                                             "--run-dir", str(run_dir), *args], timeout_s=1200)
         made = lab.plan.namespaces
     (base / "stderr.txt").write_text(err)
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
@@ -74,6 +74,13 @@ def d_across_nodes(tmp_path_factory):
 def d_node_unreachable(tmp_path_factory):
     """D's second node cut off from every other host at start-up."""
     return lab_run(tmp_path_factory.mktemp("dcut"), ["a", "b", "c"], {"prefill": "a", "decode": ["b", "c"]}, "c")
+
+
+@pytest.fixture(scope="module")
+def p_cut_off_mid_transfer(tmp_path_factory):
+    """P's host loses its link while a request is between hops (P holds its KV, D is about to read it)."""
+    return lab_run(tmp_path_factory.mktemp("pcut"), ["a", "b", "c"], {"prefill": "a", "decode": "b", "proxy": "c"},
+                   args=("--net-fault", "p-link-down"))
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +153,23 @@ def test_a_d_node_unreachable_at_start_up_is_named_before_anything_starts(d_node
     assert not any(k.endswith("_launch_to_ready") for k in report["timings_s"]) and not report["commands"]
     assert processes_tagged(d_node_unreachable["run_dir"] / "logs") == []
     assert d_node_unreachable["left_namespaces"] == []
+
+
+def test_p_cut_off_between_hops_is_named_within_seconds_and_leaves_nothing(p_cut_off_mid_transfer):
+    run = p_cut_off_mid_transfer
+    report, hosts = run["report"], run["hosts"]
+    fired = report["config"]["net_fault_fired"]
+    # the fault took effect: the proxy held the third request, P's links were cut and read back down
+    assert fired["fault"] == "p-link-down" and fired["host"] == "a" and fired["links_down"], fired
+    assert fired["read_back"] and not any(fired["read_back"].values()), fired
+    proxy_log = Path(report["logs"]["proxy"]).read_text()
+    assert f"req {fired['request_held']}: held between hops" in proxy_log
+    failure = report["failure"]
+    assert report["verdict"] == "fail" and run["rc"] != 0
+    assert failure["class"] == "server-unreachable" and failure["source"] == "prefill", failure
+    assert hosts["a"].address in failure["reason"]
+    assert "baseline_launch_to_ready" not in report["timings_s"]  # a fault run starts no baseline
+    assert processes_tagged(run["run_dir"] / "logs") == [] and run["left_namespaces"] == []
 
 
 def test_p1_d2_with_d_on_one_host_passes_over_tcp(d_on_one_host):

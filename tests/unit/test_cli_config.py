@@ -82,9 +82,9 @@ def test_accuracy_flags_build_settings_and_stay_off_by_default():
 def test_proxy_faults_are_the_proxys_own():
     import toy_proxy_server
 
-    from harness.run.config import PROXY_FAULTS
+    from harness.run.config import HARNESS_PROXY_FAULTS, PROXY_FAULTS
 
-    assert set(PROXY_FAULTS) == set(toy_proxy_server.FAULTS)
+    assert set(PROXY_FAULTS) | set(HARNESS_PROXY_FAULTS) == set(toy_proxy_server.FAULTS)
     assert cfg(["--device", "cpu", "--proxy-fault", "corrupt-block-ids"]).proxy_fault == "corrupt-block-ids"
     with pytest.raises(ConfigError):
         E2EConfig(proxy_fault="drop-everything").validate()

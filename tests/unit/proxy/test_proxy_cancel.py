@@ -1,6 +1,7 @@
 """A client that goes away: the real proxy process closes the connection of the hop in flight (so vLLM aborts
 the request) and counts the cancellation by stage; a fault applied to every n-th request names those requests."""
 
+import concurrent.futures
 import contextlib
 import json
 import socket
@@ -82,3 +83,27 @@ def test_a_fault_every_n_requests_names_exactly_those(b, tmp_path):
         assert stats(url)["faulted_ids"] == ["r2", "r5"]
     shifted = [call[1]["kv_transfer_params"]["remote_block_ids"] for call in b.calls if call[0] == b.url("d1")]
     assert shifted == [[[1, 2]], [[1, 2]], [[2, 3]], [[1, 2]], [[1, 2]], [[2, 3]], [[1, 2]]]
+
+
+def test_a_held_request_waits_between_hops_until_released(b, tmp_path):
+    """The hook a network fault uses: the third request stops after P's answer, marked held, until released."""
+    hold = tmp_path / "faults"
+    hold.mkdir()
+    with PortAllocator() as alloc, contextlib.ExitStack() as stack:
+        proc, url = make_proxy(sys.executable, alloc, [b.url("p1")], [b.url("d1")], tmp_path, 30,
+                               fault="hold-between-hops", fault_every=3, hold_dir=hold)
+        start_all([proc], stack, 60)
+        for i in range(2):
+            requests.post(f"{url}/v1/completions", json={"model": "m", "prompt": "hi"}, headers={"X-Request-Id": f"r{i}"},
+                          timeout=10)
+        assert list(hold.iterdir()) == []  # only every third request is held
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            third = pool.submit(requests.post, f"{url}/v1/completions", json={"model": "m", "prompt": "hi"},
+                                headers={"X-Request-Id": "r2"}, timeout=30)
+            wait_for(lambda: (hold / "r2.held").exists())
+            d_calls = [c for c in b.calls if c[0] == b.url("d1")]
+            assert len(d_calls) == 2 and not third.done()  # P answered; D not asked yet
+            (hold / "r2.go").touch()
+            assert third.result().status_code == 200
+        assert len([c for c in b.calls if c[0] == b.url("d1")]) == 3
+        assert stats(url)["faulted_ids"] == ["r2"]

@@ -1,0 +1,99 @@
+"""Network faults a run injects between hosts (``--net-fault``), each read back to prove it took effect.
+
+``p-link-down``: P's host loses every link (all its interfaces but loopback go down) while a request is between
+its hops: P has answered the prefill and holds the KV, D is about to read it. The proxy holds that request until
+the fault is in place (``--fault hold-between-hops``), so the cut lands at the same point on every run."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.hosts.placement import Host
+
+NET_FAULTS = ("none", "p-link-down")
+HOLD_EVERY = 3  # the request the proxy holds for the cut: the third, after the handshake and a few transfers
+HELD, GO = ".held", ".go"  # the proxy's marker files in the hold folder: "request held", "let it go on"
+
+
+class NetFaultError(RuntimeError):
+    """The fault could not be put in place (or read back)."""
+
+
+def links(host: Host) -> dict[str, bool]:
+    """Each interface of ``host``'s namespace but loopback -> whether it is up."""
+    if host.netns is None:
+        raise NetFaultError(f"host {host.name} is not a network namespace: the harness cuts links only there")
+    out = subprocess.run(["ip", "-n", host.netns, "-o", "link", "show"], capture_output=True, text=True)
+    if out.returncode:
+        raise NetFaultError(f"ip -n {host.netns} link show: {out.stderr.strip()}")
+    state: dict[str, bool] = {}
+    for line in out.stdout.splitlines():
+        # "2: ph1a2b3c0@if3: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 ..."
+        name = line.split(":", 2)[1].strip().split("@")[0]
+        if name != "lo":
+            state[name] = "UP" in line.partition("<")[2].partition(">")[0].split(",")
+    return state
+
+
+def cut(host: Host) -> list[str]:
+    """Take every link of ``host`` down; raise unless all read back down. Returns the links cut."""
+    names = list(links(host))
+    for name in names:
+        done = subprocess.run(
+            ["ip", "-n", str(host.netns), "link", "set", name, "down"], capture_output=True, text=True
+        )
+        if done.returncode:
+            raise NetFaultError(f"ip -n {host.netns} link set {name} down: {done.stderr.strip()}")
+    still_up = [n for n, up in links(host).items() if up]
+    if not names or still_up:
+        raise NetFaultError(f"host {host.name}: links still up after the cut: {still_up or 'no link to cut'}")
+    return names
+
+
+@dataclass
+class LinkCutter:
+    """Waits (in a thread) for the proxy to hold a request between hops, cuts ``host``'s links, reads them back,
+    then lets the request go on. ``fired`` is what the report records."""
+
+    host: Host
+    hold_dir: Path
+    timeout_s: float = 600.0
+    fired: dict[str, object] = field(default_factory=dict)
+    error: str | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.hold_dir.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="net-fault", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            held = sorted(self.hold_dir.glob(f"*{HELD}"))
+            if held:
+                request_id = held[0].name[: -len(HELD)]
+                try:
+                    cut_links = cut(self.host)
+                    self.fired = {
+                        "fault": "p-link-down",
+                        "host": self.host.name,
+                        "links_down": cut_links,
+                        "read_back": links(self.host),
+                        "request_held": request_id,
+                    }
+                except NetFaultError as e:
+                    self.error = str(e)
+                (self.hold_dir / f"{request_id}{GO}").touch()
+                return
+            self._stop.wait(0.05)
