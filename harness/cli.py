@@ -90,8 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--net-fault",
         choices=NET_FAULTS,
         default="none",
-        help="fault injection between hosts: p-link-down cuts P's host off while a request is between its hops "
-        "(P on a namespace host; docs/multi-host.md)",
+        help="fault injection between hosts (P on a namespace host of its own; docs/multi-host.md): p-link-down "
+        "cuts P's host off while a request is between its hops; side-channel-blocked drops packets to P's NIXL "
+        "side channel before the first request",
     )
     e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
     e.add_argument(
@@ -296,7 +297,7 @@ def config_from_args(
         enforce_eager=a.enforce_eager,
         fresh_baseline=a.fresh_baseline,
         hosts=_hosts(a.hosts, attached is not None),
-        net_fault=a.net_fault,
+        net_fault=_net_fault(a.net_fault),
         axes=ServerAxes(
             kv_cache_dtype=a.kv_cache_dtype,
             prefix_caching_d=a.prefix_caching_d,
@@ -410,6 +411,14 @@ def topology_main(a: argparse.Namespace) -> int:
             f"  expected on vLLM {t.vllm_version or '(fixed)'} [{t.version_family}]: {t.expected} - {t.expected_reason}"
         )
     return 0
+
+
+def _net_fault(name: str) -> str:
+    import shutil
+
+    if name == "side-channel-blocked" and shutil.which("iptables") is None:
+        raise ConfigError("--net-fault side-channel-blocked needs iptables (Debian: apt-get install iptables)")
+    return name
 
 
 def _hosts(path: Path | None, attach: bool) -> RunHosts:

@@ -2,10 +2,15 @@
 
 ``p-link-down``: P's host loses every link (all its interfaces but loopback go down) while a request is between
 its hops: P has answered the prefill and holds the KV, D is about to read it. The proxy holds that request until
-the fault is in place (``--fault hold-between-hops``), so the cut lands at the same point on every run."""
+the fault is in place (``--fault hold-between-hops``), so the cut lands at the same point on every run.
+
+``side-channel-blocked``: once P is up and before the first request (so before D's NIXL handshake), P's host drops
+every packet to P's side-channel ports (an iptables rule in P's namespace). The rule's packet counter, read when the
+phase ends, shows whether D's handshake ran into it."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import threading
 import time
@@ -14,7 +19,8 @@ from pathlib import Path
 
 from harness.hosts.placement import Host
 
-NET_FAULTS = ("none", "p-link-down")
+NET_FAULTS = ("none", "p-link-down", "side-channel-blocked")
+NEEDS_HOLD = ("p-link-down",)  # faults that need the proxy to hold a request between hops
 HOLD_EVERY = 3  # the request the proxy holds for the cut: the third, after the handshake and a few transfers
 HELD, GO = ".held", ".go"  # the proxy's marker files in the hold folder: "request held", "let it go on"
 
@@ -97,3 +103,34 @@ class LinkCutter:
                 (self.hold_dir / f"{request_id}{GO}").touch()
                 return
             self._stop.wait(0.05)
+
+
+def _iptables(host: Host, *args: str) -> str:
+    if shutil.which("iptables") is None:
+        raise NetFaultError("iptables is not installed (Debian: apt-get install iptables)")
+    out = subprocess.run(["ip", "netns", "exec", str(host.netns), "iptables", *args], capture_output=True, text=True)
+    if out.returncode:
+        raise NetFaultError(f"iptables {' '.join(args)} in {host.netns}: {out.stderr.strip()}")
+    return out.stdout
+
+
+def block_ports(host: Host, first: int, count: int) -> str:
+    """Drop every TCP packet to ports ``first`` .. ``first + count - 1`` arriving at ``host``; the rule as iptables
+    reads it back (raises if it is not there)."""
+    if host.netns is None:
+        raise NetFaultError(f"host {host.name} is not a network namespace: the harness blocks ports only there")
+    ports = f"{first}:{first + count - 1}" if count > 1 else str(first)
+    _iptables(host, "-A", "INPUT", "-p", "tcp", "--dport", ports, "-j", "DROP")
+    rules = [r for r in _iptables(host, "-S", "INPUT").splitlines() if f"--dport {ports}" in r and "DROP" in r]
+    if not rules:
+        raise NetFaultError(f"the DROP rule for ports {ports} is not in {host.name}'s INPUT chain after adding it")
+    return rules[0]
+
+
+def dropped_packets(host: Host, first: int, count: int) -> int:
+    """Packets the DROP rule for those ports has dropped so far."""
+    ports = f"dpts:{first}:{first + count - 1}" if count > 1 else f"dpt:{first}"
+    for line in _iptables(host, "-L", "INPUT", "-v", "-n", "-x").splitlines():
+        if "DROP" in line and line.rstrip().endswith(ports):
+            return int(line.split()[0])
+    raise NetFaultError(f"no DROP rule for {ports} in {host.name}'s INPUT chain")

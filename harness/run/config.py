@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 from harness.accuracy.settings import AccuracySettings
 from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
-from harness.hosts.faults import NET_FAULTS
+from harness.hosts.faults import NEEDS_HOLD, NET_FAULTS
 from harness.hosts.placement import RunHosts
 from harness.serve.axes import ServerAxes
 from harness.serve.servers import Attach, Served
@@ -123,7 +123,7 @@ class E2EConfig:
             raise ConfigError(
                 f"--net-fault {self.net_fault} cuts P's host off: P must be on a namespace host of its own"
             )
-        if self.net_fault != "none" and self.proxy_fault != "none":
+        if self.net_fault in NEEDS_HOLD and self.proxy_fault != "none":
             raise ConfigError("--net-fault and --proxy-fault both need the proxy's fault hook: give one")
         nodes = 1 + len(self.hosts.decode_nodes)
         if self.tp_d % nodes:

@@ -10,7 +10,7 @@ from pathlib import Path
 from harness.accuracy.lm_eval import EvalRun, run_lm_eval
 from harness.accuracy.settings import AccuracySettings
 from harness.gpu.run import GpuRun
-from harness.hosts.faults import HOLD_EVERY
+from harness.hosts.faults import HOLD_EVERY, NEEDS_HOLD
 from harness.run.config import E2EConfig
 from harness.run.launch import Server, make_proxy, make_server
 from harness.run.preflight import CPU_MLA_BLOCK
@@ -105,6 +105,7 @@ class RunContext:
     def proxy(
         self, alloc: PortAllocator, prefill_urls: list[str], decode_urls: list[str]
     ) -> tuple[ManagedProcess, str]:
+        hold = self.cfg.net_fault in NEEDS_HOLD
         proc, url = make_proxy(
             self.cfg.python,
             alloc,
@@ -112,10 +113,10 @@ class RunContext:
             decode_urls,
             self.logs,
             self.cfg.request_timeout_s,
-            fault=self.cfg.proxy_fault if self.cfg.net_fault == "none" else "hold-between-hops",
-            fault_every=self.cfg.proxy_fault_every if self.cfg.net_fault == "none" else HOLD_EVERY,
+            fault=self.cfg.proxy_fault if not hold else "hold-between-hops",
+            fault_every=self.cfg.proxy_fault_every if not hold else HOLD_EVERY,
             host=self.cfg.hosts.proxy,
-            hold_dir=None if self.cfg.net_fault == "none" else self.hold_dir,
+            hold_dir=self.hold_dir if hold else None,
         )
         self.report.commands["proxy"] = " ".join(proc.spec.argv)
         self.report.logs["proxy"] = str(proc.spec.log_path)

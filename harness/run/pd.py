@@ -14,7 +14,7 @@ from harness.accuracy.lm_eval import EvalRun
 from harness.checks import smoke, transfer
 from harness.checks.check import Check
 from harness.checks.leak import IdleWatch, state_of, wait_idle
-from harness.hosts.faults import LinkCutter
+from harness.hosts.faults import LinkCutter, NetFaultError, block_ports, dropped_packets
 from harness.models.config import load_models
 from harness.run.context import RunContext
 from harness.run.load import PDLoad, pd_load
@@ -73,7 +73,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
             ctx.report.timings_s[f"{role}_launch_to_ready"] = secs
         proxy, proxy_url = ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
         ctx.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
-        start_net_fault(ctx, stack)
+        start_net_fault(ctx, stack, servers)
         watch = [servers, proxy]
         idle = {name: state_of(samples) for name, samples in server_metrics(servers).items()}
         before = decode_metrics(servers)
@@ -112,21 +112,38 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
     return out
 
 
-def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack) -> LinkCutter | None:
-    """--net-fault: the cutter waits for the proxy to hold a request between hops; what it did (or why it could not)
-    goes into the report when the phase ends, however it ends."""
-    if ctx.cfg.net_fault == "none":
-        return None
-    cutter = LinkCutter(ctx.cfg.hosts.prefill, ctx.hold_dir)
+def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack, servers: ServerSet) -> None:
+    """--net-fault, put in place now (side-channel-blocked) or when the proxy holds a request (p-link-down); what it
+    did, read back (or why it could not), goes into the report's config.net_fault_fired when the phase ends."""
+    fault, p_host = ctx.cfg.net_fault, ctx.cfg.hosts.prefill
+    if fault == "none" or not isinstance(servers, LocalServers):
+        return
+    if fault == "side-channel-blocked":
+        first = int(servers.env_of("prefill")["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+        rule = block_ports(p_host, first, ctx.cfg.tp_p)  # one port per P rank
+        fired: dict[str, object] = {"fault": fault, "host": p_host.name, "rule": rule}
 
-    def record() -> None:
+        def record_block() -> None:
+            try:
+                fired["dropped_packets"] = dropped_packets(p_host, first, ctx.cfg.tp_p)
+            except NetFaultError as e:
+                fired["error"] = str(e)
+            ctx.report.config["net_fault_fired"] = fired
+
+        stack.callback(record_block)
+        return
+    cutter = LinkCutter(p_host, ctx.hold_dir)
+
+    def record_cut() -> None:
         cutter.stop()
-        fired = dict(cutter.fired) or {"fault": ctx.cfg.net_fault, "fired": False, "error": cutter.error}
-        ctx.report.config["net_fault_fired"] = fired
+        ctx.report.config["net_fault_fired"] = dict(cutter.fired) or {
+            "fault": fault,
+            "fired": False,
+            "error": cutter.error,
+        }
 
     cutter.start()
-    stack.callback(record)
-    return cutter
+    stack.callback(record_cut)
 
 
 def watched_requests(ctx: RunContext, url: str, watch: list) -> CompletionRun:

@@ -106,6 +106,10 @@ class LocalServers:
     def logs(self) -> dict[str, str]:
         return {name: p.log_text() for name, p in self._procs.items()}
 
+    def env_of(self, name: str) -> Mapping[str, str]:
+        """The environment ``name`` was started with (e.g. its NIXL side-channel port)."""
+        return self._procs[name].spec.env
+
     def leftover_pids(self) -> list[int]:
         return [pid for p in self.processes for pid in p.leftover_pids()]
 
