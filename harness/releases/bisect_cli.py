@@ -69,7 +69,7 @@ def main(a: argparse.Namespace) -> int:
     from packaging.version import InvalidVersion, Version
 
     from harness.envs.vllm_env import DISTRIBUTION, check_version
-    from harness.gpu.detect import count_gpus, default_device
+    from harness.gpu.detect import default_device
     from harness.matrix.config import MATRIX_YAML, load_matrix
     from harness.releases.index import between, list_releases
     from harness.releases.probe import Prober
@@ -111,18 +111,7 @@ def main(a: argparse.Namespace) -> int:
     command = (
         "python -m harness " + shlex.join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py") else shlex.join(sys.argv)
     )
-    prober = Prober(
-        matrix,
-        models,
-        store,
-        run_dir / "probes",
-        device,
-        count_gpus() if device == "gpu" else 0,
-        fresh=a.fresh,
-        fresh_baseline=a.fresh_baseline,
-        run_lock=a.run_lock,
-        by=command,
-    )
+    prober = Prober.for_command(a, matrix, models, store, run_dir / "probes", device, command)
     aliases = aliases_for(entry)
     ends: dict[str, Observation] = {}
     for v, outcome in ((versions[0], old_outcome), (versions[-1], new_outcome)):

@@ -72,7 +72,7 @@ def import_runs(folder: Path, store, by: str) -> int:
 
 def main(a: argparse.Namespace) -> int:
     from harness.envs.vllm_env import DISTRIBUTION
-    from harness.gpu.detect import count_gpus, default_device
+    from harness.gpu.detect import default_device
     from harness.matrix.config import MATRIX_YAML, load_matrix
     from harness.matrix.plan import plan
     from harness.releases.index import list_releases, parse_range
@@ -114,18 +114,7 @@ def main(a: argparse.Namespace) -> int:
         for i in ids
     ]
     table = HistoryTable(versions, columns, revision=store.revision, command=command, date=dt.date.today().isoformat())
-    prober = Prober(
-        matrix,
-        models,
-        store,
-        out / "runs",
-        device,
-        count_gpus() if device == "gpu" else 0,
-        fresh=a.fresh,
-        fresh_baseline=a.fresh_baseline,
-        run_lock=a.run_lock,
-        by=command,
-    )
+    prober = Prober.for_command(a, matrix, models, store, out / "runs", device, command)
     print(
         f"history: {len(ids)} entries x {len(versions)} releases ({versions[0]} .. {versions[-1]}); harness revision "
         f"{store.revision}; folder {out}",

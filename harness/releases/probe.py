@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import sys
 import time
+from argparse import Namespace
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -36,6 +37,18 @@ class Prober:
     run_lock: Path | None = None
     by: str = ""  # the command, recorded with each stored result
     out: TextIO = sys.stdout
+
+    @classmethod
+    def for_command(
+        cls, a: Namespace, matrix: MatrixFile, models: dict[str, ModelEntry], store: ResultStore, run_root: Path,
+        device: str, command: str
+    ) -> Prober:  # fmt: skip
+        """The prober of ``bisect`` and ``history``: --fresh, --fresh-baseline and --run-lock from their flags."""
+        from harness.gpu.detect import count_gpus
+
+        gpus = count_gpus() if device == "gpu" else 0
+        return cls(matrix, models, store, run_root, device, gpus, fresh=a.fresh, fresh_baseline=a.fresh_baseline,
+                   run_lock=a.run_lock, by=command)  # fmt: skip
 
     def entry(self, entry_id: str) -> MatrixEntry:
         e = self.matrix.get(entry_id)

@@ -118,17 +118,9 @@ def _node_binds(cpu_bind: str | None, nodes: int) -> list[str | None]:
 
 
 def _spec(
-    cfg: E2EConfig,
-    role: str,
-    tp: int,
-    model: str,
-    name: str,
-    block_size: int | None,
-    cpu_bind: str | None,
-    kv_layout: str | None,
-    kv_load_failure_policy: str,
-    placement: ServerPlacement | None,
-) -> ServerSpec:
+    cfg: E2EConfig, role: str, tp: int, model: str, name: str, block_size: int | None, cpu_bind: str | None,
+    kv_layout: str | None, kv_load_failure_policy: str, placement: ServerPlacement | None
+) -> ServerSpec:  # fmt: skip
     return ServerSpec(
         role=role,  # type: ignore[arg-type]
         model=model,
