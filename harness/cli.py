@@ -440,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
     from harness.core import progress
 
     progress.use(progress.on_stderr())  # progress goes to stderr only: stdout stays what scripts parse
+    if a.cmd == "matrix" and a.ray:  # entries as Ray tasks: harness/cluster, above matrix (docs/architecture.md)
+        from harness.cluster.cli import main as ray_matrix
+
+        return ray_matrix(a)
     if a.cmd in SUBCOMMAND_MODULES:
         return _subcommand(a.cmd).main(a)
     if a.cmd == "topology":

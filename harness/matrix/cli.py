@@ -46,6 +46,13 @@ def add_parser(sub) -> None:
         action="store_true",
         help="compute each baseline again instead of reusing cached answers from earlier runs",
     )
+    mx.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run the entries as tasks on this Ray cluster (ray://HEAD[:10001] from any machine, HEAD:PORT from a "
+        "node), each with its GPUs (or CPUs); the matrix folder must be on storage every node shares "
+        "(harness/cluster, docs/multi-host.md#ray)",
+    )
 
 
 def main(a: argparse.Namespace) -> int:

@@ -1,0 +1,273 @@
+"""Matrix entries as tasks on a real two-node Ray cluster (docs/multi-host.md#ray): a Ray head on lab host `head`, a
+Ray worker on host `worker`, the harness's driver on host `ctl` connecting with Ray Client (`--ray ray://head:port`).
+
+The nodes are simulated GPU boxes (PD_HARNESS_SIMULATED_GPUS=8x80, each with its own state folder; Ray told each has
+8 GPUs), so each entry runs against stand-in servers in seconds and no vLLM is started (no `vllm` marker). Two
+8-GPU entries cannot share one 8-GPU node: Ray must run them on the two nodes, each with the CUDA_VISIBLE_DEVICES Ray
+gives it. Every process the test starts carries a tag in its environment (inherited by Ray's own processes, its
+workers and the entries' harnesses), which is how the test proves nothing is left; the nodes are stopped by their
+process groups, never `ray stop` (which kills by name). Skips with the reason where namespaces cannot be made or Ray
+is not installed."""
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from harness.envs.vllm_env import versions_from
+from harness.gpu.claims import STATE_ENV, live_claims
+from harness.gpu.simulate import SIMULATED_ENV
+from harness.hosts.netns import NamespaceLab, namespace_problem
+from harness.models.config import load_models
+from harness.serve.ports import PortAllocator
+
+REPO = Path(__file__).resolve().parents[2]
+NO_LAB = namespace_problem()
+try:
+    import ray  # noqa: F401  (only whether it imports)
+
+    NO_RAY = None
+except ImportError as e:
+    NO_RAY = str(e)
+pytestmark = [
+    pytest.mark.skipif(NO_LAB is not None, reason=f"cannot make network namespaces here: {NO_LAB}"),
+    pytest.mark.skipif(NO_RAY is not None, reason=f"ray is not installed: {NO_RAY}"),
+]
+RAY = str(Path(sys.executable).with_name("ray"))
+TAG_ENV = "PD_HARNESS_RAY_TEST"
+ENTRIES = ("tinyllama-p2-d8", "tinyllama-p4-d8")  # 8 GPUs each: one per 8-GPU node
+VERSION = versions_from(None, "gpu")[0]  # the vLLM the project pins for GPUs, served here by stand-ins
+CALLER = ("CUDA_VISIBLE_DEVICES", "PD_HARNESS_DEVICE", "VLLM_VERSION", SIMULATED_ENV, STATE_ENV, "PD_HARNESS_OWNER")
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(TAG_ENV) == tag and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def hf_cache(home: Path) -> Path:
+    """A Hugging Face cache with each hub model's config.json only (as tests/integration/test_simulated_gpu_box.py)."""
+    for e in load_models().models:
+        if not e.hub_id:
+            continue
+        repo = home / "hub" / ("models--" + e.hub_id.replace("/", "--"))
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("simulated")
+        snap = repo / "snapshots" / "simulated"
+        snap.mkdir(parents=True)
+        hd = 64 if e.mla or not e.head_dim else e.head_dim
+        cfg = {"model_type": e.family or "llama", "num_attention_heads": e.attention_heads,
+               "num_key_value_heads": e.kv_heads, "hidden_size": e.attention_heads * hd, "head_dim": hd}
+        if e.mla:
+            cfg.update(kv_lora_rank=512, qk_rope_head_dim=64)
+        (snap / "config.json").write_text(json.dumps(cfg))
+    return home
+
+
+class Cluster:
+    """A Ray head and a Ray worker in lab namespaces, each `ray start --block` the leader of a process group we own."""
+
+    def __init__(self, lab: NamespaceLab, ports: PortAllocator, base: Path, tag: str):
+        self.lab, self.ports, self.base, self.tag = lab, ports, base, tag
+        self.procs: list[subprocess.Popen] = []
+        # Ray's sockets live under its temp dir: a short path keeps them within the 107 characters of a socket name.
+        self.temp = Path(tempfile.mkdtemp(prefix="pdray-"))
+        self.head = lab.hosts["head"]
+        self.gcs, self.client = ports.port(), ports.port()
+        self.address = f"ray://{self.head.address}:{self.client}"
+
+    def env(self, node: str) -> dict[str, str]:
+        from harness.core.notrack import with_no_track
+
+        env = {k: v for k, v in os.environ.items() if k not in CALLER}
+        return with_no_track({**env, TAG_ENV: self.tag, SIMULATED_ENV: "8x80",
+                              STATE_ENV: str(self.base / f"box-{node}"), "HF_HOME": str(self.base / "hf"),
+                              "PD_HARNESS_NO_BASELINE_CACHE": "1"})
+
+    def node_ports(self) -> list[str]:
+        p = self.ports
+        workers = p.block(16)
+        return ["--node-manager-port", str(p.port()), "--object-manager-port", str(p.port()),
+                "--min-worker-port", str(workers.base), "--max-worker-port", str(workers.base + workers.count - 1),
+                "--dashboard-agent-listen-port", str(p.port()), "--dashboard-agent-grpc-port", str(p.port()),
+                "--runtime-env-agent-port", str(p.port()), "--metrics-export-port", str(p.port())]
+
+    def start(self, node: str, args: list[str]) -> None:
+        host = self.lab.hosts[node]
+        argv = [RAY, "start", "--block", "--node-ip-address", host.address, "--num-cpus", "1", "--num-gpus", "8",
+                "--disable-usage-stats", "--temp-dir", str(self.temp / node), "--object-store-memory", str(80 * 2**20),
+                *self.node_ports(), *args]
+        with open(self.base / f"ray-{node}.log", "w") as log:
+            self.procs.append(subprocess.Popen(host.wrap(argv), env=self.env(node), cwd=REPO, stdout=log,
+                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0))
+
+    def wait_started(self, node: str, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        log = self.base / f"ray-{node}.log"
+        while "Ray runtime started" not in log.read_text():
+            assert all(p.poll() is None for p in self.procs), log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    def __enter__(self) -> "Cluster":
+        self.start("head", ["--head", "--port", str(self.gcs), "--ray-client-server-port", str(self.client),
+                            "--include-dashboard=false"])
+        self.wait_started("head")
+        self.start("worker", ["--address", f"{self.head.address}:{self.gcs}"])
+        self.wait_started("worker")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """SIGTERM to each `ray start` (the worker first), which stops its node's processes in about a second (a
+        SIGTERM to the whole group makes each node wait out its 30 s drain instead); SIGKILL to the groups after a
+        grace period. Then every process that carries the tag must be gone (a straggler is killed by its PID, and the
+        test fails)."""
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # what is left of each node's group
+            p.wait()
+        deadline = time.monotonic() + 15
+        while tagged(self.tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = tagged(self.tag)
+        for q in left:
+            q.kill()
+        if not os.environ.get("KEEP_RAY_TEMP"):
+            shutil.rmtree(self.temp, ignore_errors=True)
+        assert not left, f"processes left after the nodes stopped: {[(q.pid, q.cmdline()[:4]) for q in left]}"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    base = tmp_path_factory.mktemp("ray")
+    hf_cache(base / "hf")
+    lab = NamespaceLab(["head", "worker", "ctl"])
+    with lab, PortAllocator() as ports, Cluster(lab, ports, base, uuid.uuid4().hex) as c:
+        yield c
+    assert lab.remaining() == [], "namespaces left"
+    assert not tagged(c.tag)
+
+
+def driver(c: Cluster, run_dir: Path, *args: str) -> subprocess.Popen:
+    """`python -m harness matrix --ray` on host ctl (its own process group), against both entries."""
+    env = {k: v for k, v in c.env("ctl").items() if k not in (SIMULATED_ENV, STATE_ENV)}
+    env["PD_HARNESS_RESULTS_DIR"] = str(run_dir.parent / "store")
+    argv = [sys.executable, "-m", "harness", "matrix", "--ray", c.address, "--device", "gpu",
+            "--only", ",".join(ENTRIES), "--run-dir", str(run_dir), *args]
+    return subprocess.Popen(c.lab.hosts["ctl"].wrap(argv), env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, process_group=0)
+
+
+def finish(p: subprocess.Popen, timeout_s: float = 120) -> tuple[str, str]:
+    try:
+        return p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        pytest.fail(f"the driver ran past {timeout_s} s:\n{out[-3000:]}\n{err[-3000:]}")
+
+
+def entry_processes(tag: str) -> list[str]:
+    """The tagged processes that are not Ray's own: the entries' harnesses, their stand-in servers and watchdogs."""
+    out = []
+    for p in tagged(tag):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "harness" in cmd:
+            out.append(f"{p.pid}: {cmd[:160]}")
+    return out
+
+
+def test_two_entries_run_as_tasks_on_two_nodes_into_one_report(cluster, tmp_path):
+    run_dir = tmp_path / "matrix"
+    p = driver(cluster, run_dir, "--load-requests", "4")
+    out, err = finish(p)
+    assert p.returncode == 0, (out + err)[-4000:]
+    d = json.loads((run_dir / "report.json").read_text())
+    assert d["complete"] and d["all_as_expected"]
+    pairs = {x["id"]: x for x in d["pairs"]}
+    assert set(pairs) == set(ENTRIES), pairs
+    nodes = {n["address"] for n in d["ray"]["nodes"]}
+    assert nodes == {cluster.lab.hosts["head"].address, cluster.lab.hosts["worker"].address}
+    ran_on = set()
+    for pid, x in pairs.items():
+        assert x["observed"] == "ok" and x["verdict"] == "as expected" and x["simulated"], x
+        ray = x["ray"]
+        assert ray["returncode"] == 0 and ray["num_gpus"] == 8 and ray["node_ip"] in nodes, ray
+        assert sorted(ray["cuda_visible_devices"].split(",")) == [str(i) for i in range(8)], ray  # what Ray gave it
+        ran_on.add(ray["node_ip"])
+        run = Path(x["run_dir"])
+        assert run.is_relative_to(run_dir / "ray") and (run / "report.json").is_file()
+        entry = json.loads((run / "report.json").read_text())
+        assert entry["verdict"] == "pass" and entry["config"]["gpu_plan"]["simulated"] == "8x80"
+        assert f"{pid}" in (run_dir / "report.md").read_text()
+    assert ran_on == nodes, f"both entries ran on {ran_on}: Ray did not spread them"  # one 8-GPU entry per node
+    md = (run_dir / "report.md").read_text()
+    assert "## Ray" in md and all(a in md for a in nodes)
+    assert "results store: 2 result(s)" in out, out
+    rev = next((run_dir / "results-simulated").iterdir())  # simulated outcomes never enter the real store
+    assert {f"{e}/{v.name}" for e in ENTRIES for v in (rev / e).iterdir()} == {
+        f"{e}/{pairs[e]['vllm_version']}.json" for e in ENTRIES}
+    assert not (tmp_path / "store").exists()
+    assert entry_processes(cluster.tag) == []
+    for node in ("head", "worker"):
+        assert live_claims(cluster.base / f"box-{node}") == []
+
+
+def in_load_phase(run_dir: Path, entry: str) -> bool:
+    """The entry's P/D prompts are done: its load phase (200000 requests: minutes) is under way."""
+    return any("pd requests: done" in f.read_text() for f in run_dir.glob(f"ray/vllm-{VERSION}/{entry}/task.log"))
+
+
+def test_an_interrupted_driver_leaves_no_entry_running(cluster, tmp_path):
+    """Ctrl-C while both entries are in their load phase: the tasks are cancelled, each entry's harness tears its
+    servers down and says so in its own report, and no process of an entry is left on either node."""
+    run_dir = tmp_path / "matrix"
+    p = driver(cluster, run_dir, "--load-requests", "200000")
+    deadline = time.monotonic() + 60
+    while not all(in_load_phase(run_dir, e) for e in ENTRIES):
+        if p.poll() is not None or time.monotonic() > deadline:
+            p.send_signal(signal.SIGINT)
+            out, err = finish(p, 60)
+            pytest.fail(f"the entries did not reach their load phase: {(out + err)[-3000:]}")
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    out, err = finish(p)
+    assert p.returncode == 128 + signal.SIGINT, (out + err)[-3000:]
+    assert "interrupted; partial report" in err
+    d = json.loads((run_dir / "report.json").read_text())
+    assert not d["complete"] and [x for x in d["pairs"] if x["observed"]] == []
+    assert sorted(d["ray"]["cancelled"]) == sorted(f"matrix {e} vllm-{VERSION}" for e in ENTRIES)
+    deadline = time.monotonic() + 30
+    while entry_processes(cluster.tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert entry_processes(cluster.tag) == []
+    for e in ENTRIES:
+        entry = json.loads(next(run_dir.glob(f"ray/vllm-{VERSION}/{e}/vllm-{VERSION}/{e}/report.json")).read_text())
+        assert entry["failure"]["class"] == "interrupted", entry.get("failure")
+    for node in ("head", "worker"):
+        assert live_claims(cluster.base / f"box-{node}") == []
