@@ -68,7 +68,9 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
         checks.append(check_kv_over_network(decode_logs, ctx.cfg.tp_d))
     else:
         why = (
-            "attach mode" if pd.attached else "P and D on one host, where a same-host transport is what UCX should use"
+            "attach mode: the server logs (UCX's protocol tables) are not available to the harness"
+            if pd.attached
+            else "P and D on one host, where a same-host transport is what UCX should use"
         )
         ctx.report.skipped_checks.append({"name": KV_NETWORK_CHECK, "reason": why})
     if pd.environs is not None:
