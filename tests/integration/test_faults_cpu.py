@@ -85,8 +85,9 @@ def test_a_real_server_that_exits_during_start_up(tmp_path):
     assert f["signature"] == "config-error"  # what the log says: vLLM refused the model folder
     log = Path(report["logs"]["baseline"])
     assert log.stat().st_size > 0 and f["excerpt"].strip().splitlines()[-1] in log.read_text()
-    # the server's last log line is its exit; the run noticed, tore down and wrote its report right after
-    assert ended - log.stat().st_mtime < 5, f"the run ended {ended - log.stat().st_mtime:.1f} s after the server's last words"
+    # the server's last log line is its exit; the run noticed, tore down and wrote its report right after, never
+    # waiting out the ready deadline (600 s). Not a timing figure: vLLM's own teardown took 6 s once on a busy 2-core CI.
+    assert ended - log.stat().st_mtime < 30, f"the run ended {ended - log.stat().st_mtime:.1f} s after the server's last words"
     assert processes_tagged(run_dir / "logs") == []
 
 
