@@ -43,3 +43,21 @@ def pytest_collection_modifyitems(config, items):
         if present < n:
             what = "an NVIDIA GPU" if n == 1 else f"{n} NVIDIA GPUs"
             item.add_marker(pytest.mark.skip(reason=f"needs {what}; {present} on this machine ({how})"))
+
+
+# Seconds per test module (setup, call and teardown summed), printed at the end of the run in a few lines: CI shows
+# only the tail of its output, and this is where its time went.
+_MODULE_S: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    module = report.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
+    _MODULE_S[module] = _MODULE_S.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    slow = sorted(((s, m) for m, s in _MODULE_S.items() if s >= 10), reverse=True)
+    if slow:
+        rest = sum(_MODULE_S.values()) - sum(s for s, _ in slow)
+        listed = ", ".join(f"{m.replace('integration/', '')} {s:.0f}" for s, m in slow)
+        terminalreporter.write_line(f"seconds per module (10 s or more): {listed}; all others {rest:.0f}")

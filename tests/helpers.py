@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import psutil
@@ -20,6 +21,28 @@ def processes_tagged(logs_dir: Path) -> list[int]:
         except psutil.Error:
             pass
     return out
+
+
+def config_only_hf_cache(home: Path) -> Path:
+    """A Hugging Face cache at ``home`` with each hub model of configs/models.yaml as a config-only snapshot (what a
+    simulated GPU box plans from: the heads, no weights)."""
+    from harness.models.config import load_models
+
+    for e in load_models().models:
+        if not e.hub_id:
+            continue
+        repo = home / "hub" / ("models--" + e.hub_id.replace("/", "--"))
+        (repo / "refs").mkdir(parents=True)
+        (repo / "refs" / "main").write_text("simulated")
+        snap = repo / "snapshots" / "simulated"
+        snap.mkdir(parents=True)
+        hd = 64 if e.mla or not e.head_dim else e.head_dim
+        cfg = {"model_type": e.family or "llama", "num_attention_heads": e.attention_heads,
+               "num_key_value_heads": e.kv_heads, "hidden_size": e.attention_heads * hd, "head_dim": hd}
+        if e.mla:
+            cfg.update(kv_lora_rank=512, qk_rope_head_dim=64)
+        (snap / "config.json").write_text(json.dumps(cfg))
+    return home
 
 
 def tiny_server_setup() -> tuple:

@@ -95,6 +95,12 @@ FATAL_CLASSES = (
     "nixl-unavailable",
     "unsupported",
 )
+# A failure vLLM retries with every request, fatal once it has come back this often (a side channel nothing answers
+# on: each try waits 5 s, fails the request, and the next request tries again); the class is then the log's
+# signature (handshake-timeout for zmq.error.Again). vLLM logs this line once per failed handshake.
+HANDSHAKE_FAILED_LINE = r"NIXL transfer failure: handshake_setup_failed"
+HANDSHAKE_FAILURES_FATAL = 3
+REPEATED_FATAL = ((HANDSHAKE_FAILED_LINE, HANDSHAKE_FAILURES_FATAL),)
 # Classes the pipeline gives when no log signature matched.
 RUN_CLASSES = (
     "server-exited",

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from harness.checks.classify import FATAL_PATTERNS
+from harness.checks.classify import FATAL_PATTERNS, REPEATED_FATAL
 from harness.checks.transport import PROTO_INFO_ENV
 from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
@@ -169,6 +169,7 @@ def _process(
             log_path=logs_dir / f"{name}.log",
             health_url=health,
             fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
+            repeated_fatal=REPEATED_FATAL,
             ready_timeout_s=cfg.ready_timeout_s,
         )
     )

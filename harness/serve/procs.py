@@ -87,8 +87,16 @@ class ProcessSpec:
     cwd: Path | None = None
     health_url: str | None = None  # readiness: GET answers 200
     fatal_patterns: Sequence[str] = ()  # regexes; a match in the log fails readiness at once
+    # (regex, n): the n-th matching line fails it; for a failure the server retries that keeps coming back
+    repeated_fatal: Sequence[tuple[str, int]] = ()
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 8.0  # SIGTERM -> SIGKILL; vLLM shuts down in a few seconds
+
+
+def _line_at(text: str, start: int, end: int) -> str:
+    """The whole line of ``text`` around a match from ``start`` to ``end``."""
+    line_end = text.find("\n", end)
+    return text[text.rfind("\n", 0, start) + 1 : line_end if line_end >= 0 else None]
 
 
 def tail_text(text: str, lines: int = LOG_TAIL_LINES) -> str:
@@ -330,6 +338,8 @@ class ManagedProcess:
         self._seen: dict[int, psutil.Process] = {}
         self._log_offset = 0
         self._fatal = [re.compile(p) for p in spec.fatal_patterns]
+        self._repeated = [(re.compile(p), n) for p, n in spec.repeated_fatal]
+        self._repeat_counts = [0] * len(self._repeated)
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
         self._watchdog: Watchdog | None = None
@@ -400,7 +410,7 @@ class ManagedProcess:
         )
 
     def _scan_fatal(self) -> str | None:
-        if not self._fatal:
+        if not self._fatal and not self._repeated:
             return None
         try:
             with open(self.spec.log_path, "rb") as f:
@@ -415,9 +425,12 @@ class ManagedProcess:
         for pattern in self._fatal:
             m = pattern.search(text)
             if m:
-                line_start = text.rfind("\n", 0, m.start()) + 1
-                line_end = text.find("\n", m.end())
-                return text[line_start : line_end if line_end >= 0 else None]
+                return _line_at(text, m.start(), m.end())
+        for i, (pattern, n) in enumerate(self._repeated):
+            for m in pattern.finditer(text):
+                self._repeat_counts[i] += 1
+                if self._repeat_counts[i] >= n:
+                    return f"{_line_at(text, m.start(), m.end()).strip()} (seen {n} times)"
         return None
 
     def check(self, force: bool = False) -> None:

@@ -88,6 +88,15 @@ def p_cut_off_mid_transfer(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def side_channel_blocked(tmp_path_factory):
+    """P's NIXL side-channel ports dropped on P's host before the first request: D's handshake cannot complete."""
+    if not ALL:
+        pytest.skip("P's side channel blocked (about 1 min): set PD_HARNESS_MULTIHOST_ALL=1")
+    return lab_run(tmp_path_factory.mktemp("sidech"), ["a", "b", "c"], {"prefill": "a", "decode": "b", "proxy": "c"},
+                   args=("--net-fault", "side-channel-blocked"))
+
+
+@pytest.fixture(scope="module")
 def d_on_one_host(tmp_path_factory):
     if not ALL:
         pytest.skip("P1->D2 with D on one host: set PD_HARNESS_MULTIHOST_ALL=1 (CI runs the D-across-nodes run, which "
@@ -173,6 +182,21 @@ def test_p_cut_off_between_hops_is_named_within_seconds_and_leaves_nothing(p_cut
     assert failure["class"] == "server-unreachable" and failure["source"] == "prefill", failure
     assert hosts["a"].address in failure["reason"]
     assert "baseline_launch_to_ready" not in report["timings_s"]  # a fault run starts no baseline
+    assert processes_tagged(run["run_dir"] / "logs") == [] and run["left_namespaces"] == []
+
+
+def test_a_blocked_side_channel_is_a_handshake_timeout_before_ps_lease_runs_out(side_channel_blocked):
+    run = side_channel_blocked
+    report = run["report"]
+    fired = report["config"]["net_fault_fired"]
+    # the fault took effect: the DROP rule was in place and D's handshake ran into it
+    assert fired["fault"] == "side-channel-blocked" and fired["host"] == "a" and fired["dropped_packets"] > 0, fired
+    failure = report["failure"]
+    assert report["verdict"] == "fail" and run["rc"] != 0
+    assert failure["class"] == "handshake-timeout" and failure["source"] == "decode", failure
+    assert "seen 3 times" in failure["reason"], failure
+    # it stopped on D's repeated handshake failures, not after P's lease let the blocks go (the 275 s it took before)
+    assert "Releasing expired KV blocks" not in Path(report["logs"]["prefill"]).read_text()
     assert processes_tagged(run["run_dir"] / "logs") == [] and run["left_namespaces"] == []
 
 

@@ -28,8 +28,8 @@ from harness.envs.vllm_env import versions_from
 from harness.gpu.claims import STATE_ENV, live_claims
 from harness.gpu.simulate import SIMULATED_ENV
 from harness.hosts.netns import NamespaceLab, namespace_problem
-from harness.models.config import load_models
 from harness.serve.ports import PortAllocator
+from tests.helpers import config_only_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]
 NO_LAB = namespace_problem()
@@ -59,25 +59,6 @@ def tagged(tag: str) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return out
-
-
-def hf_cache(home: Path) -> Path:
-    """A Hugging Face cache with each hub model's config.json only (as tests/integration/test_simulated_gpu_box.py)."""
-    for e in load_models().models:
-        if not e.hub_id:
-            continue
-        repo = home / "hub" / ("models--" + e.hub_id.replace("/", "--"))
-        (repo / "refs").mkdir(parents=True)
-        (repo / "refs" / "main").write_text("simulated")
-        snap = repo / "snapshots" / "simulated"
-        snap.mkdir(parents=True)
-        hd = 64 if e.mla or not e.head_dim else e.head_dim
-        cfg = {"model_type": e.family or "llama", "num_attention_heads": e.attention_heads,
-               "num_key_value_heads": e.kv_heads, "hidden_size": e.attention_heads * hd, "head_dim": hd}
-        if e.mla:
-            cfg.update(kv_lora_rank=512, qk_rope_head_dim=64)
-        (snap / "config.json").write_text(json.dumps(cfg))
-    return home
 
 
 class Cluster:
@@ -162,7 +143,7 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     base = tmp_path_factory.mktemp("ray")
-    hf_cache(base / "hf")
+    config_only_hf_cache(base / "hf")
     lab = NamespaceLab(["head", "worker", "ctl"])
     with lab, PortAllocator() as ports, Cluster(lab, ports, base, uuid.uuid4().hex) as c:
         yield c

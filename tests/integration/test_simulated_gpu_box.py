@@ -25,7 +25,7 @@ import pytest
 
 from harness.gpu.claims import STATE_ENV, live_claims
 from harness.gpu.simulate import SIMULATED_ENV
-from harness.models.config import load_models
+from tests.helpers import config_only_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -39,22 +39,7 @@ GPU_CHECKS = ("gpu_free_before_baseline", "gpu_released_after_baseline", "gpu_fr
 @pytest.fixture(scope="module")
 def hf_home(tmp_path_factory) -> Path:
     """A Hugging Face cache with each hub model of configs/models.yaml as a config-only snapshot."""
-    home = tmp_path_factory.mktemp("hf")
-    for e in load_models().models:
-        if not e.hub_id:
-            continue
-        repo = home / "hub" / ("models--" + e.hub_id.replace("/", "--"))
-        (repo / "refs").mkdir(parents=True)
-        (repo / "refs" / "main").write_text("simulated")
-        snap = repo / "snapshots" / "simulated"
-        snap.mkdir(parents=True)
-        hd = 64 if e.mla or not e.head_dim else e.head_dim
-        cfg = {"model_type": e.family or "llama", "num_attention_heads": e.attention_heads,
-               "num_key_value_heads": e.kv_heads, "hidden_size": e.attention_heads * hd, "head_dim": hd}
-        if e.mla:
-            cfg.update(kv_lora_rank=512, qk_rope_head_dim=64)
-        (snap / "config.json").write_text(json.dumps(cfg))
-    return home
+    return config_only_hf_cache(tmp_path_factory.mktemp("hf"))
 
 
 def harness(box: str, argv: list[str], hf: Path, state: Path, timeout: float = 300,

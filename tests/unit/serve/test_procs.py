@@ -105,3 +105,28 @@ def test_stopped_restarts(tmp_path, alloc):
         with p.stopped():
             assert not p.alive()
         assert p.alive() and p.pid != first
+
+
+def test_a_retried_failure_is_fatal_only_once_it_has_come_back_n_times(tmp_path):
+    """vLLM retries a failed NIXL handshake with every request: two failures leave the server running, the third
+    (its log line as vLLM writes it) fails it, naming the line."""
+    from harness.checks.classify import HANDSHAKE_FAILURES_FATAL, REPEATED_FATAL
+
+    line = ("ERROR 12-05 10:00:00 [base_worker.py:1261] NIXL transfer failure: handshake_setup_failed | "
+            "Context: {'remote_engine_id': 'e1'}")
+    go = tmp_path / "go"
+    code = (f"import os, time; [print({line!r}, flush=True) for _ in range({HANDSHAKE_FAILURES_FATAL - 1})]\n"
+            f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+            f"print({line!r}, flush=True); time.sleep(60)")
+    p = ManagedProcess(ProcessSpec("d", [sys.executable, "-c", code], tmp_path / "d.log", repeated_fatal=REPEATED_FATAL))
+    with p:
+        deadline = time.monotonic() + 20
+        while p.log_tail().count("handshake_setup_failed") < HANDSHAKE_FAILURES_FATAL - 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        p.check()  # twice: still serving
+        go.touch()
+        with pytest.raises(ProcessFailed, match=f"handshake_setup_failed .*seen {HANDSHAKE_FAILURES_FATAL} times"):
+            while time.monotonic() < deadline:
+                p.check()
+                time.sleep(0.05)
