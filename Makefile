@@ -15,7 +15,7 @@ NIGHTLY_ARGS ?=
 WHEELHOUSE ?=
 WHEELHOUSE_ARGS ?=
 
-.PHONY: setup e2e test test-unit test-integration clean-runs nightly wheelhouse lint
+.PHONY: setup e2e test test-full test-unit test-integration clean-runs nightly wheelhouse lint
 
 setup:
 	@DEVICE=$(DEVICE) WHEELHOUSE=$(WHEELHOUSE) bash scripts/setup.sh
@@ -43,6 +43,10 @@ lint: setup
 	$(PY) -m ruff check harness
 	$(PY) -m ruff format --check harness
 	$(PY) -m mypy
+
+# Everything, the tests beyond CI's representative cut included (marked `full`: whole matrices, installs, faults).
+test-full: setup
+	PD_HARNESS_FULL=1 $(PY) -m pytest tests $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

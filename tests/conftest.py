@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.helpers import FULL  # noqa: E402  (the repository root on sys.path first)
 
 
 def pytest_configure(config):
@@ -33,6 +34,12 @@ def gpus_needed(marker) -> int:
 
 
 def pytest_collection_modifyitems(config, items):
+    if not FULL:
+        for item in items:
+            m = item.get_closest_marker("full")
+            if m is not None:
+                what = m.args[0] if m.args else "beyond CI's cut"
+                item.add_marker(pytest.mark.skip(reason=f"{what}: not in CI's cut; `make test-full` runs it"))
     marked = [(item, item.get_closest_marker("gpu")) for item in items]
     marked = [(item, m) for item, m in marked if m is not None]
     if not marked:

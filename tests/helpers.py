@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import psutil
 
 from harness.run.launch import RUN_TAG_ENV
+
+
+# `make test-full`: the tests beyond CI's representative cut (marked `full`, tests/conftest.py) run too.
+FULL = os.environ.get("PD_HARNESS_FULL") == "1"
 
 
 def processes_tagged(logs_dir: Path) -> list[int]:

@@ -18,6 +18,7 @@ def gpu_entries():
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.timeout(PAIR_TIMEOUT_S + 120)  # the run's own limit first, so it is the one that reports
 @pytest.mark.parametrize("entry_id", [pytest.param(e.id, id=e.id, marks=pytest.mark.gpu(e.gpus)) for e in gpu_entries()])
 def test_edge_matrix_entry_on_gpu(entry_id, tmp_path):
     argv = [sys.executable, "-m", "harness", "matrix", str(EDGE_YAML), "--only", entry_id, "--device", "gpu",

@@ -33,8 +33,11 @@ def e2e_accuracy_run(tmp_path_factory):
 def corrupt_blocks_run(tmp_path_factory):
     """A run whose proxy hands D wrong remote block ids (with lm-eval): it must fail, outputs diverging."""
     run_dir = tmp_path_factory.mktemp("broken") / "run"
+    # No load phase: the sequential prompts and lm-eval are what this run is read for. A 30 s lease: P holds the
+    # blocks of every request D read wrongly until it runs out, and the leak check waits for that.
     proc = subprocess.run([sys.executable, "-m", "harness", "e2e", "--accuracy", "--accuracy-limit", "60",
-                           "--proxy-fault", "corrupt-block-ids", "--run-dir", str(run_dir)],
+                           "--load-requests", "0", "--kv-lease", "30", "--proxy-fault", "corrupt-block-ids",
+                           "--run-dir", str(run_dir)],
                           cwd=REPO, capture_output=True, text=True, timeout=2400)
     (run_dir.parent / "stderr.txt").write_text(proc.stderr)
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.slow]
+# a hang fails this module's test, not all of CI: about 3x the CPU wheelhouse's build and offline install (about 6 min)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
 
 
 def configured_find_links() -> list[str]:
@@ -51,6 +52,7 @@ def wheelhouse(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.full("a CPU wheelhouse built from the index (1.2 GB) and installed offline (about 4-6 min)")
 def test_cpu_wheelhouse_installs_offline_in_a_clean_directory(wheelhouse, tmp_path):
     manifest = json.loads((wheelhouse / "manifest.json").read_text())
     assert manifest["verify"]["ok"] and manifest["verify"]["pip"] == "ok"

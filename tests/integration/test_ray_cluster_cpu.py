@@ -39,7 +39,9 @@ try:
     NO_RAY = None
 except ImportError as e:
     NO_RAY = str(e)
+# a hang fails this module's test, not all of CI: about 3x the Ray cluster's start and two entries (about 100 s)
 pytestmark = [
+    pytest.mark.timeout(600),
     pytest.mark.skipif(NO_LAB is not None, reason=f"cannot make network namespaces here: {NO_LAB}"),
     pytest.mark.skipif(NO_RAY is not None, reason=f"ray is not installed: {NO_RAY}"),
 ]

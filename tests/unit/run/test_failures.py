@@ -40,3 +40,21 @@ def test_a_lease_expiry_the_checks_explained_is_not_the_cause_of_a_mismatch():
     assert from_checks([mismatch, explained], {"prefill": LEASE}, [])["class"] == "output-mismatch"
     unexplained = Check("no_kv_lease_expiry", False, "1 lease-expiry lines")
     assert from_checks([mismatch, unexplained], {"prefill": LEASE}, [])["class"] == "kv-lease-expired"
+
+
+HANDSHAKE = (
+    "(Worker_TP0 pid=7) ERROR 12-05 10:00:05 [base_worker.py:1261] NIXL transfer failure: handshake_setup_failed | "
+    "Context: {'remote_engine_id': 'e1'}\n"
+    "(Worker_TP0 pid=7) Traceback (most recent call last):\n"
+    "(Worker_TP0 pid=7)   File \"zmq/backend/cython/_zmq.py\", line 1212, in zmq.backend.cython._zmq.Socket.recv\n"
+    "(Worker_TP0 pid=7) zmq.error.Again: Resource temporarily unavailable\n"
+)
+
+
+def test_a_handshake_that_keeps_failing_is_a_handshake_timeout_from_ds_log():
+    """D stopped on its third failed handshake (a side channel nothing answers on), after it had been serving."""
+    e = ProcessFailed("decode", "fatal log line: NIXL transfer failure: handshake_setup_failed | ... (seen 3 times)",
+                      None, Path("decode.log"), HANDSHAKE * 3, after_ready=True)
+    f = process_failure(e, {"prefill": "INFO ready\n", "decode": HANDSHAKE * 3})
+    assert (f["class"], f["source"]) == ("handshake-timeout", "decode") and "zmq.error.Again" in f["excerpt"]
+    assert "seen 3 times" in f["reason"]
