@@ -103,6 +103,7 @@ CYCLES_BOUND_S = 600  # self-stopping: the loop gives up (and fails) past this
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(CYCLES_BOUND_S + 120)  # its own bound first, so it is the one that reports
 def test_many_proxy_start_stop_cycles_leak_no_process_port_or_fd(tmp_path):
     logs = tmp_path / "logs"
     lock_dir = default_lock_dir()  # the machine-wide one: never collide with a run going on beside this test
