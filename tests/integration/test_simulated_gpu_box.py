@@ -71,7 +71,8 @@ def holding(log: str) -> str:
     return next(line for line in log.splitlines() if "[stand-in] holding" in line)
 
 
-@pytest.mark.parametrize("box, mem", [("8x40", 40.0), ("8x80", 80.0)])
+@pytest.mark.parametrize("box, mem", [pytest.param("8x40", 40.0, marks=pytest.mark.full("P2->D8 on 8 x 40 GiB")),
+                                       ("8x80", 80.0)])
 def test_p2_d8_on_eight_gpus(tmp_path, hf_home, box, mem):
     run, state = tmp_path / "run", tmp_path / "box"
     p = e2e(box, 8, run, hf_home, state)
@@ -177,7 +178,8 @@ def test_the_night_runs_every_step_on_a_simulated_8x80(tmp_path, hf_home):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("box, visible", [("8x40", None), ("8x80", "4,5,6,7")], ids=["8x40", "4-of-8"])
+@pytest.mark.parametrize("box, visible", [pytest.param("8x40", None, marks=pytest.mark.full("the night on 8 x 40 GiB")),
+                                           ("8x80", "4,5,6,7")], ids=["8x40", "4-of-8"])
 def test_the_night_on_a_smaller_box_plans_for_what_it_has(tmp_path, hf_home, box, visible):
     """A100-40GB: the same steps on half the memory; 4 of 8 GPUs given by CUDA_VISIBLE_DEVICES: only those."""
     p, run, cases = night(box, tmp_path, hf_home, visible)
