@@ -52,7 +52,6 @@ def config_only_hf_cache(home: Path) -> Path:
 
 def tiny_server_setup() -> tuple:
     """(config, tiny model path, block size, P's and D's CPU binding) for tests that start their own servers."""
-    import os
     import sys
 
     from harness.run.config import E2EConfig
