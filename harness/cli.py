@@ -426,9 +426,15 @@ def _hosts(path: Path | None, attach: bool) -> RunHosts:
         return RunHosts()
     if attach:
         raise ConfigError("--hosts places servers this harness launches; attached servers are already placed")
-    hosts = load_hosts(path)
     from harness.hosts.netns import hosts_problem
+    from harness.hosts.placement import hosts_file
 
+    resolve = None
+    if hosts_file(path).get("ray") is not None:  # a Ray cluster's nodes: harness/cluster, above hosts
+        from harness.cluster.placement import RayNodes
+
+        resolve = RayNodes()
+    hosts = load_hosts(path, resolve)
     problem = hosts_problem(hosts)
     if problem:
         raise ConfigError(f"{path}: {problem}")

@@ -25,8 +25,9 @@ from harness.core.notrack import NO_TRACK_ENV
 # open in 2.60: "Starting Ray client server failed", 3 of about 17 first connections here); a new connection
 # gets a new server. Each failed attempt takes Ray Client 40-60 s to give up.
 CLIENT_ATTEMPTS = 3
-# What Ray Client says when that server died before (or just after) the proxy saw it start.
-CLIENT_SERVER_DIED = ("Starting Ray client server failed", "Proxy failed to Connect to backend")
+# What Ray Client says when that server died before (or just after) the proxy saw it start; the last: the proxy
+# found it already dead (psutil.ZombieProcess in proxier.py start_specific_server, measured here).
+CLIENT_SERVER_DIED = ("Starting Ray client server failed", "Proxy failed to Connect to backend", "ZombieProcess")
 CONNECT_PROBE_S = 5.0  # a TCP connection to the address first: an unreachable cluster is said in seconds
 # After ray.cancel: how long the driver waits for its tasks to end (an entry's harness tears its servers down within
 # its stop grace), before it cancels the rest by force and waits for those.

@@ -78,6 +78,7 @@ class Node:
     address: str
     cpus: float
     gpus: float
+    resources: tuple[str, ...] = ()  # the names of its other resources (custom ones among them), sorted
 
     def to_dict(self) -> dict:
         return {"node_id": self.node_id, "address": self.address, "cpus": self.cpus, "gpus": self.gpus}
@@ -90,9 +91,14 @@ def nodes_from(raw: Iterable[Mapping]) -> list[Node]:
         if not n.get("Alive"):
             continue
         res = n.get("Resources") or {}
+        others = tuple(sorted(k for k in res if k not in ("CPU", "GPU")))
         out.append(
             Node(
-                str(n.get("NodeID", "")), str(n.get("NodeManagerAddress", "")), res.get("CPU", 0.0), res.get("GPU", 0.0)
+                str(n.get("NodeID", "")),
+                str(n.get("NodeManagerAddress", "")),
+                res.get("CPU", 0.0),
+                res.get("GPU", 0.0),
+                others,
             )
         )
     return out

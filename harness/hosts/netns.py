@@ -174,13 +174,15 @@ def local_addresses() -> set[str]:
 def hosts_problem(hosts: RunHosts) -> str | None:
     """Why a run cannot be placed on ``hosts`` here (a namespace it names is missing, or this is not root), or None."""
     mine = local_addresses()
-    elsewhere = [h for h in hosts.placed() if h.netns is None and not h.is_local and h.address not in mine]
+    elsewhere = [
+        h for h in hosts.placed() if h.netns is None and h.ray is None and not h.is_local and h.address not in mine
+    ]
     if elsewhere:
         h = elsewhere[0]
         return (
             f"host {h.name} ({h.address}) is not an address of this machine and has no netns: the harness starts "
-            "servers only here or in network namespaces here; start them there and use attach mode "
-            "(--prefill-url, --decode-url)"
+            "servers only here, in network namespaces here or on Ray nodes (docs/multi-host.md); start them there "
+            "and use attach mode (--prefill-url, --decode-url)"
         )
     names = hosts.namespaces
     if not names:

@@ -125,6 +125,11 @@ class E2EConfig:
             )
         if self.net_fault in NEEDS_HOLD and self.proxy_fault != "none":
             raise ConfigError("--net-fault and --proxy-fault both need the proxy's fault hook: give one")
+        if self.hosts.on_ray and self.device == "gpu":  # the GPU plan is made for the machine the harness runs on
+            raise ConfigError(
+                "servers on Ray nodes run on CPU only so far: on GPU the plan would be this machine's, not the "
+                "node's (run GPU entries as tasks with `matrix --ray`, or attach servers started on the nodes)"
+            )
         nodes = 1 + len(self.hosts.decode_nodes)
         if self.tp_d % nodes:
             raise ConfigError(f"D's TP size {self.tp_d} does not split evenly over its {nodes} nodes")

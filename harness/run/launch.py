@@ -15,7 +15,7 @@ from harness.core.paths import REPO_ROOT
 from harness.gpu.claims import STATE_ENV, box_state
 from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
 from harness.gpu.simulate import SIMULATED_ENV, simulated_box
-from harness.hosts.placement import LOCAL, Host
+from harness.hosts.placement import LOCAL, RAY_STOP_GRACE_S, Host
 from harness.run.config import E2EConfig
 from harness.serve.ports import PortAllocator, Ports, ServerPorts, server_ports
 from harness.serve.procs import ManagedProcess, ProcessSpec
@@ -158,19 +158,21 @@ def _process(
     cmd = build_server_command(spec, ports, cfg.python, cfg.cpu_tuning)
     sim = simulated_spec(cfg)
     argv, env, shown = (cmd.argv, cmd.env, cmd.shell()) if sim is None else standin(cmd, sim)
-    if host.netns:
-        argv = host.wrap(argv)
+    env = {**env, RUN_TAG_ENV: str(logs_dir)}
+    if host.netns or host.ray:
+        argv = host.wrap(argv, env_names=tuple(env), name=name)
         shown = Command(argv, env).shell()
     proc = ManagedProcess(
         ProcessSpec(
             name=name,
             argv=argv,
-            env={**env, RUN_TAG_ENV: str(logs_dir)},
+            env=env,
             log_path=logs_dir / f"{name}.log",
             health_url=health,
             fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
             repeated_fatal=REPEATED_FATAL,
             ready_timeout_s=cfg.ready_timeout_s,
+            stop_grace_s=RAY_STOP_GRACE_S if host.ray else ProcessSpec.stop_grace_s,
         )
     )
     return proc, shown
@@ -225,8 +227,9 @@ def make_proxy(
     hold_dir: Path | None = None,
 ) -> tuple[ManagedProcess, str]:
     port = alloc.port()
+    env = with_no_track({RUN_TAG_ENV: str(logs_dir)})
     argv = [
-        *host.wrap([python]),
+        *host.wrap([python], env_names=tuple(env), name=name),
         str(PROXY_SCRIPT),
         "--host",
         host.address,
@@ -250,10 +253,11 @@ def make_proxy(
         ProcessSpec(
             name=name,
             argv=argv,
-            env=with_no_track({RUN_TAG_ENV: str(logs_dir)}),
+            env=env,
             log_path=logs_dir / f"{name}.log",
             health_url=f"{url}/health",
-            ready_timeout_s=60,
+            ready_timeout_s=180 if host.ray else 60,  # on a Ray node: the launcher connects and places it first
+            stop_grace_s=RAY_STOP_GRACE_S if host.ray else ProcessSpec.stop_grace_s,
         )
     )
     return proc, url

