@@ -1,8 +1,12 @@
 """Servers and the proxy placed on hosts: what they bind, what peers dial, where they run."""
 
-from harness.hosts.placement import Host, RunHosts
+import pytest
+
+from harness.cluster.remote import REMOTE_GRACE_S
+from harness.core.errors import ConfigError
+from harness.hosts.placement import RAY_STOP_GRACE_S, REMOTE_MODULE, Host, RayNode, RunHosts
 from harness.run.config import E2EConfig
-from harness.run.launch import make_proxy, make_server
+from harness.run.launch import RUN_TAG_ENV, make_proxy, make_server
 from harness.serve.ports import PortAllocator
 
 A = Host("a", "10.213.0.2", "pdh-t-a", (("UCX_TLS", "tcp"),))
@@ -44,3 +48,32 @@ def test_the_proxy_runs_on_its_host(tmp_path):
     argv = proc.spec.argv
     assert tuple(argv[:5]) == ("ip", "netns", "exec", "pdh-t-c", "python")
     assert argv[argv.index("--host") + 1] == "10.213.0.4" and url.startswith("http://10.213.0.4:")
+
+
+R = Host("r", "10.213.0.5", env=(("UCX_TLS", "tcp"),), ray=RayNode("ray://10.213.0.9:10001", "node-r", "ray_node: r"))
+
+
+def test_a_server_on_a_ray_node_starts_through_the_launcher_with_its_own_settings(tmp_path):
+    cfg = E2EConfig(hosts=RunHosts(prefill=R, decode=B, proxy=C))
+    with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
+        srv = make_server(cfg, alloc, "prefill", 1, "/m", "tiny", 32, None, tmp_path)
+    spec = srv.proc.spec
+    argv, env = list(spec.argv), spec.env
+    assert argv[1:9] == ["-m", REMOTE_MODULE, "--ray", "ray://10.213.0.9:10001", "--node-id", "node-r", "--env",
+                         argv[8]]
+    taken = {argv[i + 1] for i, a in enumerate(argv[: argv.index("--")]) if a == "--env"}
+    # every variable the harness sets for the server goes along (the node's environment gives the rest)
+    assert taken == set(env) and {"VLLM_HOST_IP", "VLLM_NIXL_SIDE_CHANNEL_PORT", "UCX_TLS", RUN_TAG_ENV} <= taken
+    assert argv[argv.index("--name") + 1] == "prefill"
+    vllm = argv[argv.index("--") + 1 :]
+    assert vllm[1:3] == ["-m", "vllm.entrypoints.openai.api_server"] and vllm[vllm.index("--host") + 1] == "10.213.0.5"
+    assert env["VLLM_HOST_IP"] == env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.213.0.5"
+    assert srv.url.startswith("http://10.213.0.5:")
+    # its stop covers the server's own on its node and Ray's round trips
+    assert spec.stop_grace_s == RAY_STOP_GRACE_S > REMOTE_GRACE_S + 20
+    assert f"-m {REMOTE_MODULE} " in srv.command
+
+
+def test_gpu_runs_are_refused_with_servers_on_ray_nodes():
+    with pytest.raises(ConfigError, match="servers on Ray nodes run on CPU only so far"):
+        E2EConfig(device="gpu", model="m", hosts=RunHosts(prefill=R, decode=B)).validate()
