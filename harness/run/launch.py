@@ -162,7 +162,8 @@ def _process(
     if host.netns or host.ray:
         argv = host.wrap(argv, env_names=tuple(env), name=name)
         shown = Command(argv, env).shell()
-    proc = ManagedProcess(
+    proc = _managed(
+        host,
         ProcessSpec(
             name=name,
             argv=argv,
@@ -172,10 +173,15 @@ def _process(
             fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
             repeated_fatal=REPEATED_FATAL,
             ready_timeout_s=cfg.ready_timeout_s,
-            stop_grace_s=RAY_STOP_GRACE_S if host.ray else ProcessSpec.stop_grace_s,
-        )
+        ),
     )
     return proc, shown
+
+
+def _managed(host: Host, spec: ProcessSpec) -> ManagedProcess:
+    """The process of ``spec`` on ``host``; on a Ray node its launcher's stop covers the server's own stop there and
+    Ray's round trips."""
+    return ManagedProcess(replace(spec, stop_grace_s=RAY_STOP_GRACE_S) if host.ray else spec)
 
 
 def host_env(cfg: E2EConfig, host: Host) -> tuple[tuple[str, str], ...]:
@@ -249,7 +255,8 @@ def make_proxy(
     if hold_dir is not None:
         argv += ["--hold-dir", str(hold_dir)]
     url = host.url(port)
-    proc = ManagedProcess(
+    proc = _managed(
+        host,
         ProcessSpec(
             name=name,
             argv=argv,
@@ -257,7 +264,6 @@ def make_proxy(
             log_path=logs_dir / f"{name}.log",
             health_url=f"{url}/health",
             ready_timeout_s=180 if host.ray else 60,  # on a Ray node: the launcher connects and places it first
-            stop_grace_s=RAY_STOP_GRACE_S if host.ray else ProcessSpec.stop_grace_s,
-        )
+        ),
     )
     return proc, url

@@ -175,15 +175,16 @@ def finish(p: subprocess.Popen, timeout_s: float = 120) -> tuple[str, str]:
         pytest.fail(f"the driver ran past {timeout_s} s:\n{out[-3000:]}\n{err[-3000:]}")
 
 
-def entry_processes(tag: str) -> list[str]:
-    """The tagged processes that are not Ray's own: the entries' harnesses, their stand-in servers and watchdogs."""
+def entry_processes(tag: str, words: tuple[str, ...] = ("harness",)) -> list[str]:
+    """The tagged processes that are not Ray's own: those whose command line has one of ``words`` (by default the
+    entries' harnesses, their stand-in servers and watchdogs; with "vllm" too, a run's launchers and vLLM servers)."""
     out = []
     for p in tagged(tag):
         try:
             cmd = " ".join(p.cmdline())
         except psutil.Error:
             continue
-        if "harness" in cmd:
+        if any(w in cmd for w in words):
             out.append(f"{p.pid}: {cmd[:160]}")
     return out
 
@@ -274,17 +275,7 @@ def test_each_cancelled_entry_says_so_in_its_own_report(interrupted):
         assert entry["failure"]["class"] == "interrupted", entry.get("failure")
 
 
-def run_processes(tag: str) -> list[str]:
-    """The tagged processes of a run: launchers, vLLM servers, the proxy, their watchdogs (not Ray's own)."""
-    out = []
-    for p in tagged(tag):
-        try:
-            cmd = " ".join(p.cmdline())
-        except psutil.Error:
-            continue
-        if "harness" in cmd or "vllm" in cmd:
-            out.append(f"{p.pid}: {cmd[:160]}")
-    return out
+RUN_WORDS = ("harness", "vllm")  # a run's launchers, its vLLM servers, the proxy, their watchdogs
 
 
 @pytest.fixture(scope="module")
@@ -311,10 +302,10 @@ def placed_by_ray(cluster, tmp_path_factory):
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
     assert report is not None, (out + err)[-4000:]
     deadline = time.monotonic() + 30
-    while run_processes(cluster.tag) and time.monotonic() < deadline:
+    while entry_processes(cluster.tag, RUN_WORDS) and time.monotonic() < deadline:
         time.sleep(0.2)
     return {"rc": p.returncode, "output": out + err, "report": report, "run_dir": run_dir,
-            "left": run_processes(cluster.tag), "head": head, "worker": worker}
+            "left": entry_processes(cluster.tag, RUN_WORDS), "head": head, "worker": worker}
 
 
 @pytest.mark.vllm
