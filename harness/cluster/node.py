@@ -83,6 +83,18 @@ def run_entry(payload: dict[str, Any]) -> dict[str, Any]:
         while (returncode := proc.proc.poll()) is None:
             time.sleep(POLL_S)
     finally:
-        proc.stop()
+        running = proc.alive()
+        t_stop = time.monotonic()
+        rc = proc.stop()
+        if running:  # cancelled or failed here: how the entry's harness ended goes into its log (issue 26)
+            note_stop(Path(payload["log"]), rc, time.monotonic() - t_stop, float(payload["stop_grace_s"]))
     where.update(returncode=returncode, seconds=round(time.monotonic() - t0, 1))
     return where
+
+
+def note_stop(log: Path, rc: int | None, secs: float, grace_s: float) -> None:
+    """One line at the end of the task's log: the entry's harness stopped by this task, its exit code and how long its
+    own teardown took (or that the grace ran out and it was killed)."""
+    how = f"killed after the {grace_s:g} s grace" if secs >= grace_s else "its own teardown"
+    with open(log, "a") as f:
+        f.write(f"# task: stopped the entry's harness (SIGTERM): exit code {rc} after {secs:.1f} s, {how}\n")

@@ -64,6 +64,15 @@ def test_a_cancelled_task_stops_the_entrys_group(tmp_path, monkeypatch):
         pass
     else:
         raise AssertionError("the interrupt did not go up")
-    assert log.read_text().startswith("# matrix-entry:")
+    text = log.read_text()
+    assert text.startswith("# matrix-entry:")
+    # how the entry ended is in its log: python ends at SIGTERM at once (exit -15), well within the grace
+    assert "# task: stopped the entry's harness (SIGTERM): exit code -15 after " in text and "its own teardown" in text
     left = [p for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or [])]
     assert left == []
+
+
+def test_an_entry_that_outlives_the_grace_is_said_to_be_killed(tmp_path):
+    node.note_stop(tmp_path / "task.log", -9, 60.4, 60.0)
+    assert (tmp_path / "task.log").read_text() == (
+        "# task: stopped the entry's harness (SIGTERM): exit code -9 after 60.4 s, killed after the 60 s grace\n")
