@@ -270,7 +270,10 @@ def test_each_cancelled_entry_says_so_in_its_own_report(interrupted):
     _, _, run_dir, _ = interrupted
     for e in ENTRIES:
         found = list(run_dir.glob(f"ray/vllm-{VERSION}/{e}/vllm-{VERSION}/{e}/report.json"))
-        assert found, f"{e}: its harness left no report after the cancel"
+        task_log = next(run_dir.glob(f"ray/vllm-{VERSION}/{e}/task.log"))
+        # its last lines say how the task stopped it (harness/cluster/node.py note_stop)
+        assert found, f"{e}: its harness left no report after the cancel; its task log ends:\n" + "\n".join(
+            task_log.read_text().splitlines()[-15:])
         entry = json.loads(found[0].read_text())
         assert entry["failure"]["class"] == "interrupted", entry.get("failure")
 
