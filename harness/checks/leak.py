@@ -27,6 +27,7 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the name changed between releases
 EXPIRED = "vllm:nixl_num_kv_expired_reqs_total"
 CHECK_NAME = "no_kv_leak"
+FAULT_CHECK_NAME = "p_blocks_released_after_fault"  # P's blocks followed back to idle after a network fault
 # P's lease line names the request and how many D workers read it (vLLM nixl/base_worker.py _reap_expired_send_leases).
 EXPIRY_LINE = re.compile(r"Releasing expired KV blocks for request (\S+) which were retrieved by (\d+) remote worker")
 # Proxy stages where a client cancel can leave P holding a finished request's blocks: P may have finished already
@@ -118,6 +119,7 @@ class IdleWatch:
     faulted: list[str] = field(
         default_factory=list
     )  # requests the harness's proxy fault changed (their reads may fail)
+    first: dict[str, ServerState] | None = None  # the first read: what was held when the wait began
 
 
 def wait_idle(
@@ -140,10 +142,11 @@ def wait_idle(
         return {name: state_of(samples) for name, samples in read().items()}, clock() - t0
 
     states, waited = poll()
+    first = states
     while not _all_idle(states, idle) and waited < deadline_s:
         sleep(poll_s)
         states, waited = poll()
-    watch = IdleWatch(idle, states, waited, deadline_s, lease_s)
+    watch = IdleWatch(idle, states, waited, deadline_s, lease_s, first=first)
     if _all_idle(states, idle):
         return watch
     if any(blind(s) for s in states.values()):
@@ -319,3 +322,78 @@ def _explained(by_cancel: Sequence[Expiry], by_fault: Sequence[Expiry]) -> str:
             f"({', '.join(e.request_id for e in by_fault[:6])})"
         )
     return "; ".join(parts)
+
+
+def check_released_after_fault(
+    w: IdleWatch, fault: str, logs: Mapping[str, str] | None = None, trace: Sequence[dict] = ()
+) -> Check:
+    """After a network fault ended the run (and was undone): the blocks P held for a D that may never read them are
+    freed, by D's reads or by P's lease. ``w``: P's servers only; ``logs``: P's logs so far (the expiries named);
+    ``trace``: P's states as they changed during the follow-up (kept in the data as they are)."""
+    first = w.first if w.first is not None else w.states
+    held = {n: held_blocks(s, w.idle.get(n)) for n, s in first.items()}
+    expired = sum(_expired(s, w.idle.get(n)) for n, s in w.states.items())
+    data = _fault_data(w, fault, first, expired, expiries(logs or {}), trace)
+    seen = "; ".join(describe(n, s, w.idle.get(n)) for n, s in w.states.items())
+    if not w.states:
+        return Check(FAULT_CHECK_NAME, False, "no P server to follow after the fault", data)
+    at_start = "; ".join(f"{n}: {b:g} blocks held" for n, b in held.items())
+    if w.outcome in ("idle", "lease-hold", "freed-late"):
+        when = f"{w.waited_s:.0f} s after the fault was undone" if any(held.values()) else "when followed"
+        how = (
+            f"{expired:g} lease expiries of P's {w.lease_s or 0:g} s lease since the first request"
+            if expired
+            else "no lease expired (freed by D's reads, or nothing was held)"
+        )
+        return Check(
+            FAULT_CHECK_NAME,
+            True,
+            f"P's blocks released after {fault}: {at_start} when the follow-up began, back to idle {when}; "
+            f"{how}: {seen}",
+            data,
+        )
+    if w.outcome == "blind":
+        return Check(
+            FAULT_CHECK_NAME,
+            False,
+            f"after {fault}, P exports none of {RUNNING}, {WAITING}, {'/'.join(KV_USAGE)}: {seen}",
+            data,
+        )
+    if w.outcome == "busy":
+        return Check(
+            FAULT_CHECK_NAME,
+            False,
+            f"after {fault}, P still runs requests {w.waited_s:.0f} s into the follow-up: {seen}",
+            data,
+        )
+    return Check(
+        FAULT_CHECK_NAME,
+        False,
+        f"kv-leak after {fault}: {at_start} when the follow-up began, still held {w.waited_s:.0f} s later, past "
+        f"P's {w.lease_s or 0:g} s lease and a {LEASE_MARGIN_S:g} s margin ({expired:g} lease expiries): {seen}",
+        data,
+    )
+
+
+def _fault_data(
+    w: IdleWatch,
+    fault: str,
+    first: Mapping[str, ServerState],
+    expired: float,
+    named: Sequence[Expiry],
+    trace: Sequence[dict],
+) -> dict:
+    return {
+        "fault": fault,
+        "outcome": w.outcome,
+        "held_when_followed": {n: s.to_dict() for n, s in first.items()},
+        "servers": {n: s.to_dict() for n, s in w.states.items()},
+        "idle_before": {n: s.to_dict() for n, s in w.idle.items()},
+        "waited_s": round(w.waited_s, 2),
+        "freed_after_s": None if w.freed_after_s is None else round(w.freed_after_s, 2),
+        "deadline_s": w.deadline_s,
+        "lease_s": w.lease_s,
+        "lease_expiries": expired,  # P's expiry counter since before the first request
+        "expired_requests": [asdict(e) for e in named],
+        "trace": list(trace),
+    }

@@ -6,7 +6,10 @@ the fault is in place (``--fault hold-between-hops``), so the cut lands at the s
 
 ``side-channel-blocked``: once P is up and before the first request (so before D's NIXL handshake), P's host drops
 every packet to P's side-channel ports (an iptables rule in P's namespace). The rule's packet counter, read when the
-phase ends, shows whether D's handshake ran into it."""
+phase ends, shows whether D's handshake ran into it.
+
+Each fault can be undone and read back (``LinkCutter.restore``, ``unblock_ports``): after the fault's failure, the
+run reads P again to follow the blocks it held for D back to idle (the leak check after a fault)."""
 
 from __future__ import annotations
 
@@ -45,25 +48,43 @@ def links(host: Host) -> dict[str, bool]:
     return state
 
 
-def cut(host: Host) -> list[str]:
-    """Take every link of ``host`` down; raise unless all read back down. Returns the links cut."""
+def cut(host: Host, done: list[str] | None = None) -> list[str]:
+    """Take every link of ``host`` down; raise unless all read back down. Returns the links cut. ``done`` gets each
+    link as it goes down, so that a cut that fails halfway can still be undone."""
     names = list(links(host))
     for name in names:
-        done = subprocess.run(
-            ["ip", "-n", str(host.netns), "link", "set", name, "down"], capture_output=True, text=True
-        )
-        if done.returncode:
-            raise NetFaultError(f"ip -n {host.netns} link set {name} down: {done.stderr.strip()}")
+        _set_link(host, name, "down")
+        if done is not None and name not in done:
+            done.append(name)
     still_up = [n for n, up in links(host).items() if up]
     if not names or still_up:
         raise NetFaultError(f"host {host.name}: links still up after the cut: {still_up or 'no link to cut'}")
     return names
 
 
+def bring_up(host: Host, names: list[str]) -> dict[str, bool]:
+    """Bring ``names`` (links of ``host``, e.g. those ``cut`` took down) back up; raise unless each reads back up.
+    Returns the links of ``host`` as read back."""
+    for name in names:
+        _set_link(host, name, "up")
+    state = links(host)
+    down = [n for n in names if not state.get(n)]
+    if down:
+        raise NetFaultError(f"host {host.name}: links still down after bringing them up: {down}")
+    return state
+
+
+def _set_link(host: Host, name: str, updown: str) -> None:
+    done = subprocess.run(["ip", "-n", str(host.netns), "link", "set", name, updown], capture_output=True, text=True)
+    if done.returncode:
+        raise NetFaultError(f"ip -n {host.netns} link set {name} {updown}: {done.stderr.strip()}")
+
+
 @dataclass
 class LinkCutter:
     """Waits (in a thread) for the proxy to hold a request between hops, cuts ``host``'s links, reads them back,
-    then lets the request go on. ``fired`` is what the report records."""
+    then lets the request go on; ``restore`` (after ``stop``) brings them back up. ``fired`` is what the report
+    records."""
 
     host: Host
     hold_dir: Path
@@ -72,6 +93,7 @@ class LinkCutter:
     error: str | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    _cut: list[str] = field(default_factory=list)  # links taken down so far, even by a cut that failed halfway
 
     def start(self) -> None:
         self.hold_dir.mkdir(parents=True, exist_ok=True)
@@ -90,7 +112,7 @@ class LinkCutter:
             if held:
                 request_id = held[0].name[: -len(HELD)]
                 try:
-                    cut_links = cut(self.host)
+                    cut_links = cut(self.host, self._cut)
                     self.fired = {
                         "fault": "p-link-down",
                         "host": self.host.name,
@@ -104,6 +126,18 @@ class LinkCutter:
                 return
             self._stop.wait(0.05)
 
+    def restore(self) -> dict[str, object]:
+        """Bring the links this cutter took down back up and read them back; raises NetFaultError unless each is up.
+        Call after ``stop``, so that no cut can follow. Returns what it did (``restored``: the links, and
+        ``restored_read_back``), also added to ``fired``; {} when nothing was cut."""
+        if self._thread is not None and self._thread.is_alive():
+            raise NetFaultError("the cutter still runs: stop it before restoring the links")
+        if not self._cut:
+            return {}
+        done: dict[str, object] = {"restored": list(self._cut), "restored_read_back": bring_up(self.host, self._cut)}
+        self.fired.update(done)
+        return done
+
 
 def _iptables(host: Host, *args: str) -> str:
     if shutil.which("iptables") is None:
@@ -114,17 +148,40 @@ def _iptables(host: Host, *args: str) -> str:
     return out.stdout
 
 
+def _drop_spec(first: int, count: int) -> tuple[str, list[str]]:
+    """The ports as iptables writes them, and the DROP rule's spec in INPUT (shared by adding and removing it)."""
+    ports = f"{first}:{first + count - 1}" if count > 1 else str(first)
+    return ports, ["INPUT", "-p", "tcp", "--dport", ports, "-j", "DROP"]
+
+
+def _drop_rules(host: Host, ports: str) -> list[str]:
+    return [r for r in _iptables(host, "-S", "INPUT").splitlines() if f"--dport {ports} " in f"{r} " and "DROP" in r]
+
+
 def block_ports(host: Host, first: int, count: int) -> str:
     """Drop every TCP packet to ports ``first`` .. ``first + count - 1`` arriving at ``host``; the rule as iptables
     reads it back (raises if it is not there)."""
     if host.netns is None:
         raise NetFaultError(f"host {host.name} is not a network namespace: the harness blocks ports only there")
-    ports = f"{first}:{first + count - 1}" if count > 1 else str(first)
-    _iptables(host, "-A", "INPUT", "-p", "tcp", "--dport", ports, "-j", "DROP")
-    rules = [r for r in _iptables(host, "-S", "INPUT").splitlines() if f"--dport {ports}" in r and "DROP" in r]
+    ports, spec = _drop_spec(first, count)
+    _iptables(host, "-A", *spec)
+    rules = _drop_rules(host, ports)
     if not rules:
         raise NetFaultError(f"the DROP rule for ports {ports} is not in {host.name}'s INPUT chain after adding it")
     return rules[0]
+
+
+def unblock_ports(host: Host, first: int, count: int) -> list[str]:
+    """Remove the rule ``block_ports`` added (``iptables -D`` with the same spec); raise unless it reads back gone.
+    Returns the INPUT chain as read back after."""
+    if host.netns is None:
+        raise NetFaultError(f"host {host.name} is not a network namespace: the harness blocks ports only there")
+    ports, spec = _drop_spec(first, count)
+    _iptables(host, "-D", *spec)
+    left = _drop_rules(host, ports)
+    if left:
+        raise NetFaultError(f"a DROP rule for ports {ports} is still in {host.name}'s INPUT chain: {left}")
+    return _iptables(host, "-S", "INPUT").splitlines()
 
 
 def dropped_packets(host: Host, first: int, count: int) -> int:

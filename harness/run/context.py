@@ -39,6 +39,9 @@ class RunContext:
     load_prompts: dict[str, list[int]] = field(default_factory=dict)  # its prompts as token ids, by request id
     prefix_cases: list[PrefixCase] = field(default_factory=list)  # the prefix-cache scenarios (D's prefix cache on)
     prefix_prompts: dict[str, list[int]] = field(default_factory=dict)  # their prompts as token ids, by case id
+    # the logs when the P/D phase failed, kept where a follow-up (P's blocks after a network fault) made the servers
+    # log more before teardown: the failure is classified from what led to it, not from what followed
+    failure_logs: dict[str, str] | None = None
 
     @property
     def logs(self) -> Path:
@@ -146,3 +149,7 @@ class RunContext:
             with contextlib.suppress(OSError):
                 out[role] = Path(path).read_text(errors="replace")
         return out
+
+    def logs_for_failure(self) -> dict[str, str]:
+        """The logs a run's failure is classified from: ``failure_logs`` where kept, else every log as it is now."""
+        return self.failure_logs if self.failure_logs is not None else self.read_logs()

@@ -134,10 +134,14 @@ HEADLINE_CUT = ("; mismatched: ", "; over it: ")  # where a failed check's detai
 
 
 def _reason(d: dict) -> str:
-    """The banner leads with each failed check's counts and first divergence; the request ids stay folded."""
+    """The banner leads with each failed check's counts and first divergence; the request ids stay folded. A run that
+    failed otherwise (an exception: a network fault, a dead server) leads with its own reason, even where a check
+    made after it (P's blocks after a fault) failed too."""
     if not d.get("reason"):
         return ""
     failed = [c for c in d.get("checks") or [] if not c.get("passed")]
+    if d["reason"] != "; ".join(f"{c.get('name')}: {c.get('detail')}" for c in failed):
+        failed = []  # the reason is not the failed checks' (run/failures.py from_checks joins them so)
     heads = []
     for c in failed:
         detail = str(c.get("detail") or "")

@@ -1,10 +1,13 @@
 """The P/D phase: P and D (launched here or attached) and the proxy, the prompts through the proxy while the
-servers are watched, D's /metrics and the proxy's counters around them, the smoke check and lm-eval."""
+servers are watched, D's /metrics and the proxy's counters around them, the smoke check and lm-eval. With a
+``--net-fault``, the fault; and when the phase fails (the fault's classified ending), the fault undone and P's blocks
+followed back to idle before teardown."""
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import requests
@@ -13,8 +16,17 @@ from harness.accuracy.checks import check_through_pd
 from harness.accuracy.lm_eval import EvalRun
 from harness.checks import smoke, transfer
 from harness.checks.check import Check
-from harness.checks.leak import IdleWatch, state_of, wait_idle
-from harness.hosts.faults import LinkCutter, NetFaultError, block_ports, dropped_packets
+from harness.checks.leak import (
+    FAULT_CHECK_NAME,
+    LEASE_MARGIN_S,
+    IdleWatch,
+    ServerState,
+    check_released_after_fault,
+    state_of,
+    wait_idle,
+)
+from harness.hosts.faults import LinkCutter, NetFaultError, block_ports, dropped_packets, unblock_ports
+from harness.hosts.placement import Host
 from harness.models.config import load_models
 from harness.run.context import RunContext
 from harness.run.load import PDLoad, pd_load
@@ -22,7 +34,7 @@ from harness.run.prefix import PDPrefix, pd_prefix
 from harness.run.simulated import simulated
 from harness.run.watch import run_watched
 from harness.serve.ports import PortAllocator
-from harness.serve.procs import start_all
+from harness.serve.procs import ManagedProcess, start_all
 from harness.serve.prometheus import Sample
 from harness.serve.servers import LocalServers, MetricsUnavailable, ServerSet, decode_metrics, read_json, server_metrics
 from harness.workload.client import CompletionRun, run_completions
@@ -73,35 +85,14 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
             ctx.report.timings_s[f"{role}_launch_to_ready"] = secs
         proxy, proxy_url = ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
         ctx.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
-        start_net_fault(ctx, stack, servers)
-        watch = [servers, proxy]
+        fault = start_net_fault(ctx, stack, servers)
         idle = {name: state_of(samples) for name, samples in server_metrics(servers).items()}
-        before = decode_metrics(servers)
-        t1 = time.monotonic()
-        completions = watched_requests(ctx, proxy_url, watch)
-        ctx.timed("pd_requests", t1)
-        after = decode_metrics(servers)
-        stats = proxy_stats(proxy_url, servers)
-        out = PDResult(completions, before, after, stats, {}, servers.attached, smoke=smoke_check(ctx, proxy_url))
-        if isinstance(servers, LocalServers):  # while they serve: engine cores and workers are up by now
-            out.environs = servers.environs()
-        out.prefix = pd_prefix(ctx, proxy_url, servers, watch)  # before the load churns D's cache
-        out.load = pd_load(ctx, proxy_url, servers, watch)
-        if ctx.accuracy is not None and not simulated(ctx):  # stand-ins would only be scored on their words
-            acc_before = decode_metrics(servers)
-            stats_before = proxy_stats(proxy_url, servers)
-            out.eval = ctx.lm_eval(proxy_url, "pd", watch)
-            stats_after = proxy_stats(proxy_url, servers)
-            xfers = transfer.delta(acc_before, decode_metrics(servers), transfer.XFER_COUNT).delta
-            out.through = check_through_pd(out.eval.n, stats_before, stats_after, xfers)
-        out.final_stats = proxy_stats(proxy_url, servers)
-        t_idle = time.monotonic()
-        # P's lease bounds how long it may keep a finished request's blocks; vLLM's default where none is set.
-        lease = ctx.cfg.lease_s if ctx.cfg.lease_s is not None else VLLM_DEFAULT_LEASE_S
-        out.idle = wait_idle(lambda: server_metrics(servers), idle, ctx.cfg.load.leak_deadline_s, lease)
-        out.idle.cancels = dict((out.final_stats or {}).get("cancelled_ids") or {})
-        out.idle.faulted = list((out.final_stats or {}).get("faulted_ids") or [])
-        ctx.timed("pd_idle_wait", t_idle)
+        try:
+            out = serve_pd(ctx, servers, proxy_url, [servers, proxy], idle)
+        except Exception:
+            if fault is not None and isinstance(servers, LocalServers):  # the fault's ending: servers still up
+                after_fault(ctx, servers, proxy, fault, idle)
+            raise  # the fault's own failure stays the run's class
         t_stop = time.monotonic()
     if ctx.gpu is not None and isinstance(servers, LocalServers):
         ctx.gpu.after("pd", servers.seen_pids())
@@ -112,38 +103,177 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
     return out
 
 
-def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack, servers: ServerSet) -> None:
+def serve_pd(
+    ctx: RunContext, servers: ServerSet, proxy_url: str, watch: list, idle: dict[str, ServerState]
+) -> PDResult:
+    """Everything the phase does with its servers up: the prompts, the counters, smoke, prefix, load, lm-eval, and
+    P and D followed back to ``idle`` (read before the first request)."""
+    before = decode_metrics(servers)
+    t1 = time.monotonic()
+    completions = watched_requests(ctx, proxy_url, watch)
+    ctx.timed("pd_requests", t1)
+    after = decode_metrics(servers)
+    stats = proxy_stats(proxy_url, servers)
+    out = PDResult(completions, before, after, stats, {}, servers.attached, smoke=smoke_check(ctx, proxy_url))
+    if isinstance(servers, LocalServers):  # while they serve: engine cores and workers are up by now
+        out.environs = servers.environs()
+    out.prefix = pd_prefix(ctx, proxy_url, servers, watch)  # before the load churns D's cache
+    out.load = pd_load(ctx, proxy_url, servers, watch)
+    if ctx.accuracy is not None and not simulated(ctx):  # stand-ins would only be scored on their words
+        acc_before = decode_metrics(servers)
+        stats_before = proxy_stats(proxy_url, servers)
+        out.eval = ctx.lm_eval(proxy_url, "pd", watch)
+        stats_after = proxy_stats(proxy_url, servers)
+        xfers = transfer.delta(acc_before, decode_metrics(servers), transfer.XFER_COUNT).delta
+        out.through = check_through_pd(out.eval.n, stats_before, stats_after, xfers)
+    out.final_stats = proxy_stats(proxy_url, servers)
+    t_idle = time.monotonic()
+    out.idle = wait_idle(lambda: server_metrics(servers), idle, ctx.cfg.load.leak_deadline_s, lease_of(ctx))
+    out.idle.cancels = dict((out.final_stats or {}).get("cancelled_ids") or {})
+    out.idle.faulted = list((out.final_stats or {}).get("faulted_ids") or [])
+    ctx.timed("pd_idle_wait", t_idle)
+    return out
+
+
+def lease_of(ctx: RunContext) -> int:
+    """P's lease bounds how long it may keep a finished request's blocks; vLLM's default where none is set."""
+    return ctx.cfg.lease_s if ctx.cfg.lease_s is not None else VLLM_DEFAULT_LEASE_S
+
+
+class PortBlock:
+    """side-channel-blocked: the DROP rule for P's side-channel ports (one per P rank), in place from creation."""
+
+    def __init__(self, ctx: RunContext, host: Host, first: int, count: int):
+        self.ctx, self.host, self.first, self.count = ctx, host, first, count
+        self.fired: dict[str, object] = {"fault": ctx.cfg.net_fault, "host": host.name}
+        self.fired["rule"] = block_ports(host, first, count)
+        self._recorded = False
+
+    def record(self) -> None:
+        """The rule's packet counter into config.net_fault_fired, once: before the rule is removed, or at teardown."""
+        if self._recorded:
+            return
+        self._recorded = True
+        try:
+            self.fired["dropped_packets"] = dropped_packets(self.host, self.first, self.count)
+        except NetFaultError as e:
+            self.fired["error"] = str(e)
+        self.ctx.report.config["net_fault_fired"] = self.fired
+
+    def undo(self) -> None:
+        """Remove the rule (raises NetFaultError unless it reads back gone)."""
+        self.record()
+        self.fired["rules_after"] = unblock_ports(self.host, self.first, self.count)
+        self.fired["undone"] = True
+
+
+class LinkCut:
+    """p-link-down: P's links cut by a thread when the proxy holds a request between hops."""
+
+    def __init__(self, ctx: RunContext, host: Host):
+        self.ctx, self.cutter = ctx, LinkCutter(host, ctx.hold_dir)
+        self.fired: dict[str, object] = {}
+        self._recorded = False
+        self.cutter.start()
+
+    def record(self) -> None:
+        """What the cutter did (or why it could not) into config.net_fault_fired, once; no cut follows it."""
+        if self._recorded:
+            return
+        self._recorded = True
+        self.cutter.stop()
+        self.fired = self.cutter.fired or {"fault": self.ctx.cfg.net_fault, "fired": False, "error": self.cutter.error}
+        self.ctx.report.config["net_fault_fired"] = self.fired
+
+    def undo(self) -> None:
+        """Bring back up the links the cutter took down (raises NetFaultError unless they read back up)."""
+        self.record()
+        self.fired.update(self.cutter.restore())
+        self.fired["undone"] = True
+
+
+def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack, servers: ServerSet) -> PortBlock | LinkCut | None:
     """--net-fault, put in place now (side-channel-blocked) or when the proxy holds a request (p-link-down); what it
     did, read back (or why it could not), goes into the report's config.net_fault_fired when the phase ends."""
     fault, p_host = ctx.cfg.net_fault, ctx.cfg.hosts.prefill
     if fault == "none" or not isinstance(servers, LocalServers):
-        return
+        return None
     if fault == "side-channel-blocked":
         first = int(servers.env_of("prefill")["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-        rule = block_ports(p_host, first, ctx.cfg.tp_p)  # one port per P rank
-        fired: dict[str, object] = {"fault": fault, "host": p_host.name, "rule": rule}
+        made: PortBlock | LinkCut = PortBlock(ctx, p_host, first, ctx.cfg.tp_p)
+    else:
+        made = LinkCut(ctx, p_host)
+    stack.callback(made.record)
+    return made
 
-        def record_block() -> None:
-            try:
-                fired["dropped_packets"] = dropped_packets(p_host, first, ctx.cfg.tp_p)
-            except NetFaultError as e:
-                fired["error"] = str(e)
-            ctx.report.config["net_fault_fired"] = fired
 
-        stack.callback(record_block)
-        return
-    cutter = LinkCutter(p_host, ctx.hold_dir)
+def after_fault(
+    ctx: RunContext, servers: LocalServers, proxy: ManagedProcess, fault: PortBlock | LinkCut, idle: dict
+) -> None:
+    """The fault ended the phase: record it, undo it, and follow P's blocks back to idle (P's /metrics only), as the
+    check FAULT_CHECK_NAME or, where P cannot be read, a skipped check with why. Never raises: the fault's own
+    failure is the run's story. Bounded by P's lease + LEASE_MARGIN_S."""
+    t0 = time.monotonic()
+    # P's lease expiring during the follow-up would read as the failure's cause (kv-lease-expired): keep the logs now
+    ctx.failure_logs = ctx.read_logs()
+    try:
+        fault.record()
+        # the run is over: no new request may reach P (or make it hold blocks) while its blocks are followed; killed,
+        # not stopped, since a graceful stop waits its whole grace for the request the fault stranded
+        proxy.kill()
+        fault.undo()
+        check = follow_p(ctx, servers, idle)
+    except NetFaultError as e:
+        fault.fired["undo_error"] = str(e)
+        skip_fault_check(ctx, f"the fault could not be undone, so P cannot be read: {e}")
+    except MetricsUnavailable as e:
+        rc = servers.exited(e.source) if e.source in {ep.name for ep in servers.prefill} else None
+        state = "its process still runs" if rc is None else f"its process exited ({rc})"
+        skip_fault_check(ctx, f"P cannot be read after the fault was undone ({state}): {e.detail}")
+    except Exception as e:  # a harness bug here must not hide the fault's failure
+        skip_fault_check(ctx, f"P's blocks could not be followed: {type(e).__name__}: {e}")
+    else:
+        ctx.report.checks.append(check)
+    ctx.timed("pd_fault_follow_up", t0)
 
-    def record_cut() -> None:
-        cutter.stop()
-        ctx.report.config["net_fault_fired"] = dict(cutter.fired) or {
-            "fault": fault,
-            "fired": False,
-            "error": cutter.error,
-        }
 
-    cutter.start()
-    stack.callback(record_cut)
+def follow_p(ctx: RunContext, servers: LocalServers, idle: dict[str, ServerState]) -> Check:
+    """P's blocks followed to idle: up to the leak deadline, then (blocks held, nothing running) until P's lease +
+    a margin frees them. Each change of P's blocks or counters on the way goes into the check's data (``trace``)."""
+    lease = lease_of(ctx)
+    p_idle = {ep.name: idle[ep.name] for ep in servers.prefill}
+    trace: list[dict] = []
+    watch = wait_idle(
+        traced(lambda: server_metrics(servers, servers.prefill, timeout_s=10.0, check=False), trace),
+        p_idle,
+        min(ctx.cfg.load.leak_deadline_s, lease + LEASE_MARGIN_S),
+        lease,
+    )
+    logs = {name: text for name, text in servers.logs().items() if name in p_idle}
+    return check_released_after_fault(watch, ctx.cfg.net_fault, logs, trace)
+
+
+def traced(read: Callable[[], dict[str, list[Sample]]], trace: list[dict]) -> Callable[[], dict[str, list[Sample]]]:
+    """``read``, appending to ``trace`` each server's state whenever it differs from the last one seen (with the
+    seconds since the first read): when blocks were freed, and by what, without a line per poll."""
+    t0 = time.monotonic()
+    last: dict[str, dict] = {}
+
+    def read_and_trace() -> dict[str, list[Sample]]:
+        samples = read()
+        for name, got in samples.items():
+            s = state_of(got)
+            point = {"running": s.running, "waiting": s.waiting, "kv_blocks": s.kv_blocks, "expired": s.expired}
+            if last.get(name) != point:
+                last[name] = point
+                trace.append({"t_s": round(time.monotonic() - t0, 2), "server": name, **point})
+        return samples
+
+    return read_and_trace
+
+
+def skip_fault_check(ctx: RunContext, reason: str) -> None:
+    ctx.report.skipped_checks.append({"name": FAULT_CHECK_NAME, "reason": reason})
 
 
 def watched_requests(ctx: RunContext, url: str, watch: list) -> CompletionRun:

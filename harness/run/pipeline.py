@@ -80,7 +80,7 @@ class PDRun:
             self.report.failure = failures.interrupted(e)
             raise
         except Exception as e:
-            self.report.failure = failures.from_exception(e, self.ctx.read_logs)
+            self.report.failure = failures.from_exception(e, self.ctx.logs_for_failure)
         finally:
             self.ctx.timed("wall", wall)
             staggered = bool((self.report.config.get("gpu_plan") or {}).get("stagger_start"))

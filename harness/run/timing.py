@@ -29,6 +29,7 @@ MEASURED = (
     ("pd_requests", "requests", "pd_phase"),
     ("pd_load", "requests", "pd_phase"),
     ("pd_idle_wait", "requests", "pd_phase"),  # the leak check waits for P and D to go idle
+    ("pd_fault_follow_up", "requests", "pd_phase"),  # after a --net-fault's failure: P's blocks followed to idle
     ("lm_eval_pd", "evaluation", "pd_phase"),
     ("pd_teardown", "teardown", "pd_phase"),
 )

@@ -106,6 +106,10 @@ class LocalServers:
     def logs(self) -> dict[str, str]:
         return {name: p.log_text() for name, p in self._procs.items()}
 
+    def exited(self, name: str) -> int | None:
+        """``name``'s exit code once its process ended; None while it runs."""
+        return self._procs[name].returncode
+
     def env_of(self, name: str) -> Mapping[str, str]:
         """The environment ``name`` was started with (e.g. its NIXL side-channel port)."""
         return self._procs[name].spec.env
@@ -240,16 +244,18 @@ def read_json(url: str, source: str, timeout_s: float = 30.0) -> dict:
 
 
 def server_metrics(
-    servers: ServerSet, endpoints: list[Endpoint] | None = None, timeout_s: float = 30.0
+    servers: ServerSet, endpoints: list[Endpoint] | None = None, timeout_s: float = 30.0, check: bool = True
 ) -> dict[str, list[Sample]]:
-    """/metrics of each server (default: every P and D) by its name. A dead server fails as such first."""
+    """/metrics of each server (default: every P and D) by its name. A dead server fails as such first, unless
+    ``check`` is False (after a run's failure, which named its cause already: a failed read is then only that)."""
     out: dict[str, list[Sample]] = {}
     for ep in servers.prefill + servers.decode if endpoints is None else endpoints:
         try:
             r = requests.get(f"{ep.url}/metrics", timeout=timeout_s)
             r.raise_for_status()
         except requests.RequestException as e:
-            servers.check(force=True)  # a server that died is the real story: say so, with its log
+            if check:
+                servers.check(force=True)  # a server that died is the real story: say so, with its log
             raise MetricsUnavailable(ep.name, f"GET {ep.url}/metrics: {type(e).__name__}: {e}") from None
         out[ep.name] = parse_metrics(r.text)
     return out

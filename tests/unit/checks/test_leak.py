@@ -6,7 +6,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from harness.checks.leak import LEASE_MARGIN_S, check_no_leak, describe, held_blocks, state_of, wait_idle
+from harness.checks.leak import (
+    LEASE_MARGIN_S,
+    check_no_leak,
+    check_released_after_fault,
+    describe,
+    held_blocks,
+    state_of,
+    wait_idle,
+)
 from harness.checks.transfer import check_lease
 from harness.serve.ports import PortAllocator
 from harness.serve.prometheus import parse_metrics
@@ -184,3 +192,72 @@ def test_no_gauges_at_all_fail():
     w = wait_idle(lambda: blind, {}, deadline_s=0.0, lease_s=60)
     c = check_no_leak(w, {})
     assert not c.passed and "export none of" in c.detail
+
+
+class PClock:
+    """P alone after a network fault, on a fake clock: ``script`` gives P's /metrics text per elapsed second."""
+
+    def __init__(self, script):
+        self.t, self.script = 0.0, script
+
+    def sleep(self, s):
+        self.t += s
+
+    def read(self):
+        return {"prefill": parse_metrics(self.script(self.t))}
+
+    def follow(self, lease_s=30, deadline_s=30):
+        return wait_idle(self.read, {"prefill": IDLE["prefill"]}, deadline_s=deadline_s, lease_s=lease_s, poll_s=1,
+                         clock=lambda: self.t, sleep=self.sleep)
+
+
+THREE_BLOCKS = 3 / 32768
+P_LEASE_LINES = "\n".join(
+    f"WARNING Releasing expired KV blocks for request cmpl-pd-{i}-0 which were retrieved by 0 remote worker(s)"
+    for i in ("p00", "p01", "p02"))
+
+
+def test_blocks_held_for_a_d_that_never_read_them_freed_by_ps_lease_pass_with_the_expiries():
+    # P held 3 blocks (3 requests D never read) past the 30 s deadline; its 30 s lease frees them at 34 s
+    p = PClock(lambda t: metrics(usage=THREE_BLOCKS, blocks=32768) if t < 34 else metrics(expired=3, blocks=32768))
+    w = p.follow()
+    c = check_released_after_fault(w, "side-channel-blocked", {"prefill": P_LEASE_LINES})
+    assert c.passed and c.name == "p_blocks_released_after_fault" and w.outcome == "lease-hold"
+    assert c.data["lease_expiries"] == 3 and c.data["held_when_followed"]["prefill"]["kv_blocks"] == 3
+    assert [e["request_id"] for e in c.data["expired_requests"]] == ["cmpl-pd-p00-0", "cmpl-pd-p01-0", "cmpl-pd-p02-0"]
+    assert "prefill: 3 blocks held when the follow-up began" in c.detail and "3 lease expiries" in c.detail
+    assert "34 s after the fault was undone" in c.detail and "0 of 32768 KV blocks held" in c.detail
+
+
+def test_blocks_freed_before_the_follow_up_ends_pass_with_or_without_an_expiry():
+    p = PClock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768) if t < 5 else metrics(blocks=32768))
+    c = check_released_after_fault(p.follow(), "p-link-down")
+    assert c.passed and c.data["outcome"] == "idle" and c.data["lease_expiries"] == 0
+    assert "no lease expired" in c.detail and "1 blocks held when the follow-up began" in c.detail
+    # the lease had already let them go before the follow-up (the fault took longer than the lease)
+    p = PClock(lambda t: metrics(expired=2, blocks=32768))
+    c = check_released_after_fault(p.follow(), "side-channel-blocked")
+    assert c.passed and c.data["lease_expiries"] == 2 and "2 lease expiries" in c.detail
+    # freed after the deadline with no expiry: D read them late
+    p = PClock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768) if t < 40 else metrics(blocks=32768))
+    c = check_released_after_fault(p.follow(), "p-link-down")
+    assert c.passed and c.data["outcome"] == "freed-late" and c.data["freed_after_s"] == 40
+
+
+def test_blocks_still_held_past_ps_lease_and_the_margin_are_a_leak_bounded_by_the_lease():
+    p = PClock(lambda t: metrics(usage=THREE_BLOCKS, blocks=32768))
+    w = p.follow(lease_s=30, deadline_s=30)
+    c = check_released_after_fault(w, "p-link-down")
+    assert not c.passed and c.data["outcome"] == "kv-leak" and c.detail.startswith("kv-leak after p-link-down")
+    assert "3 blocks held when the follow-up began" in c.detail and "3 of 32768 KV blocks held" in c.detail
+    assert 30 + LEASE_MARGIN_S <= w.waited_s < 30 + LEASE_MARGIN_S + 2  # never longer than the lease + margin
+
+
+def test_a_p_still_running_requests_or_without_gauges_fails_after_a_fault():
+    p = PClock(lambda t: metrics(running=1, usage=ONE_BLOCK, blocks=32768))
+    c = check_released_after_fault(p.follow(), "p-link-down")
+    assert not c.passed and c.data["outcome"] == "busy" and "still runs requests" in c.detail
+    c = check_released_after_fault(wait_idle(lambda: {"prefill": parse_metrics("x 1\n")}, {}, 0.0, 30),
+                                   "p-link-down")
+    assert not c.passed and c.data["outcome"] == "blind" and "exports none of" in c.detail
+    assert not check_released_after_fault(wait_idle(dict, {}, 0.0, 30), "p-link-down").passed  # no P at all

@@ -176,3 +176,23 @@ def test_a_long_failure_leads_with_counts_and_folds_the_request_ids(tmp_path):
     assert detail in banner and "load083-t83" not in banner
     assert "<summary>the whole reason, with every request id" in folded and "load083-t83" in folded
     assert "<details" not in _reason({"reason": "short", "checks": []})
+
+
+def test_a_fault_run_leads_with_its_failure_even_where_a_check_made_after_it_failed(tmp_path):
+    """A --net-fault run fails with the fault's class and carries the check of P's blocks made after it."""
+    reason = "decode: fatal log line: NIXL transfer failure: handshake_setup_failed " + "x" * 300 + " (seen 3 times)"
+    r = Report(config={"tp_p": 1, "tp_d": 1, "net_fault": "side-channel-blocked"},
+               checks=[Check("p_blocks_released_after_fault", False, "kv-leak after side-channel-blocked: 3 held")],
+               skipped_checks=[{"name": "no_kv_leak", "reason": "the run ended in the P/D phase"}],
+               failure={"class": "handshake-timeout", "reason": reason, "excerpt": "zmq.error.Again"},
+               timings_s={"wall": 90.0})
+    d = write_report(r, tmp_path / "run")
+    page = (tmp_path / "run" / "report.html").read_text()
+    banner = page[page.index('id="reason"'):page.index("</header>")]
+    assert "handshake_setup_failed" in banner and "kv-leak after" not in banner and "<details" not in banner
+    assert '<b id="failure-class">handshake-timeout</b>' in page
+    assert re.search(r'<tr class="fail"><td>p_blocks_released_after_fault</td><td class="res">FAIL', page)
+    assert '<tr class="skip"><td>no_kv_leak</td><td class="res">not checked' in page
+    md = (tmp_path / "run" / "report.md").read_text()
+    assert f"Reason: {reason}" in md and "| p_blocks_released_after_fault | FAIL |" in md
+    assert "Class: `handshake-timeout`" in md and d["verdict"] == "fail"
