@@ -338,3 +338,49 @@ def test_ray_places_p_by_node_and_d_by_resource_and_the_run_passes(placed_by_ray
 
 def test_a_run_placed_by_ray_leaves_nothing_on_either_node(placed_by_ray):
     assert placed_by_ray["left"] == []
+
+
+@pytest.fixture(scope="module")
+def placed_run_killed(cluster, tmp_path_factory):
+    """The run Ray places, its harness SIGKILLed once P and D serve on their nodes: the local watchdogs stop the
+    launchers, each launcher its server on its node. (processes of the run left 90 s after the kill, the run folder)"""
+    base = tmp_path_factory.mktemp("killed")
+    head, worker, ctl = (cluster.lab.hosts[n] for n in ("head", "worker", "ctl"))
+    hosts_file = base / "hosts.json"
+    hosts_file.write_text(json.dumps({
+        "ray": cluster.address,
+        "hosts": {"p-node": {"ray_node": head.address}, "d-node": {"ray_resource": "pd_decode"},
+                  "ctl": {"address": ctl.address}},
+        "prefill": "p-node", "decode": "d-node", "proxy": "ctl"}))
+    env = {k: v for k, v in cluster.env("ctl").items() if k not in (SIMULATED_ENV, STATE_ENV)}
+    run_dir = base / "run"
+    argv = [sys.executable, "-m", "harness", "e2e", "--hosts", str(hosts_file), "--tp-p", "1", "--tp-d", "1",
+            "--load-requests", "0", "--run-dir", str(run_dir)]
+    with open(base / "harness.log", "w") as out:
+        p = subprocess.Popen(ctl.wrap(argv), env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                             process_group=0)
+    deadline = time.monotonic() + 400
+    while "pd: sending" not in (base / "harness.log").read_text():  # P and D serve: the prompts go out now
+        if p.poll() is not None or time.monotonic() > deadline:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            pytest.fail(f"P and D did not come up: {(base / 'harness.log').read_text()[-3000:]}")
+        time.sleep(0.2)
+    on_nodes = entry_processes(cluster.tag, ("vllm.entrypoints",))
+    os.killpg(p.pid, signal.SIGKILL)  # the harness alone: launchers and watchdogs lead groups of their own
+    p.wait()
+    deadline = time.monotonic() + 90  # the watchdogs' grace (40 s for a launcher) and the servers' stop on the nodes
+    while entry_processes(cluster.tag, RUN_WORDS) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return {"serving_at_kill": on_nodes, "left": entry_processes(cluster.tag, RUN_WORDS), "run_dir": run_dir}
+
+
+@pytest.mark.full("the harness of a run Ray placed SIGKILLed mid-run (about 2 min)")
+def test_a_run_placed_by_ray_killed_mid_run_leaves_nothing_on_either_node(placed_run_killed):
+    r = placed_run_killed
+    assert len(r["serving_at_kill"]) >= 2, r["serving_at_kill"]  # P and D (and their engines) were up on the nodes
+    assert r["left"] == []
+    for name in ("prefill", "decode"):
+        text = (r["run_dir"] / "logs" / f"{name}.log").read_text()
+        # the watchdog's SIGTERM reached the launcher, which stopped the server on its node
+        assert "left there: nothing" in text, text[-2000:]
