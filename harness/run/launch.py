@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from harness.checks.classify import FATAL_PATTERNS, REPEATED_FATAL
 from harness.checks.transport import PROTO_INFO_ENV
@@ -164,24 +166,27 @@ def _process(
         shown = Command(argv, env).shell()
     proc = _managed(
         host,
-        ProcessSpec(
-            name=name,
-            argv=argv,
-            env=env,
-            log_path=logs_dir / f"{name}.log",
-            health_url=health,
-            fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
-            repeated_fatal=REPEATED_FATAL,
-            ready_timeout_s=cfg.ready_timeout_s,
-        ),
+        name,
+        argv,
+        env,
+        logs_dir,
+        health,
+        fatal_patterns=FATAL_LOG_PATTERNS + FATAL_PATTERNS,  # a handshake no retry can cure ends the run at once
+        repeated_fatal=REPEATED_FATAL,
+        ready_timeout_s=cfg.ready_timeout_s,
     )
     return proc, shown
 
 
-def _managed(host: Host, spec: ProcessSpec) -> ManagedProcess:
-    """The process of ``spec`` on ``host``; on a Ray node its launcher's stop covers the server's own stop there and
-    Ray's round trips."""
-    return ManagedProcess(replace(spec, stop_grace_s=RAY_STOP_GRACE_S) if host.ray else spec)
+def _managed(
+    host: Host, name: str, argv: Sequence[str], env: dict[str, str], logs_dir: Path, health: str | None, **more: Any
+) -> ManagedProcess:
+    """The process ``name`` on ``host``, its log ``<logs_dir>/<name>.log``; on a Ray node its launcher's stop covers
+    the server's own stop there and Ray's round trips."""
+    if host.ray:
+        more["stop_grace_s"] = RAY_STOP_GRACE_S
+    spec = ProcessSpec(name=name, argv=argv, env=env, log_path=logs_dir / f"{name}.log", health_url=health, **more)
+    return ManagedProcess(spec)
 
 
 def host_env(cfg: E2EConfig, host: Host) -> tuple[tuple[str, str], ...]:
@@ -255,15 +260,6 @@ def make_proxy(
     if hold_dir is not None:
         argv += ["--hold-dir", str(hold_dir)]
     url = host.url(port)
-    proc = _managed(
-        host,
-        ProcessSpec(
-            name=name,
-            argv=argv,
-            env=env,
-            log_path=logs_dir / f"{name}.log",
-            health_url=f"{url}/health",
-            ready_timeout_s=180 if host.ray else 60,  # on a Ray node: the launcher connects and places it first
-        ),
-    )
+    # on a Ray node the launcher connects and places it first
+    proc = _managed(host, name, argv, env, logs_dir, f"{url}/health", ready_timeout_s=180 if host.ray else 60)
     return proc, url
