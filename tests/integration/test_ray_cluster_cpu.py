@@ -281,12 +281,10 @@ def test_each_cancelled_entry_says_so_in_its_own_report(interrupted):
 RUN_WORDS = ("harness", "vllm")  # a run's launchers, its vLLM servers, the proxy, their watchdogs
 
 
-@pytest.fixture(scope="module")
-def placed_by_ray(cluster, tmp_path_factory):
-    """`python -m harness e2e` on host ctl with a hosts file whose P and D are Ray nodes: P on the head's node by its
-    address, D (and the baseline, on D's host) on the node that has the resource `pd_decode`; the proxy on ctl."""
-    base = tmp_path_factory.mktemp("placed")
-    head, worker, ctl = (cluster.lab.hosts[n] for n in ("head", "worker", "ctl"))
+def placed_e2e(cluster: Cluster, base: Path) -> tuple[list[str], dict[str, str], Path]:
+    """(argv on host ctl, environment, run folder) of an e2e run P1->D1 whose hosts file places P on the head's node
+    by its address and D on the node that has the resource `pd_decode`; the proxy on ctl, where the harness runs."""
+    head, ctl = cluster.lab.hosts["head"], cluster.lab.hosts["ctl"]
     tcp = {"UCX_TLS": "tcp"}  # namespaces share a kernel: without it UCX takes a same-host shortcut (multi-host.md)
     hosts_file = base / "hosts.json"
     hosts_file.write_text(json.dumps({
@@ -299,7 +297,17 @@ def placed_by_ray(cluster, tmp_path_factory):
     run_dir = base / "run"
     argv = [sys.executable, "-m", "harness", "e2e", "--hosts", str(hosts_file), "--tp-p", "1", "--tp-d", "1",
             "--load-requests", "0", "--run-dir", str(run_dir)]
-    p = subprocess.Popen(ctl.wrap(argv), env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
+    return list(ctl.wrap(argv)), env, run_dir
+
+
+@pytest.fixture(scope="module")
+def placed_by_ray(cluster, tmp_path_factory):
+    """`python -m harness e2e` on host ctl with a hosts file whose P and D are Ray nodes: P on the head's node by its
+    address, D (and the baseline, on D's host) on the node that has the resource `pd_decode`; the proxy on ctl."""
+    base = tmp_path_factory.mktemp("placed")
+    head, worker = cluster.lab.hosts["head"], cluster.lab.hosts["worker"]
+    argv, env, run_dir = placed_e2e(cluster, base)
+    p = subprocess.Popen(argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, process_group=0)
     out, err = finish(p, 700)
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
@@ -345,19 +353,9 @@ def placed_run_killed(cluster, tmp_path_factory):
     """The run Ray places, its harness SIGKILLed once P and D serve on their nodes: the local watchdogs stop the
     launchers, each launcher its server on its node. (processes of the run left 90 s after the kill, the run folder)"""
     base = tmp_path_factory.mktemp("killed")
-    head, worker, ctl = (cluster.lab.hosts[n] for n in ("head", "worker", "ctl"))
-    hosts_file = base / "hosts.json"
-    hosts_file.write_text(json.dumps({
-        "ray": cluster.address,
-        "hosts": {"p-node": {"ray_node": head.address}, "d-node": {"ray_resource": "pd_decode"},
-                  "ctl": {"address": ctl.address}},
-        "prefill": "p-node", "decode": "d-node", "proxy": "ctl"}))
-    env = {k: v for k, v in cluster.env("ctl").items() if k not in (SIMULATED_ENV, STATE_ENV)}
-    run_dir = base / "run"
-    argv = [sys.executable, "-m", "harness", "e2e", "--hosts", str(hosts_file), "--tp-p", "1", "--tp-d", "1",
-            "--load-requests", "0", "--run-dir", str(run_dir)]
+    argv, env, run_dir = placed_e2e(cluster, base)
     with open(base / "harness.log", "w") as out:
-        p = subprocess.Popen(ctl.wrap(argv), env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+        p = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                              process_group=0)
     deadline = time.monotonic() + 400
     while "pd: sending" not in (base / "harness.log").read_text():  # P and D serve: the prompts go out now
