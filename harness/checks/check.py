@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,3 +19,9 @@ class Check:
         if d["data"] is None:
             del d["data"]
         return d
+
+
+def failed_checks_reason(failed: Iterable[tuple[object, object]]) -> str:
+    """A run's failure reason when its checks failed: each (name, detail) as "name: detail", joined by "; " (the
+    report page tells such a reason from an exception's by this form)."""
+    return "; ".join(f"{name}: {detail}" for name, detail in failed)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from harness.accuracy.lm_eval import AccuracyFailed
 from harness.checks import transfer
-from harness.checks.check import Check
+from harness.checks.check import Check, failed_checks_reason
 from harness.checks.classify import Failure, classify
 from harness.checks.transport import CHECK_NAME as KV_NETWORK_CHECK
 from harness.core.errors import ConfigError
@@ -102,7 +102,7 @@ def from_checks(checks: list[Check], logs: dict[str, str], request_runs: list[Co
     failed = [c for c in checks if not c.passed]
     if not failed:
         return None
-    reason = "; ".join(f"{c.name}: {c.detail}" for c in failed)
+    reason = failed_checks_reason((c.name, c.detail) for c in failed)
     errors = {f"http-{f.prompt_id}": f.detail for f in [x for r in request_runs for x in r.failures][:5]}
     names = {c.name for c in failed}
     # lease expiries the checks explained (client cancels, the harness's own proxy fault) are no cause

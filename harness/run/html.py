@@ -16,6 +16,8 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
+from harness.checks.check import failed_checks_reason
+
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
 margin:0;color:#1f2328;background:#fff}
@@ -140,8 +142,8 @@ def _reason(d: dict) -> str:
     if not d.get("reason"):
         return ""
     failed = [c for c in d.get("checks") or [] if not c.get("passed")]
-    if d["reason"] != "; ".join(f"{c.get('name')}: {c.get('detail')}" for c in failed):
-        failed = []  # the reason is not the failed checks' (run/failures.py from_checks joins them so)
+    if d["reason"] != failed_checks_reason((c.get("name"), c.get("detail")) for c in failed):
+        failed = []  # the reason is not the failed checks' (run/failures.py from_checks)
     heads = []
     for c in failed:
         detail = str(c.get("detail") or "")
