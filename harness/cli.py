@@ -16,7 +16,7 @@ from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import requested_versions
 from harness.gpu.detect import default_device
 from harness.hosts.faults import NET_FAULTS
-from harness.hosts.placement import RunHosts, load_hosts
+from harness.hosts.placement import RunHosts
 from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, AttachSettings, E2EConfig, env_defaults
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 from harness.serve.vllm_cmd import CpuTuning
@@ -427,14 +427,14 @@ def _hosts(path: Path | None, attach: bool) -> RunHosts:
     if attach:
         raise ConfigError("--hosts places servers this harness launches; attached servers are already placed")
     from harness.hosts.netns import hosts_problem
-    from harness.hosts.placement import hosts_file
+    from harness.hosts.placement import hosts_file, hosts_from_dict
 
-    resolve = None
-    if hosts_file(path).get("ray") is not None:  # a Ray cluster's nodes: harness/cluster, above hosts
+    data, resolve = hosts_file(path), None
+    if data.get("ray") is not None:  # a Ray cluster's nodes: harness/cluster, above hosts
         from harness.cluster.placement import RayNodes
 
         resolve = RayNodes()
-    hosts = load_hosts(path, resolve)
+    hosts = hosts_from_dict(data, where=str(path), resolve=resolve)
     problem = hosts_problem(hosts)
     if problem:
         raise ConfigError(f"{path}: {problem}")

@@ -42,6 +42,16 @@ def _raylet_env() -> dict[str, str] | None:
         return None
 
 
+def start_in_node_env(proc: Any) -> None:
+    """Start ``proc`` (a ManagedProcess) in the node's environment: without what Ray added to this worker's, which is
+    restored afterwards."""
+    added = {k: os.environ.pop(k) for k in ray_added(dict(os.environ), _raylet_env())}
+    try:
+        proc.start()
+    finally:
+        os.environ.update(added)  # the worker's own environment as Ray left it
+
+
 def run_entry(payload: dict[str, Any]) -> dict[str, Any]:
     """Run one entry's harness to its end on this node; returns where it ran, its exit code and its seconds."""
     if payload["cwd"] not in sys.path:
@@ -70,12 +80,8 @@ def run_entry(payload: dict[str, Any]) -> dict[str, Any]:
         )
     )
     t0 = time.monotonic()
-    added = {k: os.environ.pop(k) for k in ray_added(dict(os.environ), _raylet_env())}
     try:  # leaving it by any way (done, cancelled, failed) stops the entry's process group
-        try:
-            proc.start()
-        finally:
-            os.environ.update(added)  # the worker's own environment as Ray left it
+        start_in_node_env(proc)
         assert proc.proc is not None
         where["harness_pid"] = proc.proc.pid
         # Polled, not one wait(): ray.cancel raises KeyboardInterrupt in the task only between Python bytecodes, and

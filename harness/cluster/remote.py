@@ -42,18 +42,14 @@ class NodeProcess:
     def start(self, name: str, argv: list[str], env: dict[str, str], cwd: str) -> dict[str, Any]:
         import ray
 
-        from harness.cluster.node import _raylet_env, ray_added
+        from harness.cluster.node import start_in_node_env
         from harness.serve.procs import ManagedProcess, ProcessSpec
 
         log = Path(tempfile.mkdtemp(prefix="pdh-remote-")) / f"{name}.log"
         self.proc = ManagedProcess(
             ProcessSpec(name, tuple(argv), log, env=env, cwd=Path(cwd), stop_grace_s=REMOTE_GRACE_S)
         )
-        added = {k: os.environ.pop(k) for k in ray_added(dict(os.environ), _raylet_env())}
-        try:
-            self.proc.start()
-        finally:
-            os.environ.update(added)
+        start_in_node_env(self.proc)
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address(), "pid": self.proc.pid,
                 "log": str(log)}  # fmt: skip

@@ -239,8 +239,3 @@ def hosts_file(path: Path) -> Mapping[str, object]:
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: a hosts file is a mapping (hosts, prefill, decode, ...)")
     return data
-
-
-def load_hosts(path: Path, resolve: RayResolver | None = None) -> RunHosts:
-    """The hosts a file places a run on; ``resolve`` finds the nodes of its Ray hosts."""
-    return hosts_from_dict(hosts_file(path), where=str(path), resolve=resolve)

@@ -1,7 +1,7 @@
 import pytest
 
 from harness.core.errors import ConfigError
-from harness.hosts.placement import LOCAL, REMOTE_MODULE, Host, RayNode, RunHosts, hosts_from_dict, load_hosts
+from harness.hosts.placement import LOCAL, REMOTE_MODULE, Host, RayNode, RunHosts, hosts_file, hosts_from_dict
 
 FILE = {
     "hosts": {"a": {"address": "10.0.0.1", "netns": "lab-a"}, "b": {"address": "10.0.0.2", "netns": "lab-b"}},
@@ -59,14 +59,14 @@ def test_decode_must_be_placed():
         hosts_from_dict({"hosts": FILE["hosts"], "prefill": "a"})
 
 
-def test_load_hosts_names_the_file(tmp_path):
+def test_a_hosts_file_is_named_in_its_errors(tmp_path):
     bad = tmp_path / "hosts.yaml"
     bad.write_text("- a list\n")
     with pytest.raises(ConfigError, match="hosts.yaml: a hosts file is a mapping"):
-        load_hosts(bad)
+        hosts_file(bad)
     good = tmp_path / "hosts.json"
     good.write_text('{"hosts": {"a": {"address": "10.0.0.1"}}, "prefill": "a", "decode": "a"}')
-    assert not load_hosts(good).spans_hosts
+    assert not hosts_from_dict(hosts_file(good), where=str(good)).spans_hosts
 
 
 def test_a_hosts_settings_are_kept_and_checked():
