@@ -40,8 +40,9 @@ class PromptComparison:
     status: str  # exact | tolerated | mismatch
     compared_tokens: int
     divergence: Divergence | None = None
-    # Largest |logprob difference| of the chosen token over the positions where both sides chose the same token:
-    # a slightly wrong KV that flips no greedy token still moves these (None: no such position had both logprobs).
+    # Largest |logprob difference| of the chosen token over the positions where both sides chose the same token, and
+    # of the two tokens at a divergence where both sides list both (``logprob_delta``): a slightly wrong KV that
+    # flips no greedy token, or only swaps a near tie, still moves these (None: no position had both logprobs).
     max_logprob_delta: float | None = None
 
     def to_dict(self) -> dict:
@@ -49,15 +50,19 @@ class PromptComparison:
 
 
 def logprob_delta(b: Completion, p: Completion, upto: int) -> float | None:
-    """max |logprob(chosen token)| difference over positions < ``upto`` where both chose the same token."""
+    """max |Δ logprob| over positions < ``upto``: of the chosen token where both chose the same, and, at the
+    position where they diverged, of each of the two tokens that both sides list there. A near tie decided
+    differently by numerics moves those by noise only; a wrong KV that swaps two top-k tokens moves them far, and
+    without this a request diverging at its first token would give the logprob check nothing to look at."""
     deltas = []
     for i in range(min(upto, len(b.token_ids), len(p.token_ids))):
-        tok = b.token_ids[i]
-        if tok != p.token_ids[i]:
+        tokens = {b.token_ids[i], p.token_ids[i]}
+        for tok in tokens:
+            lb, lp = b.top_logprobs[i].get(tok), p.top_logprobs[i].get(tok)
+            if lb is not None and lp is not None:
+                deltas.append(abs(lb - lp))
+        if len(tokens) > 1:
             break
-        lb, lp = b.top_logprobs[i].get(tok), p.top_logprobs[i].get(tok)
-        if lb is not None and lp is not None:
-            deltas.append(abs(lb - lp))
     return max(deltas) if deltas else None
 
 
@@ -82,7 +87,7 @@ def compare_one(b: Completion, p: Completion, top_k: int) -> PromptComparison:
             "tolerated" if ok else "mismatch",
             i + 1,
             Divergence(i, bt, pt, btop, ptop, ok, reason),
-            logprob_delta(b, p, i),
+            logprob_delta(b, p, i + 1),
         )
     delta = logprob_delta(b, p, n)
     if len(b.token_ids) != len(p.token_ids):

@@ -92,8 +92,8 @@ def check_match(result: ComparisonResult) -> Check:
 
 
 def logprob_coverage(results: list[ComparisonResult]) -> tuple[int, int]:
-    """(requests with at least one position where both sides chose the same token, requests compared): a request
-    that diverged at its first token gives the logprob check nothing to look at."""
+    """(requests with at least one position to compare, requests compared): a request that diverged at its first
+    token, with a token the other side did not list there, gives the logprob check nothing to look at."""
     prompts = [p for r in results for p in r.prompts]
     return sum(p.max_logprob_delta is not None for p in prompts), len(prompts)
 
@@ -105,7 +105,11 @@ def check_logprobs(results: list[ComparisonResult], threshold: float) -> Check:
     deltas = [r.max_logprob_delta for r in results if r.max_logprob_delta is not None]
     worst = max(deltas) if deltas else None
     looked, total = logprob_coverage(results)
-    skipped = f"; {total - looked} diverged at their first token: nothing to compare there" if looked < total else ""
+    skipped = (
+        f"; {total - looked} diverged at their first token to a token the other side did not list: nothing to compare"
+        if looked < total
+        else ""
+    )
     detail = (
         f"largest |Δ logprob| {worst:.2e} (threshold {threshold:g}) over {looked} of {total} requests{skipped}"
         if worst is not None

@@ -66,7 +66,9 @@ def test_corrupting_one_request_in_16_fails_and_names_exactly_those(corrupt_some
     faulted = set(report["faults"]["proxy"]["requests"])
     assert len(faulted) >= (18 + 84) // 16 - 1, faulted
     # every corrupted request that was compared is named, and no other request is
-    assert flagged(report) == faulted & compared(report), (flagged(report), faulted)
+    missed = {p["prompt_id"]: p for p in report["comparison"]["prompts"] + report["load"]["comparison"]["prompts"]
+              if f"pd-{p['prompt_id']}" in (faulted & compared(report)) - flagged(report)}
+    assert flagged(report) == faulted & compared(report), (flagged(report), faulted, missed)
     assert not c["load_outputs_match_baseline"]["passed"]
     named = c["load_outputs_match_baseline"]["detail"] + c["logprobs_match_baseline"]["detail"] + c["outputs_match_baseline"]["detail"]
     for rid in faulted & compared(report):
