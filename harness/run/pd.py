@@ -1,10 +1,11 @@
 """The P/D phase: P and D (launched here or attached) and the proxy, the prompts through the proxy while the
 servers are watched, D's /metrics and the proxy's counters around them, the smoke check and lm-eval. With a
 ``--net-fault``, the fault; and when the phase fails (the fault's classified ending), the fault undone and P's blocks
-followed back to idle before teardown."""
+followed back to idle before teardown. A fault that did not end the phase is undone as the phase ends."""
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from collections.abc import Callable
@@ -140,7 +141,31 @@ def lease_of(ctx: RunContext) -> int:
     return ctx.cfg.lease_s if ctx.cfg.lease_s is not None else VLLM_DEFAULT_LEASE_S
 
 
-class PortBlock:
+class NetFault(abc.ABC):
+    """A --net-fault in place during the P/D phase: ``record`` what it did, ``undo`` it (raises NetFaultError unless
+    it reads back undone); ``close`` at the phase's end does both where not done yet."""
+
+    fired: dict[str, object]
+
+    @abc.abstractmethod
+    def record(self) -> None: ...
+
+    @abc.abstractmethod
+    def undo(self) -> None: ...
+
+    def close(self) -> None:
+        """Record, then undo unless done already: a fault that did not end the run is lifted with the phase, not left
+        in P's namespace until the lab goes. Never raises (teardown goes on); an error is recorded."""
+        self.record()
+        if self.fired.get("undone") or "undo_error" in self.fired:
+            return
+        try:
+            self.undo()
+        except NetFaultError as e:
+            self.fired["undo_error"] = str(e)
+
+
+class PortBlock(NetFault):
     """side-channel-blocked: the DROP rule for P's side-channel ports (one per P rank), in place from creation."""
 
     def __init__(self, ctx: RunContext, host: Host, first: int, count: int):
@@ -167,7 +192,7 @@ class PortBlock:
         self.fired["undone"] = True
 
 
-class LinkCut:
+class LinkCut(NetFault):
     """p-link-down: P's links cut by a thread when the proxy holds a request between hops."""
 
     def __init__(self, ctx: RunContext, host: Host):
@@ -192,24 +217,23 @@ class LinkCut:
         self.fired["undone"] = True
 
 
-def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack, servers: ServerSet) -> PortBlock | LinkCut | None:
+def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack, servers: ServerSet) -> NetFault | None:
     """--net-fault, put in place now (side-channel-blocked) or when the proxy holds a request (p-link-down); what it
-    did, read back (or why it could not), goes into the report's config.net_fault_fired when the phase ends."""
+    did, read back (or why it could not), goes into the report's config.net_fault_fired, and it is undone, when the
+    phase ends (before the servers stop)."""
     fault, p_host = ctx.cfg.net_fault, ctx.cfg.hosts.prefill
     if fault == "none" or not isinstance(servers, LocalServers):
         return None
     if fault == "side-channel-blocked":
         first = int(servers.env_of("prefill")["VLLM_NIXL_SIDE_CHANNEL_PORT"])
-        made: PortBlock | LinkCut = PortBlock(ctx, p_host, first, ctx.cfg.tp_p)
+        made: NetFault = PortBlock(ctx, p_host, first, ctx.cfg.tp_p)
     else:
         made = LinkCut(ctx, p_host)
-    stack.callback(made.record)
+    stack.callback(made.close)
     return made
 
 
-def after_fault(
-    ctx: RunContext, servers: LocalServers, proxy: ManagedProcess, fault: PortBlock | LinkCut, idle: dict
-) -> None:
+def after_fault(ctx: RunContext, servers: LocalServers, proxy: ManagedProcess, fault: NetFault, idle: dict) -> None:
     """The fault ended the phase: record it, undo it, and follow P's blocks back to idle (P's /metrics only), as the
     check FAULT_CHECK_NAME or, where P cannot be read, a skipped check with why. Never raises: the fault's own
     failure is the run's story. Bounded by P's lease + LEASE_MARGIN_S."""

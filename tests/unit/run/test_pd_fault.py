@@ -1,6 +1,7 @@
 """After a --net-fault ended the P/D phase: the fault recorded, undone, and P's blocks followed back to idle before
 teardown, as a check or a skipped check with why (never a pass); the fault's own failure stays the run's."""
 
+import contextlib
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 
 from harness.checks.leak import FAULT_CHECK_NAME, state_of
 from harness.hosts.faults import NetFaultError
+from harness.hosts.placement import hosts_from_dict
 from harness.run import failures, pd
 from harness.run.config import E2EConfig
 from harness.run.context import RunContext
@@ -244,3 +246,69 @@ def test_without_a_fault_a_failed_phase_follows_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="boom"), PortAllocator() as alloc:
         pd.run_pd(ctx, alloc, FakeServers("http://127.0.0.1:9"))
     assert events == [] and ctx.report.checks == [] and ctx.report.skipped_checks == []
+
+
+class BlockRecorder:
+    """Stands in for iptables in P's namespace (harness.run.pd's block_ports, unblock_ports, dropped_packets): each
+    call is logged; ``refuse``: the removal does not read back gone."""
+
+    def __init__(self, monkeypatch, refuse: str | None = None):
+        self.calls: list[str] = []
+        self.refuse = refuse
+        monkeypatch.setattr(pd, "block_ports", self.block)
+        monkeypatch.setattr(pd, "unblock_ports", self.unblock)
+        monkeypatch.setattr(pd, "dropped_packets", lambda host, first, count: 4)
+
+    def block(self, host, first, count):
+        self.calls.append(f"block {first}+{count}")
+        return f"-A INPUT -p tcp --dport {first} -j DROP"
+
+    def unblock(self, host, first, count):
+        self.calls.append(f"unblock {first}+{count}")
+        if self.refuse:
+            raise NetFaultError(self.refuse)
+        return ["-P INPUT ACCEPT"]
+
+
+class SideChannelServers(FakeServers):
+    def __init__(self):
+        super().__init__("http://127.0.0.1:9")
+
+    def env_of(self, name):
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}
+
+
+def side_channel_ctx(tmp_path: Path) -> RunContext:
+    hosts = {"hosts": {"a": {"address": "10.201.0.2", "netns": "pdh-t-a"},
+                       "b": {"address": "10.201.0.3", "netns": "pdh-t-b"}}, "prefill": "a", "decode": "b"}
+    cfg = E2EConfig(net_fault="side-channel-blocked", hosts=hosts_from_dict(hosts))
+    return RunContext(cfg, tmp_path / "run", Report(config={}), [], GenerationSettings())
+
+
+def test_a_fault_that_did_not_end_the_phase_is_undone_as_the_phase_ends(tmp_path, monkeypatch):
+    rec, ctx = BlockRecorder(monkeypatch), side_channel_ctx(tmp_path)
+    with contextlib.ExitStack() as stack:
+        fault = pd.start_net_fault(ctx, stack, SideChannelServers())
+        assert rec.calls == ["block 5600+1"]  # in place from the start
+    assert rec.calls == ["block 5600+1", "unblock 5600+1"]  # lifted with the phase, not left for the lab's teardown
+    fired = ctx.report.config["net_fault_fired"]
+    assert fired is fault.fired and fired["undone"] and fired["dropped_packets"] == 4
+
+
+def test_a_fault_already_undone_after_the_failure_is_not_undone_twice(tmp_path, monkeypatch):
+    rec, ctx = BlockRecorder(monkeypatch, refuse="rule still there"), side_channel_ctx(tmp_path)
+    with contextlib.ExitStack() as stack:
+        fault = pd.start_net_fault(ctx, stack, SideChannelServers())
+        pd.after_fault(ctx, SideChannelServers(), FakeProxy([]), fault, IDLE)  # type: ignore[arg-type]
+    assert rec.calls == ["block 5600+1", "unblock 5600+1"]  # the failed undo is recorded, not retried at teardown
+    assert fault.fired["undo_error"] == "rule still there" and not fault.fired.get("undone")
+    [skip] = ctx.report.skipped_checks
+    assert "could not be undone" in skip["reason"]
+
+
+def test_an_undo_that_fails_at_the_phase_end_is_recorded_and_teardown_goes_on(tmp_path, monkeypatch):
+    BlockRecorder(monkeypatch, refuse="rule still there")
+    ctx = side_channel_ctx(tmp_path)
+    with contextlib.ExitStack() as stack:
+        fault = pd.start_net_fault(ctx, stack, SideChannelServers())
+    assert fault.fired["undo_error"] == "rule still there"
