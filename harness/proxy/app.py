@@ -183,145 +183,161 @@ def _connection_error(hop: str, url: str, timeout_s: float, e: BaseException) ->
     return HopError(502, hop, f"{hop} hop to {url} failed: {type(e).__name__}: {e}")
 
 
-def create_app(
-    prefill_urls: list[str],
-    decode_urls: list[str],
-    timeout_s: float = 300.0,
-    kv_params_hook: Callable[[dict], dict] | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    skip_transfer: bool = False,
-    fault_every: int = 1,
-    between_hops: Callable[[str], Awaitable[None]] | None = None,
-) -> FastAPI:
-    """``skip_transfer`` is fault injection: act like a proxy that forgot ``do_remote_decode`` and decodes anyway
-    (D then computes the whole prompt itself; outputs look right, but no KV moved). ``fault_every``: the fault
-    (``kv_params_hook`` or ``skip_transfer``) applies to every n-th request only; /proxy/stats names them."""
-    if fault_every < 1:
-        raise ValueError("fault_every must be >= 1")
-    if not prefill_urls or not decode_urls:
-        raise ValueError("the proxy needs at least one prefill and one decode backend")
-    prefill_urls = [u.rstrip("/") for u in prefill_urls]
-    decode_urls = [u.rstrip("/") for u in decode_urls]
-    hook = kv_params_hook or (lambda p: p)
-    faulty = kv_params_hook is not None or skip_transfer or between_hops is not None
-    p_cycle, d_cycle = itertools.cycle(prefill_urls), itertools.cycle(decode_urls)
+@dataclass(frozen=True)
+class FaultSettings:
+    """Fault injection for tests, applied to every ``every``-th request (/proxy/stats names them): ``hook`` changes
+    the kv_transfer_params D gets; ``skip_transfer`` acts like a proxy that forgot ``do_remote_decode`` and decodes
+    anyway (D then computes the whole prompt itself; outputs look right, but no KV moved); ``between_hops`` runs
+    while P holds the KV (a fault between hosts lands there)."""
+
+    hook: Callable[[dict], dict] | None = None
+    skip_transfer: bool = False
+    every: int = 1
+    between_hops: Callable[[str], Awaitable[None]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError("fault_every must be >= 1")
+
+    @property
+    def any(self) -> bool:
+        return self.hook is not None or self.skip_transfer or self.between_hops is not None
+
+
+class Router:
+    """One proxy's routing: its backends (used in turn), one keep-alive session per backend (opened by the app's
+    lifespan), the counters /proxy/stats serves, and the fault settings. A request goes P hop, then D hop."""
+
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], timeout_s: float, faults: FaultSettings):
+        if not prefill_urls or not decode_urls:
+            raise ValueError("the proxy needs at least one prefill and one decode backend")
+        self.prefill_urls = [u.rstrip("/") for u in prefill_urls]
+        self.decode_urls = [u.rstrip("/") for u in decode_urls]
+        self.timeout_s, self.faults = timeout_s, faults
+        self.p_cycle, self.d_cycle = itertools.cycle(self.prefill_urls), itertools.cycle(self.decode_urls)
+        self.stats = ProxyStats()
+        self.sessions: dict[str, aiohttp.ClientSession] = {}
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(self, app: FastAPI):
         # Per read and per connect, not total: a long decode stream is fine as long as tokens keep coming.
-        timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s)
-        sessions = {}
-        for url in dict.fromkeys(prefill_urls + decode_urls):
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.timeout_s, sock_read=self.timeout_s)
+        for url in dict.fromkeys(self.prefill_urls + self.decode_urls):
             # No pool cap (vLLM queues requests itself). Idle connections close after 4 s, before uvicorn's 5 s
             # keep-alive timeout on the backend, so a POST never goes out on a connection the server is closing.
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
-            sessions[url] = aiohttp.ClientSession(connector=connector, timeout=timeout)
-        app.state.sessions = sessions
+            self.sessions[url] = aiohttp.ClientSession(connector=connector, timeout=timeout)
         try:
             yield
         finally:
-            await asyncio.gather(*(s.close() for s in sessions.values()))
+            await asyncio.gather(*(s.close() for s in self.sessions.values()))
 
-    app = FastAPI(lifespan=lifespan)
-    app.state.stats = ProxyStats()
-
-    async def send(hop: str, url: str, path: str, body: dict, headers: dict) -> aiohttp.ClientResponse:
+    async def send(self, hop: str, url: str, path: str, body: dict, headers: dict) -> aiohttp.ClientResponse:
         """POST to one backend; the answer's body is still unread. Non-200 becomes a HopError."""
-        session: aiohttp.ClientSession = app.state.sessions[url]
         try:
-            resp = await session.post(f"{url}{path}", data=encode(body), headers=headers)
+            resp = await self.sessions[url].post(f"{url}{path}", data=encode(body), headers=headers)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise _connection_error(hop, url, timeout_s, e) from None
+            raise _connection_error(hop, url, self.timeout_s, e) from None
         if resp.status != 200:
-            try:
-                raw = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                raise _connection_error(hop, url, timeout_s, e) from None
-            finally:
-                resp.release()
+            raw = await self.read(hop, url, resp)
             if resp.status >= 500:
                 text = raw.decode("utf-8", "replace")[:BODY_LIMIT]
                 raise HopError(502, hop, f"{hop} hop to {url} failed: backend answered HTTP {resp.status}: {text}")
             raise HopError(resp.status, hop, f"{hop} hop to {url}: HTTP {resp.status}", body=raw, passthrough=True)
         return resp
 
-    async def read(hop: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
+    async def read(self, hop: str, url: str, resp: aiohttp.ClientResponse) -> bytes:
         try:
             return await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise _connection_error(hop, url, timeout_s, e) from None
+            raise _connection_error(hop, url, self.timeout_s, e) from None
         finally:
             resp.release()
 
-    async def route(request: Request, path: str, body: dict, request_id: str, stage: list[str]) -> Response:
-        """P hop then D hop; ``stage[0]`` says where the request is, for a client that goes away meanwhile."""
-        stats: ProxyStats = app.state.stats
-        stats.requests += 1
-        fault = faulty and stats.requests % fault_every == 0
-        if fault and len(stats.faulted_ids) < KEEP_IDS:
-            stats.faulted_ids.append(request_id)
+    def count(self, request_id: str) -> bool:
+        """Count a new request; whether the fault applies to it (then it is named in /proxy/stats)."""
+        self.stats.requests += 1
+        fault = self.faults.any and self.stats.requests % self.faults.every == 0
+        if fault and len(self.stats.faulted_ids) < KEEP_IDS:
+            self.stats.faulted_ids.append(request_id)
+        return fault
+
+    async def prefill(
+        self, p_url: str, path: str, body: dict, headers: dict, fault: bool, stage: list[str]
+    ) -> dict | None:
+        """The P hop: the kv_transfer_params to hand D (the fault's hook applied), or None where the fault skips
+        the transfer."""
         t0 = time.monotonic()
-        p_url, d_url = next(p_cycle), next(d_cycle)
+        skip = self.faults.skip_transfer and fault
+        p_body = prefill_body(body)
+        if skip:
+            del p_body["kv_transfer_params"]
+        stage[0] = "prefill"
+        p_raw = await self.read("prefill", p_url, await self.send("prefill", p_url, path, p_body, headers))
+        stage[0] = "between_hops"
+        if fault and self.faults.between_hops is not None:
+            await self.faults.between_hops(headers["X-Request-Id"])  # P holds the KV: a fault between hosts lands here
+        self.stats.prefill_hop_ms = [
+            *self.stats.prefill_hop_ms[-(KEEP_HOP_TIMES - 1) :],
+            1000 * (time.monotonic() - t0),
+        ]
+        try:
+            kv = json.loads(p_raw).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            kv = None
+        if not kv:
+            self.stats.prefill_missing_kv_transfer_params += 1
+            if not skip:
+                raise HopError(
+                    502,
+                    "prefill",
+                    f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, "
+                    "so no KV transfer can happen",
+                )
+            return None
+        self.stats.prefill_with_kv_transfer_params += 1
+        self.stats.last_kv_transfer_params = kv
+        if skip:
+            return None
+        if fault and self.faults.hook is not None:
+            return self.faults.hook(kv)
+        return kv
+
+    async def route(self, request: Request, path: str, body: dict, request_id: str, stage: list[str]) -> Response:
+        """P hop then D hop; ``stage[0]`` says where the request is, for a client that goes away meanwhile."""
+        fault = self.count(request_id)
+        t0 = time.monotonic()
+        p_url, d_url = next(self.p_cycle), next(self.d_cycle)
         headers = {"X-Request-Id": request_id, "Content-Type": "application/json"}
         auth = request.headers.get("authorization")
         if auth:
             headers["Authorization"] = auth
-        skip = skip_transfer and fault
         try:
-            p_body = prefill_body(body)
-            if skip:
-                del p_body["kv_transfer_params"]
-            stage[0] = "prefill"
-            p_raw = await read("prefill", p_url, await send("prefill", p_url, path, p_body, headers))
-            stage[0] = "between_hops"
-            if fault and between_hops is not None:
-                await between_hops(request_id)  # P holds the KV; a fault between hosts lands here
-            stats.prefill_hop_ms = [*stats.prefill_hop_ms[-(KEEP_HOP_TIMES - 1) :], 1000 * (time.monotonic() - t0)]
-            try:
-                kv = json.loads(p_raw).get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                kv = None
-            if not kv:
-                stats.prefill_missing_kv_transfer_params += 1
-                if not skip:
-                    raise HopError(
-                        502,
-                        "prefill",
-                        f"prefill hop to {p_url}: the prefill answer carried no kv_transfer_params, "
-                        "so no KV transfer can happen",
-                    )
-            else:
-                stats.prefill_with_kv_transfer_params += 1
-                stats.last_kv_transfer_params = kv
+            kv = await self.prefill(p_url, path, body, headers, fault, stage)
             d_body = dict(body)
-            if kv and not skip:
-                d_body["kv_transfer_params"] = hook(kv) if fault else kv
+            if kv is not None:
+                d_body["kv_transfer_params"] = kv
             stage[0] = "decode"
-            d_resp = await send("decode", d_url, path, d_body, headers)
+            d_resp = await self.send("decode", d_url, path, d_body, headers)
             if body.get("stream"):
-                log.debug(
-                    "req %s P=%s D=%s stream started kv=yes %.1f ms",
-                    request_id,
-                    p_url,
-                    d_url,
-                    1000 * (time.monotonic() - t0),
-                )
+                ms = 1000 * (time.monotonic() - t0)
+                log.debug("req %s P=%s D=%s stream started kv=yes %.1f ms", request_id, p_url, d_url, ms)
                 return StreamingResponse(
-                    relay(d_resp, d_url, request_id),
+                    self.relay(d_resp, d_url, request_id),
                     media_type="text/event-stream",
                     headers={"X-Request-Id": request_id},
                 )
-            d_raw = await read("decode", d_url, d_resp)
+            d_raw = await self.read("decode", d_url, d_resp)
         except HopError as e:
-            stats.errors[e.hop] = stats.errors.get(e.hop, 0) + 1
+            self.stats.errors[e.hop] = self.stats.errors.get(e.hop, 0) + 1
             log.warning("req %s P=%s D=%s failed (%s): %s", request_id, p_url, d_url, e.status, e.message)
             return e.response(request_id)
-        stats.completed += 1
+        self.stats.completed += 1
         # Successes at debug level: /proxy/stats keeps the counts, and a line per request costs throughput.
         log.debug("req %s P=%s D=%s 200 kv=yes %.1f ms", request_id, p_url, d_url, 1000 * (time.monotonic() - t0))
         return Response(d_raw, status_code=200, media_type="application/json", headers={"X-Request-Id": request_id})
 
-    async def handle(request: Request, path: str) -> Response:
+    async def handle(self, request: Request, path: str, max_body_bytes: int) -> Response:
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             raw = await read_body(request, max_body_bytes)
@@ -329,8 +345,9 @@ def create_app(
                 body = validate_body(raw, path)
             except ValueError as e:
                 raise BadRequest(400, str(e)) from None
-            return await until_disconnect(
-                request, route(request, path, body, request_id, stage := ["before_prefill"]), stage, request_id
+            stage = ["before_prefill"]
+            return await self.until_disconnect(
+                request, self.route(request, path, body, request_id, stage), stage, request_id
             )
         except BadRequest as e:
             return JSONResponse(
@@ -346,7 +363,7 @@ def create_app(
                 headers={"X-Request-Id": request_id},
             )
 
-    async def until_disconnect(request: Request, work, stage: list[str], request_id: str) -> Response:
+    async def until_disconnect(self, request: Request, work, stage: list[str], request_id: str) -> Response:
         """Run ``work`` (the hops) until it answers or the client goes away; then cancel it, which closes the
         backend connection of the hop in flight, so that backend aborts the request as it would for a client."""
         job = asyncio.ensure_future(work)
@@ -361,20 +378,19 @@ def create_app(
         job.cancel()
         with contextlib.suppress(asyncio.CancelledError, HopError):
             await job
-        app.state.stats.cancel(stage[0], request_id)
+        self.stats.cancel(stage[0], request_id)
         log.info("req %s: client went away during %s; backend request cancelled", request_id, stage[0])
         return Response(status_code=499, headers={"X-Request-Id": request_id})
 
-    async def relay(resp: aiohttp.ClientResponse, url: str, request_id: str):
-        stats: ProxyStats = app.state.stats
+    async def relay(self, resp: aiohttp.ClientResponse, url: str, request_id: str):
         done = False
         try:
             async for chunk in resp.content.iter_any():
                 yield chunk
             done = True
-            stats.completed += 1
+            self.stats.completed += 1
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            stats.errors["decode"] += 1
+            self.stats.errors["decode"] += 1
             msg = {
                 "error": {
                     "message": f"decode hop to {url} failed mid-stream: {type(e).__name__}: {e}",
@@ -385,7 +401,7 @@ def create_app(
             log.warning("req %s stream broke: %s: %s", request_id, type(e).__name__, e)
             yield f"data: {json.dumps(msg)}\n\n".encode()
         except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream
-            stats.cancel("decode", request_id)
+            self.stats.cancel("decode", request_id)
             log.info("req %s: client went away during the decode stream; backend request cancelled", request_id)
             raise
         finally:
@@ -395,39 +411,57 @@ def create_app(
             else:
                 resp.close()
 
-    async def completions(request: Request) -> Response:
-        return await handle(request, "/v1/completions")
-
-    async def chat(request: Request) -> Response:
-        return await handle(request, "/v1/chat/completions")
-
-    # Plain Starlette routes: FastAPI's dependency resolution costs tens of µs per request and these take no parameters.
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat, methods=["POST"])
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/healthcheck")
-    async def healthcheck() -> Response:
+    async def healthcheck(self) -> Response:
         async def probe(role: str, url: str) -> dict:
             try:
-                async with app.state.sessions[url].get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
+                async with self.sessions[url].get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=5.0)) as r:
                     return {"role": role, "url": url, "ok": r.status == 200, "detail": f"HTTP {r.status}"}
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 return {"role": role, "url": url, "ok": False, "detail": f"{type(e).__name__}: {e}"}
 
         results = await asyncio.gather(
-            *[probe("prefill", u) for u in prefill_urls], *[probe("decode", u) for u in decode_urls]
+            *[probe("prefill", u) for u in self.prefill_urls], *[probe("decode", u) for u in self.decode_urls]
         )
         ok = all(r["ok"] for r in results)
         return JSONResponse(
             {"status": "ok" if ok else "degraded", "backends": list(results)}, status_code=200 if ok else 503
         )
 
-    @app.get("/proxy/stats")
-    async def proxy_stats() -> dict:
-        return asdict(app.state.stats)
 
+def create_app(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    timeout_s: float = 300.0,
+    kv_params_hook: Callable[[dict], dict] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    skip_transfer: bool = False,
+    fault_every: int = 1,
+    between_hops: Callable[[str], Awaitable[None]] | None = None,
+) -> FastAPI:
+    """The proxy's app (see ``Router``; the fault arguments are ``FaultSettings``'s)."""
+    faults = FaultSettings(kv_params_hook, skip_transfer, fault_every, between_hops)
+    router = Router(prefill_urls, decode_urls, timeout_s, faults)
+    app = FastAPI(lifespan=router.lifespan)
+    app.state.stats = router.stats
+
+    async def completions(request: Request) -> Response:
+        return await router.handle(request, "/v1/completions", max_body_bytes)
+
+    async def chat(request: Request) -> Response:
+        return await router.handle(request, "/v1/chat/completions", max_body_bytes)
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def healthcheck(request: Request) -> Response:
+        return await router.healthcheck()
+
+    async def proxy_stats(request: Request) -> Response:
+        return JSONResponse(asdict(router.stats))
+
+    # Plain Starlette routes: FastAPI's dependency resolution costs tens of µs per request and these take no parameters.
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
+    for path, endpoint in (("/health", health), ("/healthcheck", healthcheck), ("/proxy/stats", proxy_stats)):
+        app.add_route(path, endpoint, methods=["GET"])
     return app
