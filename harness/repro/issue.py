@@ -101,80 +101,113 @@ def issue_markdown(
 ) -> str:
     """ISSUE.md. ``base`` and ``replayed``: a wrong answer, replayed against that plain server (its command and the
     failing requests are shown); otherwise the log line of ``cls`` is the evidence."""
-    cfg = report.get("config") or {}
-    v = report.get("versions") or {}
-    topo = cfg.get("topology") or {}
     failure = report.get("failure") or {}
-    mc = model_config(report)
-    k = mc.get("num_key_value_heads")
-    dist = v.get("vllm_distribution") or "vllm"
     meaning = WRONG_ANSWER.get(cls) or next((s.meaning for s in SIGNATURES if s.cls == cls), cls)
-    observed_cls = failure.get("class")
-    reproduced = observed_cls == cls or failure.get("signature") == cls
+    reproduced = failure.get("class") == cls or failure.get("signature") == cls
     hit = matching_line(report, pattern) if pattern else None
-    if reproduced:
-        # the error itself names the bug best: the exception text of the matching line, else the class's meaning
-        said = re.search(r"(\w+(?:Error|Exception): .*)", hit[1]) if hit else None
-        what = re.split(r" [\[({]", said.group(1))[0] if said else meaning  # the message without its shapes and values
-        if len(what) > 110:
-            what = what[:110].rsplit(" ", 1)[0] + " ..."
-        blocks = (
-            f", block size {cfg.get('block_size_p')} -> {cfg.get('block_size_d')}"
-            if cfg.get("block_size_p") != cfg.get("block_size_d")
-            else ""
-        )
-        title = (
-            f"[Bug]: NixlConnector{' heterogeneous TP' if cfg.get('tp_p') != cfg.get('tp_d') else ''}: {what} at "
-            f"prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}{blocks}, num_key_value_heads={k} "
-            f"({dist} {v.get('vllm')})"
-        )
-    else:
-        title = (
+    lines = [
+        f"# {issue_title(report, cls, meaning, hit, reproduced)}",
+        "",
+        *environment_section(report, locked),
+        *model_section(report, dec),
+        *topology_section(report),
+        *commands_section(report),
+    ]
+    if base is not None:
+        lines += reference_section(base, replayed or [])
+    if any("PD_HARNESS_" in k for k in {**pre.env, **dec.env}):
+        lines += [
+            "The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): "
+            "on a small CPU machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning "
+            "and shortens idle spinning. It changes scheduling only, never what is computed.",
+            "",
+        ]
+    lines += log_section(failure, cls, hit)
+    lines += outcome_section(report, meaning, reproduced)
+    lines += closing_section(report, run_dir, replays=base is not None)
+    return "\n".join(lines)
+
+
+def issue_title(report: dict, cls: str, meaning: str, hit: tuple[str, str] | None, reproduced: bool) -> str:
+    """A reproduced failure: vLLM's issue-template title, named by the error itself where the log has it; otherwise
+    what the run saw instead."""
+    cfg, v, failure = report.get("config") or {}, report.get("versions") or {}, report.get("failure") or {}
+    k = model_config(report).get("num_key_value_heads")
+    dist = v.get("vllm_distribution") or "vllm"
+    if not reproduced:
+        return (
             f"NixlConnector prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}, "
             f"num_key_value_heads={k} on {dist} "
-            f"{v.get('vllm')}: {report.get('verdict')} ({observed_cls or 'no failure'}); {cls} not seen"
+            f"{v.get('vllm')}: {report.get('verdict')} ({failure.get('class') or 'no failure'}); {cls} not seen"
         )
+    # the error itself names the bug best: the exception text of the matching line, else the class's meaning
+    said = re.search(r"(\w+(?:Error|Exception): .*)", hit[1]) if hit else None
+    what = re.split(r" [\[({]", said.group(1))[0] if said else meaning  # the message without its shapes and values
+    if len(what) > 110:
+        what = what[:110].rsplit(" ", 1)[0] + " ..."
+    blocks = (
+        f", block size {cfg.get('block_size_p')} -> {cfg.get('block_size_d')}"
+        if cfg.get("block_size_p") != cfg.get("block_size_d")
+        else ""
+    )
+    return (
+        f"[Bug]: NixlConnector{' heterogeneous TP' if cfg.get('tp_p') != cfg.get('tp_d') else ''}: {what} at "
+        f"prefill TP={cfg.get('tp_p')} -> decode TP={cfg.get('tp_d')}{blocks}, num_key_value_heads={k} "
+        f"({dist} {v.get('vllm')})"
+    )
+
+
+def environment_section(report: dict, locked: bool) -> list[str]:
+    cfg, v = report.get("config") or {}, report.get("versions") or {}
     gpu = (
         "none (CPU run)"
         if cfg.get("device") == "cpu"
         else json.dumps((cfg.get("gpu_plan") or {}).get("gpus") or "see the run's GPU plan")
     )
-    lines = [
-        f"# {title}",
-        "",
+    closure = (
+        "(the whole closure of the run)" if locked else "(only the top-level versions: the run environment was gone)"
+    )
+    return [
         "## Your current environment",
         "",
-        f"- vLLM: {dist} {v.get('vllm')}",
+        f"- vLLM: {v.get('vllm_distribution') or 'vllm'} {v.get('vllm')}",
         f"- NIXL: {v.get('nixl')}",
         f"- torch: {v.get('torch')}",
         f"- Python: {v.get('python')}",
         f"- platform: {platform.platform()} (the machine that wrote this bundle)",
         f"- GPU / driver: {gpu}",
-        "- exact package versions: `requirements.lock` of the bundle "
-        + (
-            "(the whole closure of the run)"
-            if locked
-            else "(only the top-level versions: the run environment was gone)"
-        ),
+        f"- exact package versions: `requirements.lock` of the bundle {closure}",
         "",
+    ]
+
+
+def model_section(report: dict, dec) -> list[str]:
+    cfg, mc = report.get("config") or {}, model_config(report)
+    tiny = Path(str(cfg.get("resolved_model") or "")).joinpath("harness_tiny_model.json").exists()
+    what = (
+        "(a tiny random-weights Llama; `build_model.py` of the bundle rebuilds it offline, same weights)"
+        if tiny
+        else f"({cfg.get('resolved_model')})"
+    )
+    sizes = "".join(
+        f"; {n}: {mc[n]}" for n in ("hidden_size", "num_hidden_layers", "vocab_size") if mc.get(n) is not None
+    )
+    dtype = "float32" if "--dtype" in dec.argv and dec.flag("--dtype") == "float32" else (dec.flag("--dtype") or "auto")
+    return [
         "## Model",
         "",
-        f"- served model: `{cfg.get('served_model_name')}` "
-        + (
-            "(a tiny random-weights Llama; `build_model.py` of the bundle rebuilds it offline, same weights)"
-            if Path(str(cfg.get("resolved_model") or "")).joinpath("harness_tiny_model.json").exists()
-            else f"({cfg.get('resolved_model')})"
-        ),
-        f"- K (num_key_value_heads): {k}; attention heads: {mc.get('num_attention_heads')}; "
-        f"head_dim: {mc.get('head_dim')}"
-        + "".join(
-            f"; {n}: {mc[n]}" for n in ("hidden_size", "num_hidden_layers", "vocab_size") if mc.get(n) is not None
-        ),
-        "- dtype: "
-        + (
-            "float32" if "--dtype" in dec.argv and dec.flag("--dtype") == "float32" else (dec.flag("--dtype") or "auto")
-        ),
+        f"- served model: `{cfg.get('served_model_name')}` {what}",
+        f"- K (num_key_value_heads): {mc.get('num_key_value_heads')}; attention heads: "
+        f"{mc.get('num_attention_heads')}; head_dim: {mc.get('head_dim')}{sizes}",
+        f"- dtype: {dtype}",
         "",
+    ]
+
+
+def topology_section(report: dict) -> list[str]:
+    cfg = report.get("config") or {}
+    topo = cfg.get("topology") or {}
+    return [
         "## Topology",
         "",
         f"- prefill TP {cfg.get('tp_p')}, decode TP {cfg.get('tp_d')}; tp_ratio {topo.get('tp_ratio')}",
@@ -183,6 +216,11 @@ def issue_markdown(
         f"- KV block length per layer: prefill {topo.get('p_block_len')} B, decode {topo.get('d_block_len')} B "
         f"(block size {topo.get('block_size_p')} / {topo.get('block_size_d')})",
         "",
+    ]
+
+
+def commands_section(report: dict) -> list[str]:
+    return [
         "## Commands",
         "",
         "Prefill and decode, exactly as the run started them "
@@ -200,39 +238,37 @@ def issue_markdown(
         "(`repro_client.py send`, the body is in `requests.json`).",
         "",
     ]
-    if base is not None:
-        lines += [
-            "The reference is a plain server (no KV connector) started alone before P and D, with the run's baseline "
-            "command:",
-            "",
-            "```bash",
-            " ".join(f"{k}={v}" for k, v in sorted(base.env.items())) + " " + " ".join(base.argv),
-            "```",
-            "",
-            "The failing request(s) replayed, as the run saw them (prompts sent as token ids to both sides):",
-            "",
-        ]
-        lines += [f"- `{r['id']}`: {r['why']}" for r in replayed or []] + [""]
-        lines += [
-            "Control without P/D (run by `repro.sh` for each replayed prompt, printed as `no-P/D control, <id>: ...`): "
-            "the plain server's own decode step after the prompt against its fresh prefill of prompt + its first "
-            "token. D's first token is computed over KV it did not compute itself; if the backend's two paths "
-            "already disagree without P/D, the divergence need not be P/D's.",
-            "",
-        ]
-    if any("PD_HARNESS_" in k for k in {**pre.env, **dec.env}):
-        lines += [
-            "The `PD_HARNESS_*` variables and `PYTHONPATH` load `cpu_tuning/sitecustomize.py` (in the bundle): "
-            "on a small CPU machine it lengthens NIXL's progress-thread delay, skips the NIXL worker's core pinning "
-            "and shortens idle spinning. It changes scheduling only, never what is computed.",
-            "",
-        ]
-    lines += ["## Log excerpt", ""]
+
+
+def reference_section(base, replayed: list[dict]) -> list[str]:
+    """A wrong answer: the plain server it is compared with, the requests replayed, and the control without P/D."""
+    return [
+        "The reference is a plain server (no KV connector) started alone before P and D, with the run's baseline "
+        "command:",
+        "",
+        "```bash",
+        " ".join(f"{k}={v}" for k, v in sorted(base.env.items())) + " " + " ".join(base.argv),
+        "```",
+        "",
+        "The failing request(s) replayed, as the run saw them (prompts sent as token ids to both sides):",
+        "",
+        *[f"- `{r['id']}`: {r['why']}" for r in replayed],
+        "",
+        "Control without P/D (run by `repro.sh` for each replayed prompt, printed as `no-P/D control, <id>: ...`): "
+        "the plain server's own decode step after the prompt against its fresh prefill of prompt + its first "
+        "token. D's first token is computed over KV it did not compute itself; if the backend's two paths "
+        "already disagree without P/D, the divergence need not be P/D's.",
+        "",
+    ]
+
+
+def log_section(failure: dict, cls: str, hit: tuple[str, str] | None) -> list[str]:
+    lines = ["## Log excerpt", ""]
     if hit:
         lines += [f"First line of the run's `{hit[0]}` log matching the {cls} signature:", "", "```", hit[1], "```", ""]
     if failure.get("excerpt"):
         lines += [
-            f"The run's failure (`{observed_cls}`, from {failure.get('source')}):",
+            f"The run's failure (`{failure.get('class')}`, from {failure.get('source')}):",
             "",
             "```",
             str(failure["excerpt"])[:3000],
@@ -241,10 +277,12 @@ def issue_markdown(
         ]
     if not hit and not failure:
         lines += ["The run passed: no failure line.", ""]
-    expected = (
-        "The decode server accepts the NIXL handshake, reads the prompt's KV blocks from the prefill server, and its "
-        "completion matches a non-disaggregated server's (greedy)."
-    )
+    return lines
+
+
+def outcome_section(report: dict, meaning: str, reproduced: bool) -> list[str]:
+    """Expected, observed, and the upstream reports already known for this failure."""
+    failure = report.get("failure") or {}
     if reproduced:
         observed = (
             f"{meaning}. The run's verdict: {report.get('verdict')} - {report.get('reason') or failure.get('reason')}"
@@ -252,33 +290,38 @@ def issue_markdown(
     elif report.get("verdict") == "pass":
         observed = "As expected: the handshake passed, KV moved over NIXL and the outputs matched the baseline."
     else:
-        observed = f"{observed_cls}: {report.get('reason') or failure.get('reason')}"
-    known = (report.get("known_upstream") or known_upstream_line(failure, v.get("vllm"))) if failure else None
-    lines += [
+        observed = f"{failure.get('class')}: {report.get('reason') or failure.get('reason')}"
+    lines = [
         "## Expected",
         "",
-        expected,
+        "The decode server accepts the NIXL handshake, reads the prompt's KV blocks from the prefill server, and its "
+        "completion matches a non-disaggregated server's (greedy).",
         "",
         "## Observed",
         "",
         observed,
         "",
-        *(
-            [
-                "## Known upstream reports",
-                "",
-                f"{known}." + (" Read the threads' current state before filing." if known.startswith("known") else ""),
-                "",
-            ]
-            if known
-            else []
-        ),
+    ]
+    known = (
+        (report.get("known_upstream") or known_upstream_line(failure, (report.get("versions") or {}).get("vllm")))
+        if failure
+        else None
+    )
+    if known:
+        read = " Read the threads' current state before filing." if known.startswith("known") else ""
+        lines += ["## Known upstream reports", "", f"{known}.{read}", ""]
+    return lines
+
+
+def closing_section(report: dict, run_dir: Path, replays: bool) -> list[str]:
+    """The shrink's answer where there is one, what the run does not establish, and how it was found."""
+    return [
         *smallest_section(run_dir),
         "## Not established",
         "",
         "The cause. Everything above is what the run measured; the harness states no cause, and a cause read "
         "from vLLM's code is a hypothesis until a control or a KV-level check shows it"
-        + (" (the control without P/D that `repro.sh` prints is one such control)." if base is not None else "."),
+        + (" (the control without P/D that `repro.sh` prints is one such control)." if replays else "."),
         "",
         "## How it was found",
         "",
@@ -287,13 +330,12 @@ def issue_markdown(
             "`repro.sh` in this folder replays it without the harness: the plain server's answers, then P and D's, "
             "compared by the run's rule; it prints REPRODUCED with the prompt and its first divergence, "
             "or NOT REPRODUCED."
-            if base is not None
+            if replays
             else "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching "
             "log line, or NOT REPRODUCED."
         ),
         "",
     ]
-    return "\n".join(lines)
 
 
 def smallest_section(run_dir: Path) -> list[str]:
