@@ -45,24 +45,70 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     result = compare_completions(baseline.completions.completions, pd.completions.completions, top_k=ctx.gen.logprobs)
     checks.append(match_check(result, min(MIN_PROMPTS, len(ctx.prompts))))
     ctx.report.comparison = comparison_block(result, baseline.completions, pd.completions)
+    checks += transfer_checks(ctx, pd, n)
+    checks += server_checks(ctx, pd)
+    compared = [result]
+    if pd.load is not None and baseline.load is not None:
+        load_checks, load_cmp = evaluate_load(ctx, baseline, pd)
+        checks += load_checks
+        compared.append(load_cmp)
+    if pd.prefix is not None and baseline.prefix is not None:
+        prefix_checks, prefix_cmp = evaluate_prefix(ctx, baseline.prefix, pd.prefix)
+        checks += prefix_checks
+        compared.append(prefix_cmp)
+    if logprob_coverage(compared)[0]:
+        checks.append(check_logprobs(compared, ctx.cfg.logprob_limit))
+    else:  # decided before its result: every answer left the baseline's at its first token
+        ctx.report.skipped_checks.append(
+            {
+                "name": "logprobs_match_baseline",
+                "reason": "no request had a position to compare: every answer diverged at its first token, to a "
+                "token the other side did not list (see the comparison)",
+            }
+        )
+    checks += fault_checks(ctx, pd)
+    left = ctx.leftovers
+    checks.append(
+        Check("no_process_left", not left, "every harness process exited" if not left else f"still running: {left}")
+    )
+    if pd.smoke is not None:
+        checks.append(pd.smoke)
+    if ctx.accuracy is not None and pd.eval is not None and baseline.eval is not None and pd.through is not None:
+        acc_checks, ctx.report.accuracy = accuracy_checks(baseline.eval, pd.eval, ctx.accuracy)
+        checks += [pd.through, *acc_checks]
+    if ctx.gpu is not None:  # NVML's free memory before each phase and its release after (harness/gpu/run.py)
+        checks += ctx.gpu.checks
+    ctx.report.checks = checks
+    ctx.report.config["cpu_tuning"] = ctx.cfg.cpu_tuning.to_dict() if ctx.cfg.device == "cpu" else None
+    simulated.apply(ctx)  # a simulated GPU box: the data-path checks become skipped ones (harness/run/simulated.py)
 
+
+def transfer_checks(ctx: RunContext, pd: PDResult, n: int) -> list[Check]:
+    """Proof that KV moved: P's answers, D's NIXL counters, D's log and P's lease (logs only where ours)."""
     prompt_tokens = sum(c.prompt_tokens or 0 for c in pd.completions.completions)
-    checks.append(transfer.check_prefill_params(n, pd.proxy_stats))
+    checks = [transfer.check_prefill_params(n, pd.proxy_stats)]
     checks += transfer.check_nixl_metrics(pd.metrics_before, pd.metrics_after, n, prompt_tokens)
     if pd.attached:  # servers started elsewhere: their logs are not ours to read; /metrics carries the proof
         why = "attach mode: the server logs are not available to the harness"
         ctx.report.skipped_checks += [
             {"name": name, "reason": why} for name in (*transfer.LOG_CHECKS, "no_kv_lease_expiry")
         ]
-    else:
-        checks += transfer.check_decode_log("\n".join(t for name, t in pd.logs.items() if name.startswith("decode")))
-        checks.append(
-            transfer.check_lease(
-                pd.logs,
-                pd.idle.cancels if pd.idle is not None else None,
-                pd.idle.faulted if pd.idle is not None else (),
-            )
+        return checks
+    checks += transfer.check_decode_log("\n".join(t for name, t in pd.logs.items() if name.startswith("decode")))
+    checks.append(
+        transfer.check_lease(
+            pd.logs,
+            pd.idle.cancels if pd.idle is not None else None,
+            pd.idle.faulted if pd.idle is not None else (),
         )
+    )
+    return checks
+
+
+def server_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
+    """What the servers did besides the transfer: KV over the network between hosts, no usage reporting, nothing
+    held after the run (each skipped with why where it cannot be made)."""
+    checks = []
     if ctx.cfg.hosts.spans_hosts and not pd.attached:
         decode_logs = {k: v for k, v in pd.logs.items() if k.startswith("decode")}
         checks.append(check_kv_over_network(decode_logs, ctx.cfg.tp_d))
@@ -85,25 +131,12 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
         )
     if pd.idle is not None:
         checks.append(check_no_leak(pd.idle, None if pd.attached else pd.logs))
-    compared = [result]
-    if pd.load is not None and baseline.load is not None:
-        load_checks, load_cmp = evaluate_load(ctx, baseline, pd)
-        checks += load_checks
-        compared.append(load_cmp)
-    if pd.prefix is not None and baseline.prefix is not None:
-        prefix_checks, prefix_cmp = evaluate_prefix(ctx, baseline.prefix, pd.prefix)
-        checks += prefix_checks
-        compared.append(prefix_cmp)
-    if logprob_coverage(compared)[0]:
-        checks.append(check_logprobs(compared, ctx.cfg.logprob_limit))
-    else:  # decided before its result: every answer left the baseline's at its first token
-        ctx.report.skipped_checks.append(
-            {
-                "name": "logprobs_match_baseline",
-                "reason": "no request had a position "
-                "to compare: every answer diverged at its first token (see the comparison)",
-            }
-        )
+    return checks
+
+
+def fault_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
+    """A fault run must show that its fault really fired; the proxy's faulted requests go into the report."""
+    checks = []
     if ctx.cfg.proxy_fault != "none" and pd.final_stats is not None:  # which requests the proxy changed: the mismatches
         faulted = list(pd.final_stats.get("faulted_ids", []))
         ctx.report.faults = {
@@ -117,7 +150,7 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
                 f"request(s) (every {ctx.cfg.proxy_fault_every}); this run must fail on what that changed",
             )
         )
-    if ctx.cfg.decode_kv_fault is not None:  # a fault run must show that its fault really fired
+    if ctx.cfg.decode_kv_fault is not None:
         fired = sum(text.count(KV_FAULT_FIRED) for name, text in pd.logs.items() if name.startswith("decode"))
         checks.append(
             Check(
@@ -127,20 +160,7 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
                 f"(factor {ctx.cfg.decode_kv_fault}); this run must fail on what the perturbation changed",
             )
         )
-    left = ctx.leftovers
-    checks.append(
-        Check("no_process_left", not left, "every harness process exited" if not left else f"still running: {left}")
-    )
-    if pd.smoke is not None:
-        checks.append(pd.smoke)
-    if ctx.accuracy is not None and pd.eval is not None and baseline.eval is not None and pd.through is not None:
-        acc_checks, ctx.report.accuracy = accuracy_checks(baseline.eval, pd.eval, ctx.accuracy)
-        checks += [pd.through, *acc_checks]
-    if ctx.gpu is not None:  # NVML's free memory before each phase and its release after (harness/gpu/run.py)
-        checks += ctx.gpu.checks
-    ctx.report.checks = checks
-    ctx.report.config["cpu_tuning"] = ctx.cfg.cpu_tuning.to_dict() if ctx.cfg.device == "cpu" else None
-    simulated.apply(ctx)  # a simulated GPU box: the data-path checks become skipped ones (harness/run/simulated.py)
+    return checks
 
 
 def answered_check(baseline: CompletionRun, pd: CompletionRun, n: int) -> Check:
