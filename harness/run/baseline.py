@@ -68,7 +68,31 @@ def run_baseline(
     # the command whose answers the run compares with, launched or not (a repro bundle starts it again)
     ctx.report.config["baseline_command"] = base.command
     server_id = disk.command_identity(base.proc.spec.argv, base.proc.spec.env)
-    key = (
+    key = _memory_key(ctx, server_id, block_size)
+    if cache is not None and key in cache:
+        hit = cache[key]
+        _not_launched(ctx)
+        ctx.report.config["baseline_reused"] = True
+        ctx.report.config["baseline_cache"] = {"used": True, "where": "memory", **(hit.origin or {})}
+        return hit
+    look = _lookup(ctx, server_id, block_size)
+    if look.entry is not None and _restore_load_plan(ctx, look) and _restore_prefix_plan(ctx, look):
+        result = _from_disk(ctx, look, t0)
+    else:
+        result = _launched(ctx, base, t0)
+        result.origin = {"key": look.key, "from_run": str(ctx.run_dir), "created": None}
+        ctx.report.config["baseline_cache"] = _store(ctx, look, result, base.command)
+        if result.completions.failures:
+            return result
+    if cache is not None:
+        cache[key] = result
+    return result
+
+
+def _memory_key(ctx: RunContext, server_id: dict[str, Any], block_size: int | None) -> tuple:
+    """What makes two pairs of one matrix share their baseline's answers."""
+    cfg = ctx.cfg
+    return (
         ctx.model,
         cfg.tp_d,
         block_size,
@@ -83,69 +107,60 @@ def run_baseline(
         disk.canonical(server_id),
         cfg.axes.prefix_caching_d,
     )
-    if cache is not None and key in cache:
-        hit = cache[key]
-        _not_launched(ctx)
-        ctx.report.config["baseline_reused"] = True
-        ctx.report.config["baseline_cache"] = {"used": True, "where": "memory", **(hit.origin or {})}
-        return hit
-    look = _lookup(ctx, server_id, block_size)
-    if look.entry is not None and _restore_load_plan(ctx, look) and _restore_prefix_plan(ctx, look):
-        e = look.entry
-        _not_launched(ctx)
-        result = BaselineResult(e.completions, e.eval, e.load, e.prefix, origin=_origin(look.key, e.meta))
-        ctx.timed("baseline_cache_read", t0)
-        ctx.report.config["baseline_cache"] = {
-            "used": True,
-            "where": "disk",
-            **(result.origin or {}),
-            "entry": str(disk.entry_path(disk.cache_root(), look.key or "")),
-            "source_timings_s": e.meta.get("timings_s", {}),
-            **_notes(look),
-        }
-        progress.current().phase(
-            f"baseline: answers from the cache, computed by {e.meta.get('from_run')} "
-            f"at {e.meta.get('created')} (--fresh-baseline computes them again)"
-        )
-        if cache is not None:
-            cache[key] = result
-        return result
-    result = _launched(ctx, base, t0)
-    result.origin = {"key": look.key, "from_run": str(ctx.run_dir), "created": None}
-    info = look.info or {}
-    if look.key is not None:
-        why_not = disk.cacheable(result)
-        if why_not is None:
-            meta = disk.new_meta(ctx, base.command)
-            try:
-                assert look.inputs is not None
-                disk.write_entry(
-                    disk.cache_root(),
-                    look.key,
-                    look.inputs,
-                    result,
-                    meta,
-                    ctx.load_requests,
-                    ctx.load_prompts,
-                    ctx.prefix_cases,
-                    ctx.prefix_prompts,
-                )
-                info["stored"] = True
-                result.origin = _origin(look.key, meta)
-            except (
-                OSError,
-                ValueError,
-                TypeError,
-            ) as e:  # a cache that cannot be written costs the next run time, not this one
-                info["stored"] = False
-                info["store_error"] = f"{type(e).__name__}: {e}"
-        else:
-            info["stored"] = False
-            info["not_stored_because"] = why_not
-    if cache is not None and not result.completions.failures:
-        cache[key] = result
-    ctx.report.config["baseline_cache"] = info
+
+
+def _from_disk(ctx: RunContext, look: _DiskLookup, t0: float) -> BaselineResult:
+    """The answers of the disk cache's entry ``look`` found; the server is not launched."""
+    e = look.entry
+    assert e is not None
+    _not_launched(ctx)
+    result = BaselineResult(e.completions, e.eval, e.load, e.prefix, origin=_origin(look.key, e.meta))
+    ctx.timed("baseline_cache_read", t0)
+    ctx.report.config["baseline_cache"] = {
+        "used": True,
+        "where": "disk",
+        **(result.origin or {}),
+        "entry": str(disk.entry_path(disk.cache_root(), look.key or "")),
+        "source_timings_s": e.meta.get("timings_s", {}),
+        **_notes(look),
+    }
+    progress.current().phase(
+        f"baseline: answers from the cache, computed by {e.meta.get('from_run')} "
+        f"at {e.meta.get('created')} (--fresh-baseline computes them again)"
+    )
     return result
+
+
+def _store(ctx: RunContext, look: _DiskLookup, result: BaselineResult, command: str) -> dict:
+    """Write freshly computed answers to the disk cache where they may be; what happened, for the report."""
+    info = look.info or {}
+    if look.key is None:
+        return info
+    why_not = disk.cacheable(result)
+    if why_not is not None:
+        return {**info, "stored": False, "not_stored_because": why_not}
+    meta = disk.new_meta(ctx, command)
+    try:
+        assert look.inputs is not None
+        disk.write_entry(
+            disk.cache_root(),
+            look.key,
+            look.inputs,
+            result,
+            meta,
+            ctx.load_requests,
+            ctx.load_prompts,
+            ctx.prefix_cases,
+            ctx.prefix_prompts,
+        )
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+    ) as e:  # a cache that cannot be written costs the next run time, not this one
+        return {**info, "stored": False, "store_error": f"{type(e).__name__}: {e}"}
+    result.origin = _origin(look.key, meta)
+    return {**info, "stored": True}
 
 
 def _origin(key: str | None, meta: dict[str, Any]) -> dict[str, Any]:
