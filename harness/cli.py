@@ -257,17 +257,6 @@ def config_from_args(
         if len(version) != 1:
             raise ConfigError("e2e runs one vLLM version at a time")
     tuning = CpuTuning(enabled=not a.no_cpu_tuning, progress_thread_delay_us=a.nixl_progress_delay_us)
-    accuracy = None
-    if a.accuracy or a.accuracy_task or a.accuracy_limit or a.num_fewshot is not None:
-        if a.num_fewshot is not None and a.num_fewshot < 0:
-            raise ConfigError("--num-fewshot must be >= 0")
-        accuracy = AccuracySettings(
-            task=a.accuracy_task,
-            limit=a.accuracy_limit,
-            num_fewshot=a.num_fewshot,
-            num_concurrent=a.lm_eval_concurrency,
-            request_timeout_s=a.request_timeout,
-        )
     cfg = E2EConfig(
         tp_p=pick("tp_p", 1),
         tp_d=pick("tp_d", 1),
@@ -285,7 +274,7 @@ def config_from_args(
         ready_timeout_s=a.ready_timeout,
         request_timeout_s=a.request_timeout,
         kv_lease_s=a.kv_lease,
-        accuracy=accuracy,
+        accuracy=_accuracy(a),
         proxy_fault=a.proxy_fault,
         proxy_fault_every=a.proxy_fault_every,
         load=LoadSettings(requests=a.load_requests, concurrency=a.load_concurrency, abort_every=a.load_abort_every),
@@ -308,18 +297,8 @@ def config_from_args(
         ),
     )
     cfg.validate()
-    if preflight and attached is not None:
-        from harness.run.preflight import check_attached
-
-        check_attached(cfg, attached.baseline_here)  # P and D run elsewhere with their own TP sizes
-    elif preflight:
-        from harness.run.preflight import check_config
-
-        check_config(cfg, vllm_version=version[0] if version else None)
-        if cfg.device == "gpu":
-            from harness.run.preflight import check_gpus
-
-            check_gpus(cfg)
+    if preflight:
+        _preflight(cfg, attached, version[0] if version else None)
     if version:
         from harness.envs.vllm_env import EnvSetupFailed, ensure_env
 
@@ -328,6 +307,37 @@ def config_from_args(
         except EnvSetupFailed as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def _accuracy(a: argparse.Namespace) -> AccuracySettings | None:
+    """The lm-eval phase's settings where any of its flags is given; None: no accuracy phase."""
+    if not (a.accuracy or a.accuracy_task or a.accuracy_limit or a.num_fewshot is not None):
+        return None
+    if a.num_fewshot is not None and a.num_fewshot < 0:
+        raise ConfigError("--num-fewshot must be >= 0")
+    return AccuracySettings(
+        task=a.accuracy_task,
+        limit=a.accuracy_limit,
+        num_fewshot=a.num_fewshot,
+        num_concurrent=a.lm_eval_concurrency,
+        request_timeout_s=a.request_timeout,
+    )
+
+
+def _preflight(cfg: E2EConfig, attached: AttachSettings | None, version: str | None) -> None:
+    """Refuse a run that cannot work here before anything is installed or started (harness/run/preflight.py)."""
+    if attached is not None:
+        from harness.run.preflight import check_attached
+
+        check_attached(cfg, attached.baseline_here)  # P and D run elsewhere with their own TP sizes
+        return
+    from harness.run.preflight import check_config
+
+    check_config(cfg, vllm_version=version)
+    if cfg.device == "gpu":
+        from harness.run.preflight import check_gpus
+
+        check_gpus(cfg)
 
 
 def default_model_note(cfg: E2EConfig) -> str:
