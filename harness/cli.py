@@ -44,49 +44,153 @@ def _subcommand(name: str):
     return importlib.import_module(SUBCOMMAND_MODULES[name])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m harness", description="vLLM P/D (NixlConnector) heterogeneous-TP accuracy harness"
-    )
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
-    e = sub.add_parser("e2e", help="one P/D run against a non-disaggregated baseline")
-    e.add_argument("--tp-p", type=positive_int, help="prefill TP size (default: $PREFILLER_TP_SIZE or 1)")
-    e.add_argument("--tp-d", type=positive_int, help="decode TP size (default: $DECODER_TP_SIZE or 1)")
-    e.add_argument("--model", help="model path or hub id (default on CPU: the tiny local model)")
-    e.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
-    e.add_argument("--block-size-p", type=positive_int, help="default: $PREFILL_BLOCK_SIZE")
-    e.add_argument("--block-size-d", type=positive_int, help="default: $DECODE_BLOCK_SIZE")
-    e.add_argument("--kv-layout-d", choices=["HND", "NHD"], help="default: $DECODER_KV_LAYOUT")
-    e.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
-    e.add_argument(
+def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
+    g = e.add_argument_group("the servers: TP sizes, model and what each server runs with")
+    g.add_argument("--tp-p", type=positive_int, help="prefill TP size (default: $PREFILLER_TP_SIZE or 1)")
+    g.add_argument("--tp-d", type=positive_int, help="decode TP size (default: $DECODER_TP_SIZE or 1)")
+    g.add_argument("--model", help="model path or hub id (default on CPU: the tiny local model)")
+    g.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    g.add_argument("--dtype", help="model dtype for every server (default: float32 on CPU, the model's own on GPU)")
+    g.add_argument("--block-size-p", type=positive_int, help="default: $PREFILL_BLOCK_SIZE")
+    g.add_argument("--block-size-d", type=positive_int, help="default: $DECODE_BLOCK_SIZE")
+    g.add_argument("--kv-layout-d", choices=["HND", "NHD"], help="default: $DECODER_KV_LAYOUT")
+    g.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
+    g.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every server's KV cache dtype (default: vLLM's auto)"
     )
-    e.add_argument(
+    g.add_argument(
         "--prefix-caching-d", action="store_true", help="turn D's prefix cache on and run the prefix-cache scenarios"
     )
-    e.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="default: vLLM's")
-    e.add_argument(
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, help="default: vLLM's")
+    g.add_argument(
         "--attention-backend", help="vLLM attention backend for every server, e.g. FLASH_ATTN (default: vLLM's)"
     )
-    e.add_argument(
+    g.add_argument(
         "--kv-buffer-device", choices=KV_BUFFER_DEVICES, help="NIXL's KV buffer (default: cpu on CPU, cuda on GPU)"
     )
-    e.add_argument(
+    g.add_argument(
         "--permute-local-kv-d",
         action="store_true",
         help="D permutes the HND blocks it receives into its NHD layout "
         "(vLLM's enable_permute_local_kv; with --kv-layout-d NHD)",
     )
-    e.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
-    e.add_argument(
+    g.add_argument("--max-model-len", type=positive_int, help="default: 512 on CPU, 2048 on GPU")
+    g.add_argument(
+        "--kv-pool-blocks",
+        type=non_negative_int,
+        help="KV blocks per server (default: twice a longest request's when the load phase runs, so blocks "
+        "are reused; 0: vLLM's own)",
+    )
+    g.add_argument("--kv-lease", type=positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="no CUDA graphs or compilation on GPU (faster start-up; CPU always runs eager)",
+    )
+    g.add_argument("--python", help="interpreter that has vLLM (default: this one)")
+    g.add_argument(
+        "--vllm-version",
+        help="serve from this vLLM version, installed under .venvs/ the first time "
+        "(default: $VLLM_VERSION or the pinned one)",
+    )
+    g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
+    g.add_argument("--no-cpu-tuning", action="store_true", help="run NIXL with stock busy polling and core pinning")
+    g.add_argument(
+        "--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning"
+    )
+
+
+def _e2e_where_args(e: argparse.ArgumentParser) -> None:
+    g = e.add_argument_group("where the run goes: its folder, its hosts, servers started elsewhere (attach mode)")
+    g.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
+    g.add_argument(
         "--hosts",
         type=Path,
         metavar="FILE",
         help="a hosts file placing P, D, the proxy and the baseline on hosts with their own addresses "
         "(docs/multi-host.md; default: all here on 127.0.0.1)",
     )
-    e.add_argument(
+    g.add_argument(
+        "--prefill-url",
+        help="attach mode: comma-separated URLs of prefill servers started elsewhere (needs --decode-url)",
+    )
+    g.add_argument("--decode-url", help="attach mode: comma-separated URLs of decode servers started elsewhere")
+    g.add_argument(
+        "--baseline-url", help="attach mode: a non-disaggregated server started elsewhere (default: launch one here)"
+    )
+
+
+def _e2e_workload_args(e: argparse.ArgumentParser) -> None:
+    g = e.add_argument_group("what is sent and how it is judged")
+    g.add_argument("--max-tokens", type=positive_int, default=16)
+    g.add_argument(
+        "--prompts",
+        help="only these of the sequential prompts, comma-separated ids (e.g. p01-w2; "
+        "default: all; a shrink narrows a failure to one)",
+    )
+    g.add_argument("--request-timeout", type=float, default=180.0)
+    g.add_argument(
+        "--fresh-baseline",
+        action="store_true",
+        help="compute the baseline again instead of reusing cached answers (the new ones are cached)",
+    )
+    g.add_argument(
+        "--logprob-threshold",
+        type=float,
+        help="largest |logprob difference| of a chosen token against the baseline "
+        "(default: the device's, see docs/load.md)",
+    )
+    g.add_argument(
+        "--load-requests",
+        type=non_negative_int,
+        default=LoadSettings.requests,
+        help="requests of the load phase (default %(default)s; 0: no load phase)",
+    )
+    g.add_argument(
+        "--load-concurrency", type=positive_int, default=LoadSettings.concurrency, help="default %(default)s"
+    )
+    g.add_argument(
+        "--load-abort-every",
+        type=non_negative_int,
+        default=LoadSettings.abort_every,
+        help="the client cancels every n-th load request, alternately while P prefills and mid-decode "
+        "(default %(default)s; 0: none)",
+    )
+    g.add_argument(
+        "--accuracy",
+        action="store_true",
+        help="also run lm-eval through the proxy and against the baseline "
+        "(on CPU: the tiny model trained on the offline task)",
+    )
+    g.add_argument(
+        "--accuracy-task", help="lm-eval task (default: gsm8k_offline for a local model, gsm8k for a hub model)"
+    )
+    g.add_argument("--accuracy-limit", type=positive_int, help="samples of the test split (default: all)")
+    g.add_argument("--num-fewshot", type=int, help="default: the task's")
+    g.add_argument("--lm-eval-concurrency", type=positive_int, default=2)
+
+
+def _e2e_faults_args(e: argparse.ArgumentParser) -> None:
+    g = e.add_argument_group("fault injection (each fault run must fail, and shows that its fault fired)")
+    g.add_argument(
+        "--proxy-fault",
+        choices=PROXY_FAULTS,
+        default="none",
+        help="fault injection: corrupt-block-ids hands D wrong remote block ids, no-remote-decode skips the "
+        "transfer (the run must fail either way)",
+    )
+    g.add_argument(
+        "--proxy-fault-every", type=positive_int, default=1, help="apply --proxy-fault to every n-th request only"
+    )
+    g.add_argument(
+        "--decode-kv-fault",
+        type=float,
+        metavar="FACTOR",
+        help="fault injection: D multiplies the KV it received for the first layer by FACTOR (e.g. 1.05: "
+        "logprobs move, greedy tokens mostly do not); the run must fail",
+    )
+    g.add_argument(
         "--net-fault",
         choices=NET_FAULTS,
         default="none",
@@ -94,103 +198,17 @@ def build_parser() -> argparse.ArgumentParser:
         "cuts P's host off while a request is between its hops; side-channel-blocked drops packets to P's NIXL "
         "side channel before the first request",
     )
-    e.add_argument("--python", help="interpreter that has vLLM (default: this one)")
-    e.add_argument(
-        "--vllm-version",
-        help="serve from this vLLM version, installed under .venvs/ the first time "
-        "(default: $VLLM_VERSION or the pinned one)",
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m harness", description="vLLM P/D (NixlConnector) heterogeneous-TP accuracy harness"
     )
-    e.add_argument("--max-tokens", type=positive_int, default=16)
-    e.add_argument(
-        "--prompts",
-        help="only these of the sequential prompts, comma-separated ids (e.g. p01-w2; "
-        "default: all; a shrink narrows a failure to one)",
-    )
-    e.add_argument(
-        "--fresh-baseline",
-        action="store_true",
-        help="compute the baseline again instead of reusing cached answers (the new ones are cached)",
-    )
-    e.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for each server set to become ready")
-    e.add_argument("--request-timeout", type=float, default=180.0)
-    e.add_argument("--kv-lease", type=positive_int, help="P's KV lease in s (default: 120 on CPU, vLLM's on GPU)")
-    e.add_argument("--no-cpu-tuning", action="store_true", help="run NIXL with stock busy polling and core pinning")
-    e.add_argument(
-        "--nixl-progress-delay-us", type=int, default=1000, help="NIXL progress-thread delay under CPU tuning"
-    )
-    e.add_argument(
-        "--accuracy",
-        action="store_true",
-        help="also run lm-eval through the proxy and against the baseline "
-        "(on CPU: the tiny model trained on the offline task)",
-    )
-    e.add_argument(
-        "--accuracy-task", help="lm-eval task (default: gsm8k_offline for a local model, gsm8k for a hub model)"
-    )
-    e.add_argument("--accuracy-limit", type=positive_int, help="samples of the test split (default: all)")
-    e.add_argument("--num-fewshot", type=int, help="default: the task's")
-    e.add_argument("--lm-eval-concurrency", type=positive_int, default=2)
-    e.add_argument(
-        "--load-requests",
-        type=non_negative_int,
-        default=LoadSettings.requests,
-        help="requests of the load phase (default %(default)s; 0: no load phase)",
-    )
-    e.add_argument(
-        "--load-concurrency", type=positive_int, default=LoadSettings.concurrency, help="default %(default)s"
-    )
-    e.add_argument(
-        "--load-abort-every",
-        type=non_negative_int,
-        default=LoadSettings.abort_every,
-        help="the client cancels every n-th load request, alternately while P prefills and mid-decode "
-        "(default %(default)s; 0: none)",
-    )
-    e.add_argument(
-        "--kv-pool-blocks",
-        type=non_negative_int,
-        help="KV blocks per server (default: twice a longest request's when the load phase runs, so blocks "
-        "are reused; 0: vLLM's own)",
-    )
-    e.add_argument("--max-model-len", type=positive_int, help="default: 512 on CPU, 2048 on GPU")
-    e.add_argument(
-        "--logprob-threshold",
-        type=float,
-        help="largest |logprob difference| of a chosen token against the baseline "
-        "(default: the device's, see docs/load.md)",
-    )
-    e.add_argument(
-        "--proxy-fault-every", type=positive_int, default=1, help="apply --proxy-fault to every n-th request only"
-    )
-    e.add_argument(
-        "--decode-kv-fault",
-        type=float,
-        metavar="FACTOR",
-        help="fault injection: D multiplies the KV it received for the first layer by FACTOR (e.g. 1.05: "
-        "logprobs move, greedy tokens mostly do not); the run must fail",
-    )
-    e.add_argument("--dtype", help="model dtype for every server (default: float32 on CPU, the model's own on GPU)")
-    e.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="no CUDA graphs or compilation on GPU (faster start-up; CPU always runs eager)",
-    )
-    e.add_argument(
-        "--proxy-fault",
-        choices=PROXY_FAULTS,
-        default="none",
-        help="fault injection: corrupt-block-ids hands D wrong remote block ids, no-remote-decode skips the "
-        "transfer (the run must fail either way)",
-    )
-    e.add_argument(
-        "--prefill-url",
-        help="attach mode: comma-separated URLs of prefill servers started elsewhere (needs --decode-url)",
-    )
-    e.add_argument("--decode-url", help="attach mode: comma-separated URLs of decode servers started elsewhere")
-    e.add_argument(
-        "--baseline-url", help="attach mode: a non-disaggregated server started elsewhere (default: launch one here)"
-    )
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    e = sub.add_parser("e2e", help="one P/D run against a non-disaggregated baseline")
+    for add in (_e2e_servers_args, _e2e_where_args, _e2e_workload_args, _e2e_faults_args):
+        add(e)
 
     tp = sub.add_parser("topology", help="predict heads per rank, regime and handshake outcome for a TP pair")
     src = tp.add_mutually_exclusive_group(required=True)
