@@ -101,6 +101,17 @@ def simulated_note(config: dict[str, Any]) -> str | None:
 
 
 def render_markdown(d: dict[str, Any]) -> str:
+    """report.md: the verdict and why, the checks, then each section the run has, then its configuration."""
+    lines = _header_markdown(d) + _checks_markdown(d) + _failure_markdown(d.get("failure"))
+    lines += _accuracy_markdown(d.get("accuracy"))
+    lines += load_markdown(d.get("load"))
+    lines += prefix_markdown(d.get("prefix_cache"))
+    lines += _comparison_markdown(d.get("comparison"))
+    lines += _appendix_markdown(d)
+    return "\n".join(lines) + "\n"
+
+
+def _header_markdown(d: dict[str, Any]) -> list[str]:
     cfg = d.get("config", {})
     lines = [
         f"# P/D run: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} — **{d['verdict'].upper()}**",
@@ -121,64 +132,89 @@ def render_markdown(d: dict[str, Any]) -> str:
             + (" (`--fresh-baseline` computes it again)." if bc.get("where") == "disk" else "."),
             "",
         ]
-    lines += ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
+    return lines
+
+
+def _checks_markdown(d: dict[str, Any]) -> list[str]:
+    lines = ["## Checks", "", "| check | result | detail |", "|---|---|---|"]
     for c in d.get("checks", []):
         detail = str(c["detail"]).replace("|", "\\|").replace("\n", " ")
         lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {detail} |")
     for c in d.get("skipped_checks", []):
         lines.append(f"| {c['name']} | not checked | {c['reason']} |")
-    if d.get("failure"):
-        f = d["failure"]
-        lines += [
-            "",
-            "## Failure",
-            "",
-            f"Class: `{f.get('class', 'unknown')}`",
-            "",
-            f"{f.get('reason')}",
-            "",
-            "```",
-            str(f.get("excerpt", "")),
-            "```",
-        ]
-    a = d.get("accuracy")
-    if a:
-        lines += [
-            "",
-            f"## Accuracy ({a['task']}, lm-eval {a.get('lm_eval')})",
-            "",
-            "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |",
-            "|---|---|---|---|---|---|---|",
-            f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | "
-            f"{a['tolerance']:.3f} | {a['differing_responses']} | {a['score_flips']} |",
-        ]
-    lines += load_markdown(d.get("load"))
-    lines += prefix_markdown(d.get("prefix_cache"))
-    comp = d.get("comparison")
-    if comp:
-        lines += [
-            "",
-            "## Comparison with the baseline",
-            "",
-            f"{comp.get('summary', '')}",
-            "",
-            "| prompt | prompt tokens | status | compared tokens | divergence |",
-            "|---|---|---|---|---|",
-        ]
-        tokens = comp.get("prompt_tokens", {})
-        for p in comp.get("prompts", []):
-            div = p.get("divergence")
-            dtxt = (
-                ""
-                if not div
-                else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} "
-                f"({div['reason']})"
-            )
-            lines.append(
-                f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | "
-                f"{p['compared_tokens']} | {dtxt} |"
-            )
-    lines += ["", "## Configuration", "", "```json", json.dumps(cfg, indent=2), "```", "", "## Versions", ""]
+    return lines
+
+
+def _failure_markdown(f: dict[str, Any] | None) -> list[str]:
+    if not f:
+        return []
+    return [
+        "",
+        "## Failure",
+        "",
+        f"Class: `{f.get('class', 'unknown')}`",
+        "",
+        f"{f.get('reason')}",
+        "",
+        "```",
+        str(f.get("excerpt", "")),
+        "```",
+    ]
+
+
+def _accuracy_markdown(a: dict[str, Any] | None) -> list[str]:
+    if not a:
+        return []
+    return [
+        "",
+        f"## Accuracy ({a['task']}, lm-eval {a.get('lm_eval')})",
+        "",
+        "| samples | baseline | P/D | delta | tolerance | differing responses | score flips |",
+        "|---|---|---|---|---|---|---|",
+        f"| {a['samples']} | {a['baseline_score']:.3f} | {a['pd_score']:.3f} | {a['delta']:+.3f} | "
+        f"{a['tolerance']:.3f} | {a['differing_responses']} | {a['score_flips']} |",
+    ]
+
+
+def _comparison_markdown(comp: dict[str, Any] | None) -> list[str]:
+    if not comp:
+        return []
+    lines = [
+        "",
+        "## Comparison with the baseline",
+        "",
+        f"{comp.get('summary', '')}",
+        "",
+        "| prompt | prompt tokens | status | compared tokens | divergence |",
+        "|---|---|---|---|---|",
+    ]
+    tokens = comp.get("prompt_tokens", {})
+    for p in comp.get("prompts", []):
+        div = p.get("divergence")
+        dtxt = (
+            ""
+            if not div
+            else f"pos {div['position']}: baseline {div['baseline_token']} vs P/D {div['pd_token']} ({div['reason']})"
+        )
+        lines.append(
+            f"| {p['prompt_id']} | {tokens.get(p['prompt_id'], '')} | {p['status']} | {p['compared_tokens']} | {dtxt} |"
+        )
+    return lines
+
+
+def _appendix_markdown(d: dict[str, Any]) -> list[str]:
+    """The configuration, versions, timings, logs and commands."""
+    lines = [
+        "",
+        "## Configuration",
+        "",
+        "```json",
+        json.dumps(d.get("config", {}), indent=2),
+        "```",
+        "",
+        "## Versions",
+        "",
+    ]
     lines += [f"- {k}: {v}" for k, v in d.get("versions", {}).items()]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v}" for k, v in d.get("timings_s", {}).items()]
     tb = d.get("timing_breakdown")
@@ -191,7 +227,7 @@ def render_markdown(d: dict[str, Any]) -> str:
         ]
     lines += ["", "## Logs", ""] + [f"- {k}: `{v}`" for k, v in d.get("logs", {}).items()]
     lines += ["", "## Commands", ""] + [f"- {k}: `{v}`" for k, v in d.get("commands", {}).items()]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def write_report(report: Report, run_dir: Path, runs_root: Path | None = None) -> dict[str, Any]:
