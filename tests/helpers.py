@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import psutil
 
 from harness.run.launch import RUN_TAG_ENV
+from harness.serve.ports import PortAllocator
 
 
 # `make test-full`: the tests beyond CI's representative cut (marked `full`, tests/conftest.py) run too.
@@ -72,3 +76,34 @@ def config_error(load, path: Path, text: str) -> str:
     with pytest.raises(ConfigError) as e:
         load(path)
     return str(e.value)
+
+
+class TextServer:
+    """An HTTP stand-in on 127.0.0.1 at an allocated port: every GET answers 200 with ``body()`` (e.g. a server's
+    /metrics text, read after read). ``close`` stops it and frees the port."""
+
+    def __init__(self, body: Callable[[], str]):
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                data = body().encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.alloc = PortAllocator()
+        self.port = self.alloc.port()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.alloc.close()

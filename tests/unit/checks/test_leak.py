@@ -1,7 +1,5 @@
 """The leak check: P and D idle again after a run, read from /metrics of stand-in servers over HTTP."""
 
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
@@ -16,8 +14,8 @@ from harness.checks.leak import (
     wait_idle,
 )
 from harness.checks.transfer import check_lease
-from harness.serve.ports import PortAllocator
 from harness.serve.prometheus import parse_metrics
+from tests.helpers import TextServer
 
 
 def metrics(running=0, waiting=0, usage=0.0, expired=0, usage_name="vllm:kv_cache_usage_perc", blocks=None) -> str:
@@ -41,32 +39,15 @@ class StandIn:
 
 @pytest.fixture
 def serve():
-    servers = []
+    servers: list[TextServer] = []
 
     def start(stand_in: StandIn) -> str:
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                data = stand_in.body().encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        alloc = PortAllocator()
-        port = alloc.port()
-        httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        servers.append((httpd, alloc))
-        return f"http://127.0.0.1:{port}/metrics"
+        servers.append(TextServer(stand_in.body))
+        return f"{servers[-1].url}/metrics"
 
     yield start
-    for httpd, alloc in servers:
-        httpd.shutdown()
-        httpd.server_close()
-        alloc.close()
+    for server in servers:
+        server.close()
 
 
 def reader(urls: dict[str, str]):

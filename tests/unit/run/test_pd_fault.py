@@ -2,8 +2,6 @@
 teardown, as a check or a skipped check with why (never a pass); the fault's own failure stays the run's."""
 
 import contextlib
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,43 +18,22 @@ from harness.serve.procs import ProcessFailed
 from harness.serve.prometheus import parse_metrics
 from harness.serve.servers import Endpoint, LocalServers, ServerUnreachable
 from harness.workload.client import GenerationSettings
+from tests.helpers import TextServer
 from tests.unit.checks.test_leak import metrics
 
 POOL = 32768
 
 
-class MetricsStandIn:
+class MetricsStandIn(TextServer):
     """P's /metrics, its text given per read by ``script`` (read count -> text)."""
 
     def __init__(self, script):
         self.script, self.reads = script, 0
-        self.alloc = PortAllocator()
-        self.port = self.alloc.port()
-        stand_in = self
+        super().__init__(self.read)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):
-                stand_in.reads += 1
-                data = stand_in.script(stand_in.reads).encode()
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *a):
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.alloc.close()
+    def read(self) -> str:
+        self.reads += 1
+        return self.script(self.reads)
 
 
 @pytest.fixture
