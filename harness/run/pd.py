@@ -142,16 +142,32 @@ def lease_of(ctx: RunContext) -> int:
 
 
 class NetFault(abc.ABC):
-    """A --net-fault in place during the P/D phase: ``record`` what it did, ``undo`` it (raises NetFaultError unless
-    it reads back undone); ``close`` at the phase's end does both where not done yet."""
+    """A --net-fault in place during the P/D phase. ``record`` puts what it did, read back, into the report's
+    config.net_fault_fired (once); ``undo`` lifts it (raises NetFaultError unless it reads back undone); ``close`` at
+    the phase's end does both where not done yet."""
 
-    fired: dict[str, object]
+    def __init__(self, ctx: RunContext, fired: dict[str, object]):
+        self.ctx, self.fired, self._recorded = ctx, fired, False
 
     @abc.abstractmethod
-    def record(self) -> None: ...
+    def _read(self) -> None:
+        """What the fault did, into ``fired`` (no fault follows it)."""
 
     @abc.abstractmethod
-    def undo(self) -> None: ...
+    def _lift(self) -> None:
+        """Lift the fault and read it back, into ``fired``."""
+
+    def record(self) -> None:
+        if self._recorded:
+            return
+        self._recorded = True
+        self._read()
+        self.ctx.report.config["net_fault_fired"] = self.fired
+
+    def undo(self) -> None:
+        self.record()
+        self._lift()
+        self.fired["undone"] = True
 
     def close(self) -> None:
         """Record, then undo unless done already: a fault that did not end the run is lifted with the phase, not left
@@ -169,52 +185,36 @@ class PortBlock(NetFault):
     """side-channel-blocked: the DROP rule for P's side-channel ports (one per P rank), in place from creation."""
 
     def __init__(self, ctx: RunContext, host: Host, first: int, count: int):
-        self.ctx, self.host, self.first, self.count = ctx, host, first, count
-        self.fired: dict[str, object] = {"fault": ctx.cfg.net_fault, "host": host.name}
+        super().__init__(ctx, {"fault": ctx.cfg.net_fault, "host": host.name})
+        self.host, self.first, self.count = host, first, count
         self.fired["rule"] = block_ports(host, first, count)
-        self._recorded = False
 
-    def record(self) -> None:
-        """The rule's packet counter into config.net_fault_fired, once: before the rule is removed, or at teardown."""
-        if self._recorded:
-            return
-        self._recorded = True
+    def _read(self) -> None:
+        """The rule's packet counter: before the rule is removed, or at teardown."""
         try:
             self.fired["dropped_packets"] = dropped_packets(self.host, self.first, self.count)
         except NetFaultError as e:
             self.fired["error"] = str(e)
-        self.ctx.report.config["net_fault_fired"] = self.fired
 
-    def undo(self) -> None:
-        """Remove the rule (raises NetFaultError unless it reads back gone)."""
-        self.record()
+    def _lift(self) -> None:
         self.fired["rules_after"] = unblock_ports(self.host, self.first, self.count)
-        self.fired["undone"] = True
 
 
 class LinkCut(NetFault):
     """p-link-down: P's links cut by a thread when the proxy holds a request between hops."""
 
     def __init__(self, ctx: RunContext, host: Host):
-        self.ctx, self.cutter = ctx, LinkCutter(host, ctx.hold_dir)
-        self.fired: dict[str, object] = {}
-        self._recorded = False
+        super().__init__(ctx, {})
+        self.cutter = LinkCutter(host, ctx.hold_dir)
         self.cutter.start()
 
-    def record(self) -> None:
-        """What the cutter did (or why it could not) into config.net_fault_fired, once; no cut follows it."""
-        if self._recorded:
-            return
-        self._recorded = True
+    def _read(self) -> None:
+        """What the cutter did (or why it could not); stopped first, so no cut follows."""
         self.cutter.stop()
         self.fired = self.cutter.fired or {"fault": self.ctx.cfg.net_fault, "fired": False, "error": self.cutter.error}
-        self.ctx.report.config["net_fault_fired"] = self.fired
 
-    def undo(self) -> None:
-        """Bring back up the links the cutter took down (raises NetFaultError unless they read back up)."""
-        self.record()
+    def _lift(self) -> None:
         self.fired.update(self.cutter.restore())
-        self.fired["undone"] = True
 
 
 def start_net_fault(ctx: RunContext, stack: contextlib.ExitStack, servers: ServerSet) -> NetFault | None:
