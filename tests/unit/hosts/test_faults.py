@@ -25,6 +25,21 @@ from harness.serve.ports import PortAllocator
 
 A, B = Host("a", "10.213.0.2", "pdh-t-a"), Host("b", "10.213.0.3", "pdh-t-b")
 
+# How a TCP connection from one host to another ends: "timed out" (dropped), "refused" (nothing listens), else the
+# error's name (e.g. the network is unreachable with the links down).
+CONNECT = (
+    "import socket, sys\n"
+    "try: socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1)\n"
+    "except TimeoutError: print('timed out')\n"
+    "except ConnectionRefusedError: print('refused')\n"
+    "except OSError as e: print(type(e).__name__)"
+)
+
+
+def connect_from(host: Host, address: str, port: int) -> str:
+    run = subprocess.run(host.wrap([sys.executable, "-c", CONNECT, address, str(port)]), capture_output=True, text=True)
+    return run.stdout.strip()
+
 
 def test_links_are_cut_only_on_namespace_hosts():
     with pytest.raises(NetFaultError, match="not a network namespace"):
@@ -71,23 +86,15 @@ def test_the_cutter_cuts_when_a_request_is_held_reads_it_back_and_releases_it(tm
 @pytest.mark.skipif(NO_LAB is not None, reason=f"cannot make network namespaces here: {NO_LAB}")
 @pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables is not installed (Debian: iptables)")
 def test_a_blocked_port_drops_connections_and_counts_them(tmp_path):
-    code = (
-        "import socket, sys\n"
-        "try: socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1)\n"
-        "except TimeoutError: print('timed out')\n"
-        "except ConnectionRefusedError: print('refused')"
-    )
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc, NamespaceLab(["a", "b"]) as lab:
         a, b = lab.hosts["a"], lab.hosts["b"]
         first = alloc.block(2).base
-        probe = [sys.executable, "-c", code, a.address]
-        assert subprocess.run(b.wrap([*probe, str(first)]), capture_output=True, text=True).stdout.strip() == "refused"
+        assert connect_from(b, a.address, first) == "refused"
         rule = block_ports(a, first, 2)
         assert rule == f"-A INPUT -p tcp -m tcp --dport {first}:{first + 1} -j DROP"
         assert dropped_packets(a, first, 2) == 0
         for port in (first, first + 1):
-            out = subprocess.run(b.wrap([*probe, str(port)]), capture_output=True, text=True).stdout.strip()
-            assert out == "timed out"  # dropped, not refused: the host is there, the port is not
+            assert connect_from(b, a.address, port) == "timed out"  # dropped, not refused: the host is there
         assert dropped_packets(a, first, 2) >= 2
 
 
@@ -223,21 +230,12 @@ def test_a_rule_still_there_after_the_delete_or_no_rule_to_delete_fails_the_undo
 @pytest.mark.skipif(NO_LAB is not None, reason=f"cannot make network namespaces here: {NO_LAB}")
 @pytest.mark.skipif(shutil.which("iptables") is None, reason="iptables is not installed (Debian: iptables)")
 def test_undone_faults_let_the_host_answer_again(tmp_path):
-    code = (
-        "import socket, sys\n"
-        "try: socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1)\n"
-        "except TimeoutError: print('timed out')\n"
-        "except ConnectionRefusedError: print('refused')\n"
-        "except OSError as e: print(type(e).__name__)"
-    )
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc, NamespaceLab(["a", "b"]) as lab:
         a, b = lab.hosts["a"], lab.hosts["b"]
         port = alloc.port()
 
         def probe() -> str:
-            return subprocess.run(
-                b.wrap([sys.executable, "-c", code, a.address, str(port)]), capture_output=True, text=True
-            ).stdout.strip()
+            return connect_from(b, a.address, port)
 
         rule = block_ports(a, port, 1)
         assert probe() == "timed out"
