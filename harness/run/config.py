@@ -84,6 +84,8 @@ class E2EConfig:
     decode_kv_fault: float | None = (
         None  # fault injection: D scales the received KV of one layer by this (the run must fail)
     )
+    decode_swap_heads: bool = False  # fault injection: D swaps the first two KV heads it received (the run must fail)
+    kv_digest: bool = True  # P and D digest their KV (harness/serve/kvdigest/); the check kv_digest_match
     axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
     prompt_ids: tuple[str, ...] | None = None  # only these of the sequential prompts (None: all; a shrink narrows it)
     hosts: RunHosts = field(default_factory=RunHosts)  # the host of P, D, the proxy and the baseline (default: here)

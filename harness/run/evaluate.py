@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.accuracy.checks import accuracy_checks
-from harness.checks import transfer
+from harness.checks import kv_digest, transfer
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
 from harness.checks.leak import check_no_leak
@@ -46,6 +46,7 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     checks.append(match_check(result, min(MIN_PROMPTS, len(ctx.prompts))))
     ctx.report.comparison = comparison_block(result, baseline.completions, pd.completions)
     checks += transfer_checks(ctx, pd, n)
+    checks += digest_checks(ctx, pd)
     checks += server_checks(ctx, pd)
     compared = [result]
     if pd.load is not None and baseline.load is not None:
@@ -103,6 +104,24 @@ def transfer_checks(ctx: RunContext, pd: PDResult, n: int) -> list[Check]:
         )
     )
     return checks
+
+
+def digest_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
+    """Exact proof that D holds the bytes P computed (checks/kv_digest.py), or why it could not be made."""
+    why = None
+    if not ctx.cfg.kv_digest:
+        why = "turned off (--no-kv-digest)"
+    elif pd.attached:
+        why = "attach mode: the attached servers were not started with the digest hook (docs/kv-digest.md)"
+    elif simulated.simulated(ctx):
+        why = "stand-in servers compute no KV"
+    records, unavailable = kv_digest.load(ctx.run_dir / "kv_digest") if why is None else ([], [])
+    if why is None and unavailable:
+        why = "the hook could not digest on this vLLM: " + "; ".join(unavailable)
+    if why is not None:
+        ctx.report.skipped_checks.append({"name": kv_digest.CHECK_NAME, "reason": why})
+        return []
+    return [kv_digest.check(kv_digest.compare(records))]
 
 
 def server_checks(ctx: RunContext, pd: PDResult) -> list[Check]:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.checks.check import failed_checks_reason
+from harness.checks.kv_digest import location_in
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
@@ -123,6 +124,8 @@ def _header(d: dict) -> str:
     fail = d.get("failure") or {}
     cls = f'<div>failure class: <b id="failure-class">{esc(fail.get("class"))}</b></div>' if fail else ""
     reason = _reason(d)
+    if where := location_in(d.get("checks") or []):
+        reason += f'<div class="reason" id="kv-digest-location">{esc(where)}</div>'
     if d.get("known_upstream"):
         reason += f'<div class="reason" id="known-upstream">{esc(d["known_upstream"])}</div>'
     return (

@@ -92,6 +92,7 @@ def make_server(
         extra_env=(*((("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else ()), *host_env(cfg, host)),
         num_blocks=num_blocks,
         log_requests=log_requests,
+        kv_digest_dir=str(kv_digest_dir(logs_dir, label or role)) if cfg.kv_digest and role != "baseline" else None,
     )
     if len(nodes) > 1:  # rank 0's torch.distributed address, from our allocator like every port
         spec = replace(spec, nodes=len(nodes), master=(host.address, alloc.port()))
@@ -108,6 +109,11 @@ def make_server(
         f_proc, f_shown = _process(cfg, f_spec, server_ports(alloc, tp // len(nodes)), node, f_name, logs_dir, None)
         followers.append((f_name, f_proc, f_shown))
     return Server(spec, proc, url, shown, tuple(followers))
+
+
+def kv_digest_dir(logs_dir: Path, name: str) -> Path:
+    """Where a server's KV digests go: beside its run's logs (``<run>/kv_digest/<name>``)."""
+    return logs_dir.parent / "kv_digest" / name
 
 
 def _node_binds(cpu_bind: str | None, nodes: int) -> list[str | None]:
@@ -139,6 +145,7 @@ def _spec(
         seed=cfg.seed,
         kv_load_failure_policy=kv_load_failure_policy,
         fault_kv_scale=cfg.decode_kv_fault if role == "decode" else None,
+        fault_swap_heads=cfg.decode_swap_heads and role == "decode",
         max_model_len=cfg.model_len,
         dtype=cfg.dtype or ("float32" if cfg.device == "cpu" else None),
         enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else cfg.device == "cpu",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.checks.check import Check
+from harness.checks.kv_digest import location_in
 from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.run import html as run_html
@@ -121,6 +122,8 @@ def _header_markdown(d: dict[str, Any]) -> list[str]:
         lines += [f"**{d['simulated']}**", ""]
     if d.get("reason"):
         lines += [f"Reason: {d['reason']}", ""]
+    if where := location_in(d.get("checks") or []):
+        lines += [where, ""]
     if d.get("known_upstream"):
         lines += [f"Upstream: {d['known_upstream']}", ""]
     bc = cfg.get("baseline_cache") or {}

@@ -16,6 +16,7 @@ import os
 import sys
 
 _SCALE = os.environ.get("PD_HARNESS_FAULT_KV_SCALE")
+_SWAP = os.environ.get("PD_HARNESS_FAULT_SWAP_HEADS") == "1"
 _WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,13 +30,45 @@ def _block_dim(shape, num_blocks):
     return next((i for i, n in enumerate(shape) if n == num_blocks), None)
 
 
+def _received_blocks(meta):
+    # kernel block ids: where vLLM splits a logical block into smaller kernel blocks, the logical ids index wrong
+    ids = getattr(meta, "local_physical_block_ids", None) or meta.local_block_ids
+    return list(ids[0])
+
+
+def _swap_heads(worker, metas, received):
+    """Swap the first two local KV heads of every layer in the received blocks: a wrong head slice, as a wrong
+    offset under GQA replication would give. Needs a cache [blocks, heads, ...] with at least two local heads."""
+    caches = getattr(worker, "_pd_fault_caches", None) or {}
+    for req_id in sorted(received):
+        meta = metas.get(req_id)
+        if meta is None or not caches:
+            continue
+        blocks = _received_blocks(meta)
+        first = caches[sorted(caches)[0]]
+        if first.dim() != 4 or first.shape[1] < 2 or not blocks:
+            _log(f"could not swap heads of request {req_id}: cache {tuple(first.shape)}; nothing changed")
+            continue
+        for tensor in caches.values():
+            for b in blocks:
+                page = tensor[b]
+                h0 = page[0].clone()
+                page[0].copy_(page[1])
+                page[1].copy_(h0)
+        _log(f"swapped local KV heads 0 and 1 in every layer: {len(blocks)} blocks of request {req_id}")
+
+
 def _perturb(worker, metas, received, scale):
+    if _SWAP:
+        _swap_heads(worker, metas, received)
+    if scale is None:
+        return
     caches = getattr(worker, "_pd_fault_caches", None)
     for req_id in sorted(received):
         meta = metas.get(req_id)
         if meta is None or not caches:
             continue
-        blocks = list(meta.local_block_ids[0])
+        blocks = _received_blocks(meta)
         layer = sorted(caches)[0]
         tensor = caches[layer]
         dim = _block_dim(tuple(tensor.shape), getattr(worker, "num_blocks", None))
@@ -80,7 +113,10 @@ def _patch_worker(cls, scale):
         _log(f"{cls.__name__} reports no finished receives this fault knows; nothing changed")
         return
     cls.register_kv_caches = register_kv_caches
-    _log(f"armed: received KV of the first layer will be scaled by {scale}")
+    if scale is not None:
+        _log(f"armed: received KV of the first layer will be scaled by {scale}")
+    if _SWAP:
+        _log("armed: the first two local KV heads of received blocks will be swapped")
 
 
 class _Loader(importlib.abc.Loader):
@@ -97,7 +133,7 @@ class _Loader(importlib.abc.Loader):
             _log(f"{_WORKER} has no NixlBaseConnectorWorker: this vLLM is not supported; nothing changed")
             return
         try:
-            _patch_worker(cls, float(_SCALE))
+            _patch_worker(cls, float(_SCALE) if _SCALE is not None else None)
         except (
             Exception
         ) as e:  # a fault that cannot arm must not take the server down: the run's check sees it never fired
@@ -122,10 +158,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def _chain():
-    """Run the next sitecustomize.py on sys.path (the CPU tuning), which this module's name shadows."""
-    for entry in sys.path:
-        candidate = os.path.join(entry or ".", "sitecustomize.py")
-        if os.path.abspath(entry or ".") != _HERE and os.path.isfile(candidate):
+    """Run the next sitecustomize.py on sys.path after this folder's (the CPU tuning), which this module's name
+    shadows; only later entries, so that a hook before this one on the path (the KV digest) does not run twice."""
+    entries = [os.path.abspath(e or ".") for e in sys.path]
+    start = entries.index(_HERE) + 1 if _HERE in entries else 0
+    for entry in entries[start:]:
+        candidate = os.path.join(entry, "sitecustomize.py")
+        if entry != _HERE and os.path.isfile(candidate):
             spec = importlib.util.spec_from_file_location("_pd_harness_next_sitecustomize", candidate)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
@@ -133,5 +172,5 @@ def _chain():
 
 
 _chain()
-if _SCALE is not None:  # after the chained tuning installed its hook, so this one wraps it
+if _SCALE is not None or _SWAP:  # after the chained tuning installed its hook, so this one wraps it
     sys.meta_path.insert(0, _Finder())

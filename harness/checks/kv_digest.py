@@ -1,0 +1,278 @@
+"""The KV digest check: D's received KV equals, byte for byte, what P's KV cache held for the same request, layer,
+K or V, global KV head and token position; where it does not, what D holds instead.
+
+The records are written inside the servers by ``harness/serve/kvdigest/pd_kv_digest.py`` (one file per server rank
+and request; its docstring gives the format). Each record holds one 64-bit digest per (layer, part, head, position):
+the stored bytes of that vector as int64 words, dotted with fixed odd weights mod 2**64 — exact, no threshold, the
+same on every device. An all-zero vector digests to 0. Everything here is pure over the records, except ``load``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from harness.checks.check import Check
+
+CHECK_NAME = "kv_digest_match"
+UNAVAILABLE = "unavailable"  # a server rank's file saying why it could not digest (its vLLM's internals)
+MAX_EXPLAINED = 2000  # mismatches looked up among P's digests: enough to name a pattern, bounded on big models
+
+
+@dataclass(frozen=True)
+class DigestRecord:
+    """One server rank's digests of one request: ``digest[layer, part, head, position]``."""
+
+    side: str  # prefill | decode
+    rank: int
+    request_id: str  # P's request id on both sides (D's record names the request P served): the join key
+    layers: tuple[str, ...]
+    parts: tuple[str, ...]  # ("K", "V"), or ("L",) for an MLA latent
+    heads: tuple[int, ...]  # global KV head index of each local head
+    positions: np.ndarray  # int64 [P], absolute token positions
+    digest: np.ndarray  # int64 [L, S, H, P]
+    left_out: int = 0  # positions D computed itself (its prefix-cache hits), not compared
+    block_size: int = 0  # the side's block size in tokens (to say an offset in blocks)
+
+
+@dataclass(frozen=True)
+class Key:
+    request_id: str
+    layer: str
+    part: str
+    head: int
+    position: int
+
+    def text(self) -> str:
+        return f"request {self.request_id}, {self.layer} {self.part}, head {self.head}, position {self.position}"
+
+
+@dataclass
+class DigestComparison:
+    requests: int = 0
+    layers: set[str] = field(default_factory=set)
+    heads: set[int] = field(default_factory=set)
+    compared: int = 0  # keys compared
+    positions: int = 0  # (request, position) pairs compared
+    left_out: int = 0
+    differ: int = 0
+    first: Key | None = None
+    first_holds: str = ""
+    holds: Counter[str] = field(default_factory=Counter)  # what D holds instead, by kind, over the looked-up keys
+    by_layer: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (count, first pos, last pos)
+    unmatched_requests: list[str] = field(default_factory=list)  # D records with no P record to compare against
+    differing_requests: list[str] = field(default_factory=list)  # P's ids of the requests looked up that differ
+
+
+def load(folder: Path) -> tuple[list[DigestRecord], list[str]]:
+    """Every record under ``folder`` (recursively) and every reason a rank gave for not digesting."""
+    records: list[DigestRecord] = []
+    unavailable: list[str] = []
+    if not folder.is_dir():
+        return records, unavailable
+    for path in sorted(folder.rglob("*.npz")):
+        records.append(read_record(path))
+    for path in sorted(folder.rglob(f"{UNAVAILABLE}*.txt")):
+        unavailable.append(f"{path.parent.name}/{path.stem}: {path.read_text().strip()}")
+    return records, unavailable
+
+
+def read_record(path: Path) -> DigestRecord:
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(bytes(z["meta"]).decode())
+        return DigestRecord(
+            side=meta["side"],
+            rank=int(meta["rank"]),
+            request_id=str(meta["request_id"]),
+            layers=tuple(meta["layers"]),
+            parts=tuple(meta["parts"]),
+            heads=tuple(int(h) for h in z["heads"]),
+            positions=np.asarray(z["positions"], dtype=np.int64),
+            digest=np.asarray(z["digest"], dtype=np.int64),
+            left_out=int(meta.get("left_out", 0)),
+            block_size=int(meta.get("block_size", 0)),
+        )
+
+
+class _PIndex:
+    """P's digests by (request, layer, part, head): one vector over positions per replica rank (and which
+    positions it holds), so that D's positions are looked up at once."""
+
+    def __init__(self, records: Iterable[DigestRecord]):
+        self.by_key: dict[tuple[str, str, str, int], list[tuple[np.ndarray, np.ndarray]]] = defaultdict(list)
+        self.records = [r for r in records if r.side == "prefill"]
+        self.block_size = next((r.block_size for r in self.records if r.block_size), 0)
+        for r in self.records:
+            size = int(r.positions.max()) + 1 if len(r.positions) else 0
+            held = np.zeros(size, dtype=bool)
+            held[r.positions] = True
+            for li, layer in enumerate(r.layers):
+                for si, part in enumerate(r.parts):
+                    for hi, head in enumerate(r.heads):
+                        vec = np.zeros(size, dtype=np.int64)
+                        vec[r.positions] = r.digest[li, si, hi]
+                        self.by_key[(r.request_id, layer, part, head)].append((vec, held))
+        self.requests = {r.request_id for r in self.records}
+
+    def matches(self, key: tuple[str, str, str, int], positions: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Which of D's ``values`` at ``positions`` equal P's (any replica holding that position)."""
+        ok = np.zeros(len(values), dtype=bool)
+        for vec, held in self.by_key.get(key, []):
+            inside = positions < len(vec)
+            at = np.where(inside, positions, 0)
+            ok |= inside & held[at] & (vec[at] == values)
+        return ok
+
+    def where(self, values: set[int]) -> dict[int, Key]:
+        """The first place in P's records holding each of ``values``."""
+        found: dict[int, Key] = {}
+        if not values:
+            return found
+        wanted = np.fromiter(values, dtype=np.int64)
+        for r in self.records:
+            hit = np.isin(r.digest, wanted)
+            for li, si, hi, pi in zip(*np.nonzero(hit), strict=True):
+                v = int(r.digest[li, si, hi, pi])
+                if v not in found:
+                    found[v] = Key(r.request_id, r.layers[li], r.parts[si], r.heads[hi], int(r.positions[pi]))
+        return found
+
+
+def explain(expected: Key, value: int, found: Key | None, block_size: int) -> tuple[str, str]:
+    """What D holds instead of ``expected``: (kind, words)."""
+    if value == 0:
+        return "zeros", "all zeros (a block never written, or zeroed)"
+    if found is None:
+        return "nothing P had", "bytes P never had (not any P position, head, layer or request)"
+    if found.request_id != expected.request_id:
+        return (
+            "another request",
+            f"request {found.request_id}'s {found.layer} {found.part} head {found.head} position {found.position}",
+        )
+    if found.layer != expected.layer:
+        return "another layer", f"P's {found.layer} {found.part} head {found.head} position {found.position}"
+    if found.part != expected.part:
+        return "K/V swapped", f"P's {found.part} of head {found.head} position {found.position}"
+    if found.head != expected.head:
+        where = "" if found.position == expected.position else f" position {found.position}"
+        return "another head", f"P's head {found.head}{where}"
+    off = found.position - expected.position
+    blocks = f" = {off // block_size:+d} blocks" if block_size and off % block_size == 0 else ""
+    return "another position", f"P's position {found.position} ({off:+d} tokens{blocks})"
+
+
+def compare(records: Sequence[DigestRecord]) -> DigestComparison:
+    """Every D record against P's records of the same request (any P replica of a head matches)."""
+    index = _PIndex(records)
+    out = DigestComparison()
+    wrong: list[tuple[Key, int]] = []
+    layer_pos: dict[str, list[int]] = defaultdict(list)
+    seen: dict[str, set[int]] = defaultdict(set)  # positions compared per request, over D's ranks
+    left: dict[str, int] = {}
+    for r in (r for r in records if r.side == "decode"):
+        if r.request_id not in index.requests:
+            out.unmatched_requests.append(r.request_id)
+            continue
+        seen[r.request_id].update(int(p) for p in r.positions)
+        left[r.request_id] = max(left.get(r.request_id, 0), r.left_out)
+        out.layers.update(r.layers)
+        out.heads.update(r.heads)
+        for li, layer in enumerate(r.layers):
+            for si, part in enumerate(r.parts):
+                for hi, head in enumerate(r.heads):
+                    values = r.digest[li, si, hi]
+                    ok = index.matches((r.request_id, layer, part, head), r.positions, values)
+                    out.compared += len(values)
+                    bad = np.nonzero(~ok)[0]
+                    out.differ += len(bad)
+                    layer_pos[layer] += [int(r.positions[i]) for i in bad]
+                    for i in bad[: max(0, MAX_EXPLAINED - len(wrong))]:
+                        wrong.append((Key(r.request_id, layer, part, head, int(r.positions[i])), int(values[i])))
+    out.requests = len(seen)
+    out.positions = sum(len(v) for v in seen.values())
+    out.left_out = sum(left.values())
+    out.differing_requests = sorted({k.request_id for k, _ in wrong})
+    out.by_layer = {k: (len(v), min(v), max(v)) for k, v in layer_pos.items() if v}
+    _explain_all(out, wrong, index)
+    return out
+
+
+def _explain_all(out: DigestComparison, wrong: list[tuple[Key, int]], index: _PIndex) -> None:
+    found = index.where({v for _, v in wrong if v != 0})
+    for i, (key, v) in enumerate(wrong):
+        kind, words = explain(key, v, found.get(v), index.block_size)
+        out.holds[kind] += 1
+        if i == 0:
+            out.first, out.first_holds = key, words
+
+
+def check(result: DigestComparison) -> Check:
+    """Exact: every transferred key on every D rank equals P's."""
+    counts = (
+        f"{result.requests} requests, {len(result.layers)} layers, {len(result.heads)} heads, "
+        f"{result.positions} positions compared ({result.compared} digests), {result.left_out} left out "
+        f"(computed on D)"
+    )
+    data: dict = {
+        "requests": result.requests,
+        "layers": len(result.layers),
+        "heads": sorted(result.heads),
+        "positions": result.positions,
+        "digests": result.compared,
+        "left_out": result.left_out,
+        "differ": result.differ,
+    }
+    if result.unmatched_requests:
+        data["unmatched_requests"] = result.unmatched_requests[:20]
+    if result.requests == 0:
+        why = "no request's KV was both digested on P and received on D"
+        if result.unmatched_requests:
+            why += f" ({len(result.unmatched_requests)} D records had no P record)"
+        return Check(CHECK_NAME, False, why, data)
+    if result.differ == 0 and not result.unmatched_requests:
+        return Check(CHECK_NAME, True, counts, data)
+    if result.differ == 0:
+        return Check(
+            CHECK_NAME,
+            False,
+            f"{len(result.unmatched_requests)} requests received on D have no record "
+            f"on P (P's hook missed them); {counts}",
+            data,
+        )
+    data["first"] = result.first.text() if result.first else None
+    data["first_holds"] = result.first_holds
+    data["holds"] = dict(result.holds)
+    data["differing_requests"] = result.differing_requests
+    data["by_layer"] = {k: {"differ": n, "positions": [a, b]} for k, (n, a, b) in result.by_layer.items()}
+    layers = "; ".join(f"{k}: {n} at positions {a}-{b}" for k, (n, a, b) in sorted(result.by_layer.items()))
+    holds = ", ".join(f"{k} {n}" for k, n in result.holds.most_common())
+    assert result.first is not None
+    detail = (
+        f"{result.differ} of {result.compared} digests differ; first: {result.first.text()}: D holds "
+        f"{result.first_holds}; D holds instead (of {sum(result.holds.values())} looked up): {holds}; "
+        f"by layer: {layers}"
+    )
+    return Check(CHECK_NAME, False, detail, data)
+
+
+def location_line(c: Check) -> str | None:
+    """The line a maintainer needs first, for the report's banner: where D first differs and what it holds."""
+    return location_from_report(c.to_dict())
+
+
+def location_from_report(c: dict) -> str | None:
+    """``location_line`` of a check as report.json holds it."""
+    data = c.get("data") or {}
+    if c.get("name") != CHECK_NAME or c.get("passed") or not data.get("first"):
+        return None
+    return f"KV digest: {data['first']}: D holds {data['first_holds']}"
+
+
+def location_in(checks: Iterable[dict]) -> str | None:
+    """The location line of a report's checks, if its digest check failed with one."""
+    return next((line for c in checks if (line := location_from_report(c))), None)

@@ -1,0 +1,317 @@
+"""KV digest inside a vLLM P/D server: what P's KV cache held for a request's prompt, and what D's holds right after
+NIXL delivered it, as one 64-bit digest per (layer, K or V, global KV head, token position).
+
+Loaded by this folder's sitecustomize.py (the harness puts the folder on PYTHONPATH) when PD_HARNESS_KV_DIGEST names
+a folder; PD_HARNESS_KV_DIGEST_SIDE says which side this server is (prefill | decode). Nothing of vLLM is changed:
+- on P, GPUModelRunner.execute_model is wrapped; after the step whose forward completed a request's prompt (before
+  sample_tokens, hence before request_finished hands D the block ids), positions [0, prompt) are digested;
+- on D, NixlBaseConnectorWorker.get_transfer_results is wrapped (outside any fault patch, so a fault's change is
+  seen); after it returns (post-processing done, first decode step not yet run), the received positions
+  [prefix-cache hit, P's num_tokens) of each finished receive are digested.
+
+Digest of a vector: its stored bytes as int64 words (zero-padded to 8 bytes), dotted with fixed odd random weights,
+mod 2**64 (torch's int64 wraps). Exact and order-independent; a change of one word always changes it; all zeros give
+0. Per attention layer, the cache is [blocks, local heads, block_size, C]: CPU_ATTN pages hold the K of the block's
+tokens, then their V (C = 2*head_size seen as 2*block_size rows); other backends hold [K | V] per token. A local head
+h of rank r is global head (r*K)//tp + h (vLLM's QKVParallelLinear). MLA: one latent part "L", the whole row.
+
+Record: ``<folder>/rank<r>/<n>-<request>.npz`` with ``digest`` int64 [layers, parts, heads, positions],
+``positions`` int64, ``heads`` int64 (global), ``meta`` (UTF-8 JSON bytes: side, rank, tp, request_id — P's id on
+both sides —, layers, parts, block_size, left_out, skipped layers). A rank that cannot digest writes
+``<folder>/unavailable-rank<r>.txt`` with why, once. harness/checks/kv_digest.py reads both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+
+FOLDER = os.environ.get("PD_HARNESS_KV_DIGEST")
+SIDE = os.environ.get("PD_HARNESS_KV_DIGEST_SIDE", "")
+SEED = 0x5EED_D16E57
+_WEIGHTS: dict[str, object] = {}
+_STATE: dict[str, object] = {}  # this process's connector worker (one per worker process)
+_LOCK = threading.Lock()
+_COUNT = [0]
+
+
+def log(msg: str) -> None:
+    print(f"[pd-harness digest] {msg}", file=sys.stderr, flush=True)
+
+
+def weights(n: int, device):
+    """``n`` fixed odd int64 weights, the same in every process (numpy's seeded generator)."""
+    import numpy as np
+    import torch
+
+    key = f"{n}:{device}"
+    if key not in _WEIGHTS:
+        w = np.random.default_rng(SEED).integers(-(2**63), 2**63 - 1, n, dtype=np.int64) | 1
+        _WEIGHTS[key] = torch.from_numpy(w).to(device)
+    return _WEIGHTS[key]
+
+
+def digest_rows(x):
+    """int64 digest of each row (last dim) of ``x``, over its stored bytes."""
+    import torch
+
+    x = x.contiguous()
+    shape = x.shape[:-1]
+    b = x.view(torch.uint8).reshape(*shape, -1)
+    pad = (-b.shape[-1]) % 8
+    if pad:
+        b = torch.nn.functional.pad(b, (0, pad))
+    words = b.contiguous().view(torch.int64)
+    w = weights(words.shape[-1], words.device)
+    if words.device.type == "cpu":
+        return words.matmul(w)
+    return (words * w).sum(-1)  # no int64 matmul on CUDA; the sum wraps the same way
+
+
+def split_parts(pages, cpu_attn: bool, mla: bool):
+    """[B, H, N, C] cache pages -> [S, H, B*N, row] (S parts: K and V, or the MLA latent)."""
+    b, h, n, c = pages.shape
+    if mla:
+        parts = pages.unsqueeze(0)
+    elif cpu_attn:
+        parts = pages.reshape(b, h, 2, n, c // 2).permute(2, 0, 1, 3, 4)  # [K rows of N tokens ; V rows]
+    else:
+        parts = pages.reshape(b, h, n, 2, c // 2).permute(3, 0, 1, 2, 4)  # [K | V] per token
+    s = parts.shape[0]
+    row = parts.shape[-1]
+    return parts.permute(0, 2, 1, 3, 4).reshape(s, h, b * n, row)
+
+
+def digest_layer(cache, blocks: list[int], offsets, cpu_attn: bool, mla: bool):
+    """[S, H, len(offsets)] digests of the tokens at ``offsets`` (indexes into the blocks' concatenated tokens)."""
+    import torch
+
+    idx = torch.tensor(blocks, dtype=torch.long, device=cache.device)
+    pages = cache.index_select(0, idx)
+    rows = split_parts(pages, cpu_attn, mla)
+    rows = rows.index_select(2, torch.as_tensor(offsets, dtype=torch.long, device=cache.device))
+    return digest_rows(rows)
+
+
+def global_heads(rank: int, tp: int, total: int, local: int, mla: bool) -> list[int]:
+    if mla:
+        return [0]
+    return [(rank * total) // tp + h for h in range(local)]
+
+
+def _unavailable(rank: int, why: str) -> None:
+    if _STATE.get(f"unavailable-{rank}"):
+        return
+    _STATE[f"unavailable-{rank}"] = True
+    log(f"unavailable: {why}")
+    try:
+        os.makedirs(FOLDER or ".", exist_ok=True)
+        with open(os.path.join(FOLDER or ".", f"unavailable-rank{rank}.txt"), "w") as f:
+            f.write(why + "\n")
+    except OSError as e:
+        log(f"could not write why: {e}")
+
+
+def _spec_kind(worker, group: int) -> str:
+    try:
+        return type(worker.kv_cache_config.transfer_groups[group].kv_cache_spec).__name__
+    except Exception:  # noqa: BLE001 - older layouts: treat as full attention
+        return "FullAttentionSpec"
+
+
+def plan_layers(worker) -> tuple[list[tuple[str, int]], dict[str, str]]:
+    """(layer, transfer group) pairs to digest, and the layers left out with why."""
+    caches = _STATE.get("caches") or {}
+    by_layer = getattr(worker.kv_cache_config, "transfer_group_index_by_layer", {})
+    keep: list[tuple[str, int]] = []
+    skipped: dict[str, str] = {}
+    for name in sorted(caches, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]):
+        cache = caches[name]
+        group = by_layer.get(name, 0)
+        kind = _spec_kind(worker, group)
+        if not hasattr(cache, "dim") or cache.dim() != 4:
+            skipped[name] = f"cache is not [blocks, heads, tokens, row] ({type(cache).__name__})"
+        elif "SlidingWindow" in kind or "Mamba" in kind or "ChunkedLocal" in kind:
+            skipped[name] = f"{kind} layers are not digested yet"
+        else:
+            keep.append((name, group))
+    return keep, skipped
+
+
+def write_record(rank: int, request_id: str, layers, parts, heads, positions, digests, meta: dict) -> None:
+    import numpy as np
+
+    folder = os.path.join(FOLDER or ".", f"rank{rank}")
+    os.makedirs(folder, exist_ok=True)
+    with _LOCK:
+        _COUNT[0] += 1
+        n = _COUNT[0]
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:120]
+    body = {**meta, "side": SIDE, "rank": rank, "request_id": request_id, "layers": list(layers), "parts": parts}
+    tmp = os.path.join(folder, f".{n}.tmp.npz")
+    np.savez(
+        tmp,
+        digest=np.asarray(digests, dtype=np.int64),
+        positions=np.asarray(positions, dtype=np.int64),
+        heads=np.asarray(heads, dtype=np.int64),
+        meta=np.frombuffer(json.dumps(body).encode(), dtype=np.uint8),
+    )
+    os.replace(tmp, os.path.join(folder, f"{n:06d}-{safe}.npz"))
+
+
+def digest_request(worker, request_id: str, block_ids, positions_of, meta: dict) -> None:
+    """Digest one request on this rank. ``block_ids[g]``: kernel block ids of transfer group g; ``positions_of(g,
+    n_blocks)`` -> (offsets into the blocks' tokens, absolute positions) to digest."""
+    import torch
+
+    layers, skipped = plan_layers(worker)
+    if not layers:
+        _unavailable(worker.tp_rank, f"no layer this hook can digest: {skipped}")
+        return
+    mla = bool(getattr(worker, "use_mla", False))
+    cpu_attn = str(getattr(worker, "backend_name", "")).upper().startswith("CPU")
+    caches = _STATE["caches"]
+    tp = int(worker.world_size)
+    total = 1 if mla else int(worker.model_config.get_total_num_kv_heads())
+    out = []
+    positions = None
+    heads = None
+    for name, group in layers:
+        blocks = list(block_ids[group]) if group < len(block_ids) else []
+        offsets, pos = positions_of(group, len(blocks))
+        if positions is None:
+            positions = pos
+        elif list(pos) != list(positions):
+            skipped[name] = "its group's positions differ from the first layer's"
+            continue
+        if not blocks or not len(offsets):
+            out.append(None)
+            continue
+        d = digest_layer(caches[name], blocks, offsets, cpu_attn, mla)
+        heads = heads or global_heads(worker.tp_rank, tp, total, d.shape[1], mla)
+        out.append(d.cpu())
+    kept = [n for (n, _), d in zip(layers, out) if d is not None and n not in skipped]
+    tensors = [d for (n, _), d in zip(layers, out) if d is not None and n not in skipped]
+    if not tensors:
+        return
+    digests = torch.stack(tensors).numpy()
+    meta = {**meta, "tp": tp, "skipped_layers": skipped, "backend": str(getattr(worker, "backend_name", ""))}
+    parts = ["L"] if mla else ["K", "V"]
+    write_record(worker.tp_rank, request_id, kept, parts, heads, positions, digests, meta)
+
+
+def _arange(start: int, stop: int):
+    import numpy as np
+
+    return np.arange(start, max(start, stop), dtype=np.int64)
+
+
+def after_step(runner, scheduler_output) -> None:
+    """P: digest each request whose prompt this step's forward completed."""
+    worker = _STATE.get("worker")
+    if worker is None:
+        return
+    done: set = _STATE.setdefault("p_done", set())  # type: ignore[assignment]
+    for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
+        done.discard(rid)
+    for rid, n in dict(scheduler_output.num_scheduled_tokens).items():
+        state = runner.requests.get(rid)
+        if state is None or rid in done or state.num_computed_tokens + n < state.num_prompt_tokens:
+            continue
+        done.add(rid)
+        prompt = int(state.num_prompt_tokens)
+        cfg = worker.kv_cache_config
+        ids = cfg.select_transfer_block_ids(state.block_ids) if hasattr(cfg, "select_transfer_block_ids") else None
+        ids = worker._logical_to_kernel_block_ids(ids or state.block_ids, worker._physical_blocks_per_logical_kv_block)
+        bs = int(worker.block_size)
+
+        def positions_of(group: int, n_blocks: int, prompt: int = prompt, bs: int = bs):
+            pos = _arange(0, min(prompt, n_blocks * bs))
+            return pos, pos
+
+        digest_request(worker, rid, ids, positions_of, {"block_size": bs, "left_out": 0, "num_tokens": prompt})
+
+
+def after_receive(worker, metas: dict, finished) -> None:
+    """D: digest what each finished receive delivered, positions [hit, P's num_tokens)."""
+    bs = int(worker.block_size)
+    logical = bs * int(getattr(worker, "_physical_blocks_per_logical_kv_block", 1))
+    for rid in sorted(finished):
+        meta = metas.get(rid)
+        if meta is None or meta.remote is None:
+            continue
+        total = meta.remote.num_tokens
+        if total is None:
+            _unavailable(worker.tp_rank, "this vLLM's receive metadata has no num_tokens (P's prompt length)")
+            return
+        hits = tuple(getattr(meta, "local_num_computed_blocks", ()) or ())
+        hit0 = (hits[0] if hits else 0) * logical
+
+        def positions_of(group: int, n_blocks: int, total: int = int(total), hits: tuple = hits):
+            hit = (hits[group] if group < len(hits) else 0) * logical
+            pos = _arange(hit, min(total, hit + n_blocks * bs))
+            return pos - hit, pos
+
+        ids = getattr(meta, "local_physical_block_ids", None) or meta.local_block_ids
+        digest_request(
+            worker,
+            str(meta.remote.request_id),
+            ids,
+            positions_of,
+            {"block_size": bs, "left_out": hit0, "num_tokens": int(total), "d_request_id": rid},
+        )
+
+
+def _guarded(what: str, fn, *args) -> None:
+    """A digest that fails must not take the server down: the rank says why and the check is skipped."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001
+        worker = _STATE.get("worker")
+        _unavailable(getattr(worker, "tp_rank", 0), f"{what} failed: {type(e).__name__}: {e}")
+
+
+def patch_worker(cls) -> None:
+    """Keep the caches at registration (P and D); on D, digest after each get_transfer_results."""
+    register = cls.register_kv_caches
+
+    def register_kv_caches(self, kv_caches):
+        _STATE["worker"], _STATE["caches"] = self, kv_caches
+        return register(self, kv_caches)
+
+    cls.register_kv_caches = register_kv_caches
+    if SIDE != "decode":
+        return
+    if not hasattr(cls, "get_transfer_results"):
+        log(f"{cls.__name__} has no get_transfer_results: D's receives cannot be digested on this vLLM")
+        _STATE["no_recv_hook"] = True
+        return
+    results = cls.get_transfer_results
+
+    def get_transfer_results(self):
+        metas = dict(getattr(self, "_recving_metadata", {}))  # popped by the call below
+        out = results(self)
+        failed = set(getattr(out, "failed_recving", ()) or ())
+        finished = set(out.finished_recving) - failed
+        if finished:
+            _guarded("digesting D's received KV", after_receive, self, metas, finished)
+        return out
+
+    cls.get_transfer_results = get_transfer_results
+
+
+def patch_runner(cls) -> None:
+    """P: digest after each execute_model (its forward and the connector's save have run; sampling has not)."""
+    if SIDE != "prefill":  # D computes its own prompt positions too: never digested (not what P sent)
+        return
+    execute = cls.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        out = execute(self, scheduler_output, *args, **kwargs)
+        _guarded("digesting P's prompt KV", after_step, self, scheduler_output)
+        return out
+
+    cls.execute_model = execute_model

@@ -1,0 +1,124 @@
+"""The KV digest comparison: exact equality per (request, layer, part, head, position), and what D holds instead."""
+
+import numpy as np
+
+from harness.checks import kv_digest as kd
+
+
+def rng_digests(seed, layers=2, parts=2, heads=2, n=8):
+    return np.random.default_rng(seed).integers(1, 2**62, (layers, parts, heads, n), dtype=np.int64)
+
+
+def record(side, req, digest, heads=(0, 1), start=0, rank=0, left_out=0, bs=4):
+    L, S, H, n = digest.shape
+    return kd.DigestRecord(
+        side=side,
+        rank=rank,
+        request_id=req,
+        layers=tuple(f"model.layers.{i}.self_attn.attn" for i in range(L)),
+        parts=("K", "V")[:S],
+        heads=tuple(heads),
+        positions=np.arange(start, start + n, dtype=np.int64),
+        digest=digest,
+        left_out=left_out,
+        block_size=bs,
+    )
+
+
+def test_identical_bytes_pass_with_counts():
+    p = rng_digests(1)
+    c = kd.check(kd.compare([record("prefill", "r1", p), record("decode", "r1", p.copy())]))
+    assert c.passed, c.detail
+    assert c.detail.startswith("1 requests, 2 layers, 2 heads, 8 positions compared (64 digests), 0 left out")
+
+
+def test_d_positions_after_its_prefix_hit_compare_against_the_same_positions_on_p():
+    p = rng_digests(2, n=12)
+    d = p[..., 4:].copy()
+    c = kd.check(kd.compare([record("prefill", "r", p), record("decode", "r", d, start=4, left_out=4)]))
+    assert c.passed and "8 positions compared" in c.detail and "4 left out" in c.detail
+
+
+def test_a_block_offset_is_named_in_tokens_and_blocks():
+    p = rng_digests(3, n=12)
+    d = p.copy()
+    d[..., 0:4] = p[..., 4:8]  # D's first block holds P's second block
+    c = kd.check(kd.compare([record("prefill", "r", p), record("decode", "r", d)]))
+    assert not c.passed
+    assert c.data["first"] == "request r, model.layers.0.self_attn.attn K, head 0, position 0"
+    assert c.data["first_holds"] == "P's position 4 (+4 tokens = +1 blocks)"
+    assert c.data["holds"] == {"another position": 2 * 2 * 2 * 4}
+
+
+def test_a_swapped_head_is_named():
+    p = rng_digests(4)
+    d = p[:, :, ::-1, :].copy()
+    c = kd.check(kd.compare([record("prefill", "r", p), record("decode", "r", d)]))
+    assert not c.passed and c.data["first_holds"] == "P's head 1"
+    assert c.data["holds"] == {"another head": 64}
+
+
+def test_another_requests_kv_zeros_and_foreign_bytes_are_told_apart():
+    p1, p2 = rng_digests(5), rng_digests(6)
+    d = p1.copy()
+    d[0, 0, 0, 0] = p2[1, 1, 1, 3]
+    d[0, 0, 0, 1] = 0
+    d[0, 0, 0, 2] = 12345
+    c = kd.check(kd.compare([record("prefill", "a", p1), record("prefill", "b", p2), record("decode", "a", d)]))
+    assert not c.passed
+    assert c.data["holds"] == {"another request": 1, "zeros": 1, "nothing P had": 1}
+    assert c.data["first_holds"].startswith("request b's model.layers.1.self_attn.attn V head 1 position 3")
+    assert c.data["by_layer"] == {"model.layers.0.self_attn.attn": {"differ": 3, "positions": [0, 2]}}
+    assert kd.location_line(c).startswith("KV digest: request a, model.layers.0.self_attn.attn K, head 0, position 0")
+
+
+def test_a_scaled_layer_is_located_by_layer_and_positions():
+    p = rng_digests(7, n=8)
+    d = p.copy()
+    d[1] ^= 0x10  # every vector of layer 1 changed
+    c = kd.check(kd.compare([record("prefill", "r", p), record("decode", "r", d)]))
+    assert not c.passed
+    assert list(c.data["by_layer"]) == ["model.layers.1.self_attn.attn"]
+    assert c.data["by_layer"]["model.layers.1.self_attn.attn"] == {"differ": 32, "positions": [0, 7]}
+
+
+def test_replicated_heads_match_any_p_replica():
+    p = rng_digests(8, heads=1)
+    recs = [record("prefill", "r", p, heads=(0,), rank=0), record("prefill", "r", p, heads=(0,), rank=1)]
+    recs += [record("decode", "r", p.copy(), heads=(0,), rank=r) for r in (0, 1)]
+    c = kd.check(kd.compare(recs))
+    assert c.passed and "1 heads" in c.detail
+
+
+def test_nothing_to_compare_fails_rather_than_passing():
+    c = kd.check(kd.compare([record("decode", "r", rng_digests(9))]))
+    assert not c.passed and "no request's KV" in c.detail and c.data["unmatched_requests"] == ["r"]
+    assert not kd.check(kd.compare([])).passed
+
+
+def test_a_d_record_without_p_record_fails_beside_matching_ones():
+    p = rng_digests(10)
+    recs = [record("prefill", "a", p), record("decode", "a", p.copy()), record("decode", "b", p.copy())]
+    c = kd.check(kd.compare(recs))
+    assert not c.passed and "1 requests received on D have no record on P" in c.detail
+
+
+def test_records_round_trip_through_the_hooks_file_format(tmp_path):
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location("pd_kv_digest_rt", "harness/serve/kvdigest/pd_kv_digest.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    hook.FOLDER, hook.SIDE = str(tmp_path / "decode"), "decode"
+    d = rng_digests(11)
+    hook.write_record(1, "cmpl-x/../y", ["l0", "l1"], ["K", "V"], [2, 3], np.arange(8), d, {"block_size": 16})
+    (tmp_path / "prefill").mkdir()
+    (tmp_path / "prefill" / "unavailable-rank0.txt").write_text("no hook\n")
+    records, unavailable = kd.load(tmp_path)
+    assert len(records) == 1 and unavailable == ["prefill/unavailable-rank0: no hook"]
+    r = records[0]
+    assert (r.side, r.rank, r.request_id, r.layers, r.heads, r.block_size) == (
+        "decode", 1, "cmpl-x/../y", ("l0", "l1"), (2, 3), 16)  # fmt: skip
+    assert np.array_equal(r.digest, d)
+    assert all(os.path.commonpath([str(tmp_path), str(p)]) == str(tmp_path) for p in tmp_path.rglob("*"))
