@@ -111,6 +111,7 @@ RUN_CLASSES = (
     "baseline-died",
     "output-mismatch",
     "logprob-mismatch",
+    "kv-digest-mismatch",
     "accuracy-mismatch",
     "no-transfer",
     "kv-leak",

@@ -38,6 +38,8 @@ class DigestRecord:
     digest: np.ndarray  # int64 [L, S, H, P]
     left_out: int = 0  # positions D computed itself (its prefix-cache hits), not compared
     block_size: int = 0  # the side's block size in tokens (to say an offset in blocks)
+    seconds: float = 0.0  # the hook's time for this record inside the server's step
+    skipped_layers: tuple[str, ...] = ()  # layers the hook does not digest (sliding window, Mamba), by name
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,9 @@ class DigestComparison:
     holds: Counter[str] = field(default_factory=Counter)  # what D holds instead, by kind, over the looked-up keys
     by_layer: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # layer -> (count, first pos, last pos)
     unmatched_requests: list[str] = field(default_factory=list)  # D records with no P record to compare against
-    differing_requests: list[str] = field(default_factory=list)  # P's ids of the requests looked up that differ
+    differing_requests: list[str] = field(default_factory=list)  # P's ids of the requests whose KV differs
+    seconds: dict[str, float] = field(default_factory=dict)  # the hook's time in the servers' steps, per side
+    skipped_layers: set[str] = field(default_factory=set)
 
 
 def load(folder: Path) -> tuple[list[DigestRecord], list[str]]:
@@ -96,6 +100,8 @@ def read_record(path: Path) -> DigestRecord:
             digest=np.asarray(z["digest"], dtype=np.int64),
             left_out=int(meta.get("left_out", 0)),
             block_size=int(meta.get("block_size", 0)),
+            seconds=float(meta.get("seconds", 0.0)),
+            skipped_layers=tuple(sorted(meta.get("skipped_layers") or {})),
         )
 
 
@@ -128,19 +134,35 @@ class _PIndex:
             ok |= inside & held[at] & (vec[at] == values)
         return ok
 
-    def where(self, values: set[int]) -> dict[int, Key]:
-        """The first place in P's records holding each of ``values``."""
-        found: dict[int, Key] = {}
+    def where(self, values: set[int], cap: int = 64) -> dict[int, list[Key]]:
+        """Places in P's records holding each of ``values`` (up to ``cap`` each: equal prompt prefixes give equal
+        KV, so a value may sit in several requests)."""
+        found: dict[int, list[Key]] = defaultdict(list)
         if not values:
             return found
         wanted = np.fromiter(values, dtype=np.int64)
         for r in self.records:
             hit = np.isin(r.digest, wanted)
             for li, si, hi, pi in zip(*np.nonzero(hit), strict=True):
-                v = int(r.digest[li, si, hi, pi])
-                if v not in found:
-                    found[v] = Key(r.request_id, r.layers[li], r.parts[si], r.heads[hi], int(r.positions[pi]))
+                places = found[int(r.digest[li, si, hi, pi])]
+                if len(places) < cap:
+                    places.append(Key(r.request_id, r.layers[li], r.parts[si], r.heads[hi], int(r.positions[pi])))
         return found
+
+
+def nearest(expected: Key, places: Sequence[Key]) -> Key | None:
+    """The place most like ``expected``: the same request first, then layer, part, head, nearest position."""
+    return min(
+        places,
+        key=lambda k: (
+            k.request_id != expected.request_id,
+            k.layer != expected.layer,
+            k.part != expected.part,
+            k.head != expected.head,
+            abs(k.position - expected.position),
+        ),
+        default=None,
+    )
 
 
 def explain(expected: Key, value: int, found: Key | None, block_size: int) -> tuple[str, str]:
@@ -174,6 +196,7 @@ def compare(records: Sequence[DigestRecord]) -> DigestComparison:
     layer_pos: dict[str, list[int]] = defaultdict(list)
     seen: dict[str, set[int]] = defaultdict(set)  # positions compared per request, over D's ranks
     left: dict[str, int] = {}
+    differing: set[str] = set()
     for r in (r for r in records if r.side == "decode"):
         if r.request_id not in index.requests:
             out.unmatched_requests.append(r.request_id)
@@ -190,13 +213,18 @@ def compare(records: Sequence[DigestRecord]) -> DigestComparison:
                     out.compared += len(values)
                     bad = np.nonzero(~ok)[0]
                     out.differ += len(bad)
+                    if len(bad):
+                        differing.add(r.request_id)
                     layer_pos[layer] += [int(r.positions[i]) for i in bad]
                     for i in bad[: max(0, MAX_EXPLAINED - len(wrong))]:
                         wrong.append((Key(r.request_id, layer, part, head, int(r.positions[i])), int(values[i])))
+    for r in records:
+        out.seconds[r.side] = out.seconds.get(r.side, 0.0) + r.seconds
+        out.skipped_layers.update(r.skipped_layers)
     out.requests = len(seen)
     out.positions = sum(len(v) for v in seen.values())
     out.left_out = sum(left.values())
-    out.differing_requests = sorted({k.request_id for k, _ in wrong})
+    out.differing_requests = sorted(differing)
     out.by_layer = {k: (len(v), min(v), max(v)) for k, v in layer_pos.items() if v}
     _explain_all(out, wrong, index)
     return out
@@ -205,7 +233,7 @@ def compare(records: Sequence[DigestRecord]) -> DigestComparison:
 def _explain_all(out: DigestComparison, wrong: list[tuple[Key, int]], index: _PIndex) -> None:
     found = index.where({v for _, v in wrong if v != 0})
     for i, (key, v) in enumerate(wrong):
-        kind, words = explain(key, v, found.get(v), index.block_size)
+        kind, words = explain(key, v, nearest(key, found.get(v, ())), index.block_size)
         out.holds[kind] += 1
         if i == 0:
             out.first, out.first_holds = key, words
@@ -226,7 +254,11 @@ def check(result: DigestComparison) -> Check:
         "digests": result.compared,
         "left_out": result.left_out,
         "differ": result.differ,
+        "hook_seconds": {k: round(v, 4) for k, v in sorted(result.seconds.items())},
     }
+    if result.skipped_layers:
+        data["layers_not_digested"] = sorted(result.skipped_layers)
+        counts += f"; {len(result.skipped_layers)} layers not digested (sliding window or state layers)"
     if result.unmatched_requests:
         data["unmatched_requests"] = result.unmatched_requests[:20]
     if result.requests == 0:

@@ -43,6 +43,9 @@ class KnownFailure(BaseModel):
     cls: str = Field(alias="class", min_length=1)
     evidence: str = Field(min_length=1)
     intermittent: bool = False
+    # what the KV digest (kv_digest_match, docs/kv-digest.md) showed on a real run of this pair: which layers, heads
+    # and positions differ and what D holds instead; a cause it shows is stated as shown
+    digest: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _known_class(self) -> KnownFailure:

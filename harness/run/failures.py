@@ -11,6 +11,7 @@ from harness.accuracy.lm_eval import AccuracyFailed
 from harness.checks import transfer
 from harness.checks.check import Check, failed_checks_reason
 from harness.checks.classify import Failure, classify
+from harness.checks.kv_digest import CHECK_NAME as KV_DIGEST_CHECK
 from harness.checks.transport import CHECK_NAME as KV_NETWORK_CHECK
 from harness.core.errors import ConfigError
 from harness.gpu.nvml import GpuCheckFailed
@@ -116,6 +117,8 @@ def from_checks(checks: list[Check], logs: dict[str, str], request_runs: list[Co
             if names & (transfer.TRANSFER_CHECKS | {"accuracy_through_pd"})
             else "logprob-mismatch"
             if "logprobs_match_baseline" in names
+            else "kv-digest-mismatch"
+            if KV_DIGEST_CHECK in names
             else "kv-leak"
             if "no_kv_leak" in names
             else "abort-not-fired"

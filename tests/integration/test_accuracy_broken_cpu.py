@@ -35,6 +35,15 @@ def test_the_accuracy_checks_fail_with_a_reason(broken):
     assert checks["accuracy_through_pd"]["passed"]
 
 
+def test_the_kv_digest_names_what_d_read_instead(broken):
+    # each of P's block ids + 1: D holds P's later positions, another request's KV, or bytes P never had
+    _, _, report = broken
+    c = {c["name"]: c for c in report["checks"]}["kv_digest_match"]
+    assert not c["passed"] and c["data"]["differ"] > 0, c["detail"]
+    assert set(c["data"]["holds"]) <= {"another position", "another request", "nothing P had", "zeros"}, c["detail"]
+    assert c["data"]["first_holds"] and "D holds" in c["detail"]
+
+
 def test_nothing_left_running(broken):
     _, run_dir, _ = broken
     assert processes_tagged(run_dir / "logs") == []

@@ -47,6 +47,17 @@ def test_transfer_proven(e2e):
     assert "TransferTopology(" in checks["transfer_plan_logged"]["detail"]
 
 
+def test_kv_digest_proves_d_holds_the_bytes_p_computed(e2e):
+    # every prompt's KV (and lm-eval's) compared exactly, per layer, K/V, head and position: no threshold
+    _, run_dir, report = e2e
+    c = {c["name"]: c for c in report["checks"]}["kv_digest_match"]
+    assert c["passed"], c["detail"]
+    assert c["data"]["requests"] >= len(report["comparison"]["prompts"]) and c["data"]["differ"] == 0
+    assert c["data"]["heads"] == [0] and c["data"]["left_out"] == 0  # K=1; no prefix cache on D
+    assert c["data"]["positions"] >= sum(t for t in report["comparison"]["prompt_tokens"].values() if t)
+    assert list((run_dir / "kv_digest" / "prefill" / "rank0").glob("*.npz"))
+
+
 def test_report_records_config_versions_timings_and_logs(e2e):
     _, run_dir, report = e2e
     assert report["versions"]["vllm"] and report["versions"]["nixl"] and report["versions"]["torch"] and report["versions"]["python"]

@@ -77,6 +77,19 @@ def test_corrupting_one_request_in_16_fails_and_names_exactly_those(corrupt_some
     assert processes_tagged(run_dir / "logs") == []
 
 
+def test_the_kv_digest_differs_only_for_the_corrupted_requests(corrupt_some):
+    _, _, report = corrupt_some
+    c = checks(report)["kv_digest_match"]
+    assert not c["passed"], c["detail"]
+    differing = {harness_id(r) for r in c["data"]["differing_requests"]}
+    assert differing and differing <= set(report["faults"]["proxy"]["requests"]), (differing, c["detail"])
+
+
+def harness_id(p_request_id: str) -> str:
+    """The harness's request id inside P's (vLLM's ``cmpl-<X-Request-Id>-<n>-<suffix>``)."""
+    return p_request_id.removeprefix("cmpl-").rsplit("-", 2)[0]
+
+
 @pytest.mark.full("a 2 % scaled KV on D (the edge cut's sliding-window entry is CI's logprob-only failure)")
 def test_a_slightly_wrong_kv_fails_on_logprobs_not_tokens(kv_scaled):
     proc, run_dir, report = kv_scaled

@@ -28,12 +28,13 @@ import os
 import re
 import sys
 import threading
+from typing import Any
 
 FOLDER = os.environ.get("PD_HARNESS_KV_DIGEST")
 SIDE = os.environ.get("PD_HARNESS_KV_DIGEST_SIDE", "")
 SEED = 0x5EED_D16E57
-_WEIGHTS: dict[str, object] = {}
-_STATE: dict[str, object] = {}  # this process's connector worker (one per worker process)
+_WEIGHTS: dict[str, Any] = {}
+_STATE: dict[str, Any] = {}  # this process's connector worker (one per worker process)
 _LOCK = threading.Lock()
 _COUNT = [0]
 
@@ -165,8 +166,11 @@ def write_record(rank: int, request_id: str, layers, parts, heads, positions, di
 def digest_request(worker, request_id: str, block_ids, positions_of, meta: dict) -> None:
     """Digest one request on this rank. ``block_ids[g]``: kernel block ids of transfer group g; ``positions_of(g,
     n_blocks)`` -> (offsets into the blocks' tokens, absolute positions) to digest."""
+    import time
+
     import torch
 
+    t0 = time.perf_counter()
     layers, skipped = plan_layers(worker)
     if not layers:
         _unavailable(worker.tp_rank, f"no layer this hook can digest: {skipped}")
@@ -176,7 +180,7 @@ def digest_request(worker, request_id: str, block_ids, positions_of, meta: dict)
     caches = _STATE["caches"]
     tp = int(worker.world_size)
     total = 1 if mla else int(worker.model_config.get_total_num_kv_heads())
-    out = []
+    out: list[Any] = []
     positions = None
     heads = None
     for name, group in layers:
@@ -186,6 +190,7 @@ def digest_request(worker, request_id: str, block_ids, positions_of, meta: dict)
             positions = pos
         elif list(pos) != list(positions):
             skipped[name] = "its group's positions differ from the first layer's"
+            out.append(None)
             continue
         if not blocks or not len(offsets):
             out.append(None)
@@ -193,12 +198,13 @@ def digest_request(worker, request_id: str, block_ids, positions_of, meta: dict)
         d = digest_layer(caches[name], blocks, offsets, cpu_attn, mla)
         heads = heads or global_heads(worker.tp_rank, tp, total, d.shape[1], mla)
         out.append(d.cpu())
-    kept = [n for (n, _), d in zip(layers, out) if d is not None and n not in skipped]
-    tensors = [d for (n, _), d in zip(layers, out) if d is not None and n not in skipped]
+    kept = [n for (n, _), d in zip(layers, out, strict=True) if d is not None and n not in skipped]
+    tensors = [d for (n, _), d in zip(layers, out, strict=True) if d is not None and n not in skipped]
     if not tensors:
         return
     digests = torch.stack(tensors).numpy()
     meta = {**meta, "tp": tp, "skipped_layers": skipped, "backend": str(getattr(worker, "backend_name", ""))}
+    meta["seconds"] = time.perf_counter() - t0  # the hook's own time in the server's step, for docs/kv-digest.md
     parts = ["L"] if mla else ["K", "V"]
     write_record(worker.tp_rank, request_id, kept, parts, heads, positions, digests, meta)
 
@@ -214,7 +220,7 @@ def after_step(runner, scheduler_output) -> None:
     worker = _STATE.get("worker")
     if worker is None:
         return
-    done: set = _STATE.setdefault("p_done", set())  # type: ignore[assignment]
+    done: set[str] = _STATE.setdefault("p_done", set())
     for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
         done.discard(rid)
     for rid, n in dict(scheduler_output.num_scheduled_tokens).items():
@@ -286,8 +292,7 @@ def patch_worker(cls) -> None:
     if SIDE != "decode":
         return
     if not hasattr(cls, "get_transfer_results"):
-        log(f"{cls.__name__} has no get_transfer_results: D's receives cannot be digested on this vLLM")
-        _STATE["no_recv_hook"] = True
+        _unavailable(0, f"{cls.__name__} has no get_transfer_results: D's receives cannot be digested on this vLLM")
         return
     results = cls.get_transfer_results
 

@@ -39,9 +39,18 @@ class _Loader(importlib.abc.Loader):
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    _busy = False  # another hook's finder asks the whole meta path too: answer only the outer call
+
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _TARGETS:
+        if fullname not in _TARGETS or self._busy:
             return None
+        self._busy = True
+        try:
+            return self._find(fullname, path, target)
+        finally:
+            self._busy = False
+
+    def _find(self, fullname, path, target):
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue

@@ -122,3 +122,13 @@ def test_records_round_trip_through_the_hooks_file_format(tmp_path):
         "decode", 1, "cmpl-x/../y", ("l0", "l1"), (2, 3), 16)  # fmt: skip
     assert np.array_equal(r.digest, d)
     assert all(os.path.commonpath([str(tmp_path), str(p)]) == str(tmp_path) for p in tmp_path.rglob("*"))
+
+
+def test_equal_kv_in_another_request_does_not_hide_the_same_requests_head():
+    # two prompts with a common prefix have equal KV there: D's wrong head is still named within its own request
+    p = rng_digests(12)
+    other = p.copy()
+    d = p[:, :, ::-1, :].copy()
+    recs = [record("prefill", "a-other", other), record("prefill", "b", p), record("decode", "b", d)]
+    c = kd.check(kd.compare(recs))
+    assert c.data["holds"] == {"another head": 64} and c.data["first_holds"] == "P's head 1"

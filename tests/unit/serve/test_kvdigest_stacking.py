@@ -1,0 +1,60 @@
+"""The digest hook stacks with the fault hook and the CPU tuning, each a sitecustomize.py on PYTHONPATH: a server
+starts (no recursion between the import hooks), each patches the NIXL worker once, and the digest's wrapper is the
+outer one, so that it sees what the fault changed."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from harness.serve.vllm_cmd import FAULTS_DIR, KV_DIGEST_DIR, TUNING_DIR
+
+WORKER = """
+class NixlBaseConnectorWorker:
+    calls = []
+    def register_kv_caches(self, kv_caches):
+        self.calls.append("register")
+    def get_transfer_results(self):
+        self.calls.append("inner")
+        class Out:
+            finished_recving = set()
+            failed_recving = set()
+        return Out()
+"""
+
+PROBE = """
+import sys
+sys.setrecursionlimit(200)  # a loop between the hooks' finders fails at once
+import {mod} as m
+w = m.NixlBaseConnectorWorker()
+w.register_kv_caches({{}})
+w.get_transfer_results()
+import pd_kv_digest
+print("calls", m.NixlBaseConnectorWorker.calls)
+print("digest saw the worker", pd_kv_digest._STATE.get("worker") is w)
+print("fault kept caches", hasattr(w, "_pd_fault_caches"))
+"""
+
+
+def test_digest_fault_and_tuning_hooks_stack(tmp_path):
+    mod = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+    pkg = tmp_path / "fake" / mod.replace(".", "/")
+    pkg.parent.mkdir(parents=True)
+    for parent in [pkg.parent, *pkg.parent.parents]:
+        if parent == tmp_path / "fake":
+            break
+        (parent / "__init__.py").touch()
+    pkg.with_suffix(".py").write_text(textwrap.dedent(WORKER))
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(KV_DIGEST_DIR), str(FAULTS_DIR), str(TUNING_DIR), str(tmp_path / "fake")]),
+        "PD_HARNESS_KV_DIGEST": str(tmp_path / "digest"),
+        "PD_HARNESS_KV_DIGEST_SIDE": "decode",
+        "PD_HARNESS_FAULT_KV_SCALE": "1.5",
+    }
+    out = subprocess.run([sys.executable, "-c", PROBE.format(mod=mod)], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "calls ['register', 'inner']" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert "digest saw the worker True" in out.stdout and "fault kept caches True" in out.stdout
+    assert out.stderr.count("[pd-harness fault] armed") == 1, out.stderr[-2000:]
