@@ -35,6 +35,7 @@ SUBCOMMAND_MODULES = {
     "shrink": "harness.shrink.cli",
     "wheelhouse": "harness.wheelhouse.cli",
     "calibrate": "harness.calibrate.cli",
+    "doctor": "harness.doctor.cli",
 }
 
 
@@ -142,6 +143,11 @@ def _e2e_workload_args(e: argparse.ArgumentParser) -> None:
         "(default: the device's, see docs/load.md)",
     )
     g.add_argument(
+        "--no-kv-digest",
+        action="store_true",
+        help="do not digest P's and D's KV (the exact check kv_digest_match, docs/kv-digest.md); the report says so",
+    )
+    g.add_argument(
         "--load-requests",
         type=non_negative_int,
         default=LoadSettings.requests,
@@ -189,6 +195,12 @@ def _e2e_faults_args(e: argparse.ArgumentParser) -> None:
         metavar="FACTOR",
         help="fault injection: D multiplies the KV it received for the first layer by FACTOR (e.g. 1.05: "
         "logprobs move, greedy tokens mostly do not); the run must fail",
+    )
+    g.add_argument(
+        "--decode-swap-heads-fault",
+        action="store_true",
+        help="fault injection: D swaps the first two KV heads it holds in every block it received (a wrong head "
+        "slice); needs two KV heads per D rank; the run must fail, kv_digest_match naming the head D holds",
     )
     g.add_argument(
         "--net-fault",
@@ -301,6 +313,8 @@ def config_from_args(
         logprob_threshold=a.logprob_threshold,
         dtype=attached.dtype if attached else a.dtype,
         decode_kv_fault=a.decode_kv_fault,
+        decode_swap_heads=a.decode_swap_heads_fault,
+        kv_digest=not a.no_kv_digest,
         enforce_eager=a.enforce_eager,
         fresh_baseline=a.fresh_baseline,
         hosts=_hosts(a.hosts, attached is not None),
@@ -409,7 +423,11 @@ def topology_main(a: argparse.Namespace) -> int:
     from harness.models.topology import ModelShape, predict
 
     if a.model is not None:
-        heads = model_heads(a.model)
+        try:
+            heads = model_heads(a.model)
+        except ConfigError as e:  # configs/models.yaml is broken: one line, as matrix and plan say it
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         if heads["kv_heads"] is None:
             print(
                 f"error: unknown model {a.model!r}: give a local folder with config.json, an entry of "

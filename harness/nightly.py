@@ -1,7 +1,10 @@
 """python -m harness nightly [--dry-run]: the nightly GPU run.
 
 Steps, each through an existing entry point with its own timeout and one JUnit testcase:
-  prefetch            models and GSM8K into the HF cache (servers run with HF_HUB_OFFLINE=1)
+  doctor              `python -m harness doctor --before-prefetch`: the box proven first; a problem stops the night,
+                      its lines printed as one screen (skipped on a simulated box)
+  prefetch/<repo>     each model, and GSM8K, into the HF cache (servers run with HF_HUB_OFFLINE=1): one step each, so
+                      a gated or missing model fails its own step only; the steps that need it are skipped, saying so
   matrix/<id>         every GPU entry of configs/gqa_replication.yaml: `python -m harness matrix FILE --only <id>`
   edge/<id>           every GPU entry of configs/edge_cases.yaml (GPU-only axes: host buffer, fp8 KV, backends, ...)
   accuracy/<model>    real gsm8k through P/D against the baseline: `python -m harness e2e --accuracy`
@@ -32,6 +35,7 @@ from harness.accuracy.settings import HUB_DATASET, HUB_TASK
 from harness.core.argtypes import non_negative_int
 from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
+from harness.doctor.needs import ACCURACY_RUNS as NIGHT_ACCURACY_RUNS
 from harness.gpu.nvml import Discovery
 from harness.gpu.plan import (
     CUDA_DEVICE_ORDER,
@@ -56,17 +60,13 @@ DEFAULT_GPU_MEM_GIB = 80.0
 UTIL_ENV = "GPU_MEMORY_UTILIZATION"  # upstream's name; the steps' e2e runs read it too (harness/run/config.py)
 # Per-step timeouts (s). A matrix pair starts up to three servers (10 min ready timeout each) and
 # sends 18 prompts; an accuracy run adds full GSM8K (1319 questions) twice, baseline and P/D.
-TIMEOUTS_S = {"prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60, "history": 10 * 60}
+TIMEOUTS_S = {"doctor": 10 * 60, "prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60, "history": 10 * 60}
 STOP_GRACE_S = 120.0  # a step's harness tears its servers down on SIGTERM; then SIGKILL and a sweep
 SIM_REASON = "simulated GPUs"
 STEP_POLL_S = 0.25  # how often a running step is looked at (a step that ended waits this long, at most)
 RELEASE_TIMEOUT_S = 180.0  # after a step, until its GPUs have their memory back
-# (hub id, P TP, D TP): TinyLlama P2->D8 is the #45330 case (colocated on 8 GPUs); Qwen3-0.6B has a
-# published GSM8K score (0.41), so its full run is also checked against that value.
-ACCURACY_RUNS: tuple[tuple[str, int, int], ...] = (
-    ("TinyLlama/TinyLlama-1.1B-Chat-v1.0", 2, 8),
-    ("Qwen/Qwen3-0.6B", 2, 4),
-)
+# (hub id, P TP, D TP), in harness/doctor/needs.py, which checks what they need of the box
+ACCURACY_RUNS = NIGHT_ACCURACY_RUNS
 ACCURACY_TASK = HUB_TASK
 # Weight formats vLLM does not load when safetensors are there (e.g. meta-llama's original/*.pth): not downloaded.
 PREFETCH_IGNORE = ["*.pth", "*.bin", "*.gguf", "*.onnx", "*.msgpack", "*.h5", "original/*"]
@@ -116,7 +116,7 @@ class FakePorts:
 @dataclass(frozen=True)
 class Step:
     id: str
-    kind: str  # prefetch / matrix / accuracy / history
+    kind: str  # doctor / prefetch / matrix / accuracy / history
     argv: tuple[str, ...]
     timeout_s: float
     checks: tuple[str, ...]
@@ -127,6 +127,7 @@ class Step:
     note: str | None = None
     env: tuple[tuple[str, str], ...] = ()  # added to the step's environment (its GPUs)
     version: str | None = None  # the vLLM version it runs (None: the pinned one)
+    needs: tuple[str, ...] = ()  # ids of the prefetch steps it needs: one of them failed, it is skipped
 
     @property
     def run_dir(self) -> Path | None:
@@ -281,12 +282,19 @@ def build_steps(
         steps += _matrix_steps(night, matrix_file, matrix_ids)
         steps += [_accuracy_step(night, *run) for run in ACCURACY_RUNS]
     history = history_step(python, run_dir, versions, matrix_ids)
-    prefetch = _prefetch_step(python, hub_models)
+    prefetch = _prefetch_steps(python, hub_models)
+    doctor = doctor_step(python, len(gpus), versions, hub_models, run_dir)
     if simulated:
-        prefetch = replace(
-            prefetch,
-            skip_reason=f"{SIM_REASON}: the stand-in servers load no weights and lm-eval "
-            "does not run, so nothing is downloaded",
+        prefetch = [
+            replace(
+                p,
+                skip_reason=f"{SIM_REASON}: the stand-in servers load no weights and lm-eval "
+                "does not run, so nothing is downloaded",
+            )
+            for p in prefetch
+        ]
+        doctor = replace(
+            doctor, skip_reason=f"{SIM_REASON}: the box is the simulation's; `python -m harness doctor` checks one"
         )
         # simulated outcomes stay in the night's folder, never in the results store real runs are drawn from
         history = replace(
@@ -294,7 +302,7 @@ def build_steps(
             env=(("PD_HARNESS_RESULTS_DIR", str(run_dir / "history" / "results-simulated")),),
             note=f"{history.note}; {SIM_REASON}: the stand-ins' outcomes, kept in the night's folder",
         )
-    return [prefetch, *steps, history]
+    return [doctor, *prefetch, *steps, history]
 
 
 def select_steps(steps: Sequence[Step], patterns: Sequence[str]) -> list[Step]:
@@ -379,27 +387,47 @@ def _accuracy_step(night: Night, hub_id: str, tp_p: int, tp_d: int) -> Step:
         note,
         night.env,
         night.version,
+        needs=(prefetch_id(hub_id), prefetch_id(HUB_DATASET)) if skip is None else (),
     )
 
 
-def _prefetch_step(python: str, hub_models: list[str]) -> Step:
+def doctor_step(python: str, gpus: int, versions: Sequence[str], models: list[str], run_dir: Path) -> Step:
+    """Step 0: `python -m harness doctor` on the night's GPUs, versions and models; before the prefetch, so a model
+    not cached yet is no problem unless it is gated and no token is set. Its failure stops the night (run_steps)."""
+    argv = (python, "-m", "harness", "doctor", "--before-prefetch", "--gpus", str(gpus), "--models", ",".join(models))
+    return Step(
+        "doctor",
+        "doctor",
+        argv + (("--vllm-version", ",".join(versions)) if versions else ()),
+        TIMEOUTS_S["doctor"],
+        ("doctor exit code 0: NVML, GPUs, driver, environments (lm-eval), gated models, disk",),
+        note="the box proven before the night spends it; a problem stops the night",
+    )
+
+
+def prefetch_id(repo: str) -> str:
+    """The id of the step that fetches ``repo`` (a model, or the dataset)."""
+    return f"prefetch/{repo}"
+
+
+def _prefetch_steps(python: str, hub_models: list[str]) -> list[Step]:
+    """One step per model and one for GSM8K, each its own JUnit case: a gated (401) or missing repo fails its own step
+    only, and the steps that need it are skipped with that reason (run_steps)."""
     import json
 
     q = json.dumps  # double quotes, so the shell rendering stays readable
-    code = "; ".join(
-        [
-            "from huggingface_hub import snapshot_download as d",
-            *(f"d({q(m)}, ignore_patterns={q(PREFETCH_IGNORE)})" for m in hub_models),
-            f"d({q(HUB_DATASET)}, repo_type={q('dataset')})",
-        ]
-    )
-    return Step(
-        "prefetch",
-        "prefetch",
-        (python, "-c", code),
-        TIMEOUTS_S["prefetch"],
-        (f"{', '.join(hub_models)} and {HUB_DATASET} are in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",),
-    )
+    calls = [(m, f"d({q(m)}, ignore_patterns={q(PREFETCH_IGNORE)})") for m in hub_models]
+    calls.append((HUB_DATASET, f"d({q(HUB_DATASET)}, repo_type={q('dataset')})"))
+    return [
+        Step(
+            prefetch_id(repo),
+            "prefetch",
+            (python, "-c", f"from huggingface_hub import snapshot_download as d; {call}"),
+            TIMEOUTS_S["prefetch"],
+            (f"{repo} is in $HF_HOME (servers run with HF_HUB_OFFLINE=1)",),
+        )
+        for repo, call in calls
+    ]
 
 
 def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
@@ -448,6 +476,7 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
         + (f"; {entry.note}" if entry.note else ""),
         night.env,
         night.version,
+        needs=(prefetch_id(model),) if skip is None else (),
     )
 
 
@@ -593,8 +622,9 @@ def run_steps(
     junit = run_dir / "junit.xml"
     judge = (lambda r: judge_simulated(r, simulated)) if simulated else (lambda r: r)
     for s in steps:
-        if s.skip_reason is not None:
-            results.append(StepResult(s, "skipped", 0.0, s.skip_reason))
+        missing = _missing(s, results) or _stopped(results)
+        if s.skip_reason is not None or missing:
+            results.append(StepResult(s, "skipped", 0.0, s.skip_reason or missing))
         else:
             print(f"nightly: {s.id} (timeout {s.timeout_s / 60:g} min)", file=out, flush=True)
             after = None
@@ -610,8 +640,35 @@ def run_steps(
             if leak and r.status == "passed":
                 r = StepResult(s, "failed", r.seconds, f"GPUs not released: {leak}", r.log)
             results.append(r)
+            if s.kind == "doctor" and r.status != "passed":
+                _show_log(r, out)
         _write(junit, results, out, s, simulated)
     return results
+
+
+def _stopped(results: Sequence[StepResult]) -> str:
+    """Why the night stops before a step: its doctor step found a problem ("" when it goes on)."""
+    bad = [r for r in results if r.step.kind == "doctor" and r.status in ("failed", "timeout")]
+    return f"the night stopped: step {bad[0].step.id} {bad[0].status} (its lines say what to do)" if bad else ""
+
+
+def _show_log(r: StepResult, out) -> None:
+    """The doctor's lines, as it printed them: the one screen that says why the night stopped."""
+    try:
+        text = Path(r.log).read_text() if r.log else r.message
+    except OSError:
+        text = r.message
+    print(text.rstrip(), file=out, flush=True)
+
+
+def _missing(step: Step, results: Sequence[StepResult]) -> str:
+    """Why ``step`` cannot run for want of what an earlier step failed to fetch ("" when nothing is missing)."""
+    failed = {r.step.id: r for r in results if r.status in ("failed", "timeout")}
+    bad = [failed[n] for n in step.needs if n in failed]
+    if not bad:
+        return ""
+    what = ", ".join(r.step.id.removeprefix("prefetch/") for r in bad)
+    return f"{what} missing from the local Hugging Face cache: {', '.join(r.step.id for r in bad)} {bad[0].status}"
 
 
 def judge_simulated(r: StepResult, box: str) -> StepResult:

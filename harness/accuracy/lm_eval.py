@@ -52,14 +52,14 @@ def lm_eval_argv(python: str, base_url: str, model_name: str, s: AccuracySetting
         model_args,
         "--tasks",
         s.task,
-        "--gen_kwargs",
-        f"max_gen_toks={s.max_gen_toks},temperature=0,do_sample=False",
         "--seed",
         str(s.seed),
         "--output_path",
         str(out_dir),
         "--log_samples",
     ]
+    if s.max_gen_toks is not None:  # else the task's own generation settings (a hub task's, as published)
+        argv += ["--gen_kwargs", f"max_gen_toks={s.max_gen_toks},temperature=0,do_sample=False"]
     if s.include_path:
         argv += ["--include_path", s.include_path]
     if s.num_fewshot is not None:

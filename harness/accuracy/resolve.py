@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.accuracy.lm_eval import hub_dataset_reachable
-from harness.accuracy.settings import HUB_TASK, OFFLINE_TASK, AccuracySettings
+from harness.accuracy.settings import HUB_TASK, OFFLINE_MAX_GEN_TOKS, OFFLINE_TASK, AccuracySettings
 from harness.models.config import load_models
 from harness.models.trained import TRAINED_NAME, TrainedModelSpec
 from harness.tasks.gsm8k_offline import ensure_task
@@ -28,6 +28,8 @@ def resolve_accuracy(s: AccuracySettings, model: str, served_name: str, hub_reac
     out = replace(s, task=task)
     if task == OFFLINE_TASK and s.include_path is None:
         out = replace(out, include_path=str(ensure_task(TrainedModelSpec().task)))
+    if task == OFFLINE_TASK and s.max_gen_toks is None:  # a hub task keeps its own (lm-eval's) generation settings
+        out = replace(out, max_gen_toks=OFFLINE_MAX_GEN_TOKS)
     if trained and s.min_baseline_score is None:
         out = replace(out, min_baseline_score=TRAINED_MIN_SCORE)
     entry = load_models().find(model)

@@ -384,13 +384,25 @@ def _too_small(
         f"{role}{idx} (TP {tp}) needs {need:.1f} GiB per GPU, "
         f"its share is {util:.2f} x {smallest:g} GiB = {util * smallest:.1f} GiB"
     )
-    alone_gib = need / max_util
-    if load is not None and max(load[g] for g in ids) > 1 and max_util * smallest >= need:
-        return (
-            f"{head} (GPUs shared); it fits with {ranks} GPUs (P and D apart), "
-            f"or colocated on GPUs of >= {math.ceil(need * max(load.values()) / max_util)} GiB"
-        )
-    return f"{head}: it needs GPUs of >= {math.ceil(alone_gib)} GiB, or a larger TP"
+    alone_gib = least_gib(need, max_util)
+    busiest = max(load[g] for g in ids) if load is not None else 1
+    if busiest < 2:
+        return f"{head}: it needs GPUs of >= {alone_gib} GiB, or a larger TP"
+    # Shared GPUs: GPUs of `alone_gib` would still be shared, so both ways out are named with their own size.
+    shared_gib = least_gib(need, floor_util(max_util / busiest))
+    colocated = f"colocated on {n} GPUs of >= {shared_gib} GiB"
+    if max_util * smallest >= need:
+        return f"{head} (GPUs shared); it fits with {ranks} GPUs (P and D apart), or {colocated}"
+    return (
+        f"{head} (GPUs shared by {busiest} servers): it needs {ranks} GPUs of >= {alone_gib} GiB (P and D apart), "
+        f"or {colocated}, or a larger TP"
+    )
+
+
+def least_gib(need: float, share: float) -> int:
+    """The smallest whole GiB of which ``share`` holds ``need`` (what a refusal advises)."""
+    gib = math.ceil(need / share)
+    return gib if share * gib >= need else gib + 1
 
 
 def describe_gpus(gpus: Sequence[Gpu]) -> str:

@@ -7,6 +7,7 @@
   8x80:visible=4,5,6,7        the same box, the caller's CUDA_VISIBLE_DEVICES being 4,5,6,7 (indices or UUIDs)
   8x80:free=30                every GPU with only 30 GiB free (someone else holds the rest)
   8x80:name=NVIDIA H200       another model name
+  8x80:driver=525.60.13       another driver version (default: DRIVER)
   unreadable                  NVML cannot be read (nvmlInit fails, as with no driver loaded)
 
 Without ``visible=`` the real environment's CUDA_VISIBLE_DEVICES applies. Simulated UUIDs are
@@ -32,7 +33,8 @@ GIB = 2**30
 # Names nvidia-smi prints for the usual sizes, so dry runs read like the real box.
 NAMES = {80: "NVIDIA H100 80GB HBM3", 40: "NVIDIA A100-SXM4-40GB", 141: "NVIDIA H200", 24: "NVIDIA L4"}
 _BOX = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)$")
-EXAMPLES = "8x80, 8x40, 8x80:visible=4,5,6,7, 8x80:free=30, unreadable"
+EXAMPLES = "8x80, 8x40, 8x80:visible=4,5,6,7, 8x80:free=30, 8x80:driver=525.60.13, unreadable"
+DRIVER = "580.65.06"  # what a simulated box's NVML reports as its driver version, unless driver= says otherwise
 
 
 class NVMLError(Exception):
@@ -60,9 +62,14 @@ class FakeNvml:
     NVMLError = NVMLError
 
     def __init__(
-        self, states: list[list[FakeGpu]] | None = None, init_error: str | None = None, bytes_names: bool = False
+        self,
+        states: list[list[FakeGpu]] | None = None,
+        init_error: str | None = None,
+        bytes_names: bool = False,
+        driver: str = DRIVER,
     ):
         self.states = states or [[]]
+        self.driver = driver
         self.init_error = init_error
         self.bytes_names = bytes_names
         self.sessions = 0  # nvmlInit calls that succeeded
@@ -88,7 +95,7 @@ class FakeNvml:
 
     def nvmlSystemGetDriverVersion(self) -> str:
         self._need_init()
-        return "580.65.06"
+        return self.driver
 
     def nvmlDeviceGetCount(self) -> int:
         self._need_init()
@@ -126,6 +133,7 @@ class SimulatedBox:
     name: str | None = None  # None: NAMES by size
     visible: str | None = None  # the caller's CUDA_VISIBLE_DEVICES on that box; None: the real environment's
     unreadable: bool = False
+    driver: str = DRIVER  # the NVIDIA driver version NVML reports
 
     def module(self, claims: Sequence[Claim] = ()) -> FakeNvml:
         """The box as NVML shows it with ``claims`` (live processes) running: their PIDs on their GPUs, their
@@ -139,7 +147,7 @@ class SimulatedBox:
             on = [c for c in claims if i in c.gpus]
             held = sum(c.gib_per_gpu for c in on)
             gpus.append(FakeGpu(self.mem_gib, max(0.0, free - held), sorted(c.pid for c in on), name, uuid=sim_uuid(i)))
-        return FakeNvml([gpus])
+        return FakeNvml([gpus], driver=self.driver)
 
     def for_child(self) -> str:
         """The switch's value for a process given its own CUDA_VISIBLE_DEVICES (a server, a nightly step): the same
@@ -164,9 +172,12 @@ def parse_box(spec: str) -> SimulatedBox:
             kw["free_gib"] = float(value)
         elif key == "name" and value:
             kw["name"] = value
+        elif key == "driver" and re.fullmatch(r"\d+(\.\d+)*", value):
+            kw["driver"] = value
         else:
             raise ValueError(
-                f"{SIMULATED_ENV}={spec!r}: {opt!r} is not visible=IDS, free=GIB (<= the GPU's) or name=NAME"
+                f"{SIMULATED_ENV}={spec!r}: {opt!r} is not visible=IDS, free=GIB (<= the GPU's), name=NAME "
+                "or driver=VERSION"
             )
     return SimulatedBox(spec, int(m.group(1)), float(m.group(2)), **kw)
 

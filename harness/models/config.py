@@ -26,6 +26,7 @@ class ModelEntry(BaseModel):
         default=None, gt=0
     )  # parameters in billions, for GPU memory planning (harness/gpu/plan.py)
     gsm8k_expected: float | None = Field(default=None, ge=0, le=1)
+    gated: bool = False  # the hub serves it only with a token whose account accepted its license (doctor names it)
     # The KV cache's shape beyond the heads (harness/models/heads.py); a hub_id-less entry is built by
     # harness/models/tiny.py spec_for_model_entry from these.
     family: str | None = Field(default=None, min_length=1)  # config.json model_type, or a tiny family (tiny.FAMILIES)

@@ -10,7 +10,7 @@ HARNESS = Path(__file__).resolve().parents[2] / "harness"
 # Lowest first. A module of a package may import from its own package and from packages listed before it.
 # Modules directly under harness/ (cli, nightly, __main__) sit above every package.
 LAYERS = ["core", "hosts", "tasks", "workload", "models", "envs", "wheelhouse", "serve", "proxy", "checks", "upstream",
-          "accuracy", "gpu", "run", "matrix", "releases", "cluster", "repro", "shrink", "bench", "calibrate"]
+          "accuracy", "gpu", "run", "matrix", "releases", "cluster", "repro", "shrink", "bench", "calibrate", "doctor"]
 
 
 def modules() -> dict[str, Path]:

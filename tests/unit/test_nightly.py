@@ -36,7 +36,9 @@ def gpu_entries():
 
 def test_steps_cover_prefetch_every_gpu_matrix_entry_and_both_accuracy_models(steps):
     ids = [s.id for s in steps]
-    assert ids[0] == "prefetch"
+    n = len(prefetched(steps)) + 1  # the models, then the dataset
+    assert ids[0] == "doctor" and all(i.startswith("prefetch/") for i in ids[1:n + 1])
+    assert ids[n] == "prefetch/openai/gsm8k"
     assert [i for i in ids if i.startswith("matrix/")] == [f"matrix/{e.id}" for e in gpu_entries()]
     acc = [s for s in steps if s.kind == "accuracy"]
     assert [s.argv[s.argv.index("--model") + 1] for s in acc] == [m for m, _, _ in ACCURACY_RUNS]
@@ -82,15 +84,71 @@ def test_accuracy_checks_include_the_published_score_only_where_there_is_one(ste
     assert "accuracy_matches_expected" not in acc["accuracy/tinyllama-1.1b-chat-p2-d8"].checks
 
 
+def prefetched(steps) -> dict[str, str]:
+    """Each model prefetch step's repo and its code (the dataset's apart)."""
+    return {s.id.removeprefix("prefetch/"): s.argv[2] for s in steps
+            if s.kind == "prefetch" and s.id != "prefetch/openai/gsm8k"}
+
+
 def test_prefetch_downloads_every_model_that_runs_and_gsm8k(steps):
-    code = steps[0].argv[2]
-    for s in steps[1:]:
+    models = prefetched(steps)
+    for s in steps:
         model = dict(s.servers).get("prefill0", "")
         if s.skip_reason is None and s.servers:
             name = model.split("--model ")[1].split()[0]
-            assert f'"{name}"' in code
-    assert '"openai/gsm8k", repo_type="dataset"' in code
-    assert "meta-llama" not in code  # its only entry needs 24 GPUs
+            assert f'd("{name}", ignore_patterns=' in models[name]
+    data = next(s for s in steps if s.id == "prefetch/openai/gsm8k")
+    assert '"openai/gsm8k", repo_type="dataset"' in data.argv[2]
+    assert not any("meta-llama" in m for m in models)  # its only entry needs 24 GPUs
+
+
+def test_each_model_and_the_dataset_is_a_prefetch_step_of_its_own(steps):
+    """Issue 35 item 3: the prefetch was one script over every model then gsm8k, so the first 401 (a gated model)
+    stopped it and every later model and the dataset went unfetched. Each repo is now a step, a JUnit case of its
+    own."""
+    pre = [s for s in steps if s.kind == "prefetch"]
+    assert len(pre) == len(prefetched(steps)) + 1 >= 3
+    for s in pre:
+        assert s.argv[2].count("d(") == 1 and s.timeout_s > 0
+    by_id = {s.id: s for s in steps}
+    for s in steps:
+        for need in s.needs:
+            assert by_id[need].kind == "prefetch"
+        if s.kind == "accuracy" and s.skip_reason is None:
+            model = s.argv[s.argv.index("--model") + 1]
+            assert s.needs == (f"prefetch/{model}", "prefetch/openai/gsm8k")
+        if s.kind == "matrix" and s.skip_reason is None:
+            assert len(s.needs) == 1 and s.needs[0].removeprefix("prefetch/") in dict(s.servers)["prefill0"]
+
+
+def test_a_failed_prefetch_stops_nothing_and_skips_only_what_needs_its_repo(tmp_path):
+    plan = object()
+    steps = [Step("prefetch/org/gated", "prefetch", ("x",), 10, ("c",)),
+             Step("prefetch/org/open", "prefetch", ("x",), 10, ("c",)),
+             Step("prefetch/openai/gsm8k", "prefetch", ("x",), 10, ("c",)),
+             Step("matrix/gated", "matrix", ("x",), 10, ("c",), 8, plan, needs=("prefetch/org/gated",)),
+             Step("matrix/open", "matrix", ("x",), 10, ("c",), 8, plan, needs=("prefetch/org/open",)),
+             Step("accuracy/gated", "accuracy", ("x",), 10, ("c",), 8, plan,
+                  needs=("prefetch/org/gated", "prefetch/openai/gsm8k"))]
+    ran = []
+
+    def runner(step, log):
+        ran.append(step.id)
+        if step.id == "prefetch/org/gated":
+            return StepResult(step, "failed", 1.0, "exit code 1; 401 Client Error: gated repo")
+        return StepResult(step, "passed", 1.0)
+
+    with open("/dev/null", "w") as out:
+        results = {r.step.id: r for r in run_steps(steps, tmp_path, runner=runner, out=out)}
+    assert ran == ["prefetch/org/gated", "prefetch/org/open", "prefetch/openai/gsm8k", "matrix/open"]
+    assert results["prefetch/openai/gsm8k"].status == "passed" and results["matrix/open"].status == "passed"
+    for sid in ("matrix/gated", "accuracy/gated"):
+        assert results[sid].status == "skipped"
+        assert results[sid].message == ("org/gated missing from the local Hugging Face cache: "
+                                        "prefetch/org/gated failed")
+    cases = {c.get("name"): c for c in ET.parse(tmp_path / "junit.xml").getroot().iter("testcase")}
+    assert cases["prefetch/org/gated"].find("failure") is not None
+    assert "missing" in cases["accuracy/gated"].find("skipped").get("message")
 
 
 def test_check_names_are_the_harness_check_names():
@@ -374,14 +432,16 @@ def test_each_step_runs_one_version_with_that_versions_prediction(tmp_path):
     h = steps[-1].argv
     assert h[h.index("--versions") + 1] == "0.21.0,0.26.0"
     assert len(h[h.index("--only") + 1].split(",")) == len(gpu_entries())
-    assert steps[0].argv[2].count("TinyLlama/TinyLlama-1.1B-Chat-v1.0") == 1  # prefetched once
+    assert [s.id for s in steps].count("prefetch/TinyLlama/TinyLlama-1.1B-Chat-v1.0") == 1  # prefetched once
 
 
 def test_vllm_version_from_the_environment_is_split_too(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("VLLM_VERSION", "0.21.0, 0.26.0")
     rc, out, _ = dry_run(capsys, monkeypatch, tmp_path, "8x80")
     assert rc == 0 and f"] {TINY_P2_D8}@0.21.0 (" in out and f"] {TINY_P2_D8}@0.26.0 (" in out
-    assert "--vllm-version 0.21.0," not in out and "--vllm-version '0.21.0, 0.26.0'" not in out
+    runs = "\n".join(line for line in out.splitlines() if " -m harness doctor " not in line)  # the doctor checks both
+    assert "--vllm-version 0.21.0," not in runs and "--vllm-version '0.21.0, 0.26.0'" not in out
+    assert "-m harness doctor --before-prefetch --gpus 8 --models " in out and "--vllm-version 0.21.0,0.26.0" in out
     monkeypatch.setenv("VLLM_VERSION", "0.21.0,latest")
     rc, _, err = dry_run(capsys, monkeypatch, tmp_path, "8x80")
     assert rc == 2 and "'latest' is not a version number" in err
@@ -405,7 +465,7 @@ def test_gpu_memory_utilization_applies_per_server_or_stops_the_night(capsys, mo
 def test_a_simulated_night_prefetches_nothing_and_keeps_its_history_apart(tmp_path):
     steps = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path, simulated="8x80:visible=0,1,2,3,4,5,6,7",
                                           load_requests=4)}
-    assert steps["prefetch"].skip_reason.startswith("simulated GPUs")
+    assert all(s.skip_reason.startswith("simulated GPUs") for s in steps.values() if s.kind == "prefetch")
     env = dict(steps[TINY_P2_D8].env)
     # the step's own CUDA_VISIBLE_DEVICES applies, not the night's visible=
     assert env[SIMULATED_ENV] == "8x80" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
@@ -415,7 +475,7 @@ def test_a_simulated_night_prefetches_nothing_and_keeps_its_history_apart(tmp_pa
         assert argv[argv.index("--load-requests") + 1] == "4"
         assert steps[sid].run_dir == tmp_path / sid
     real = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path)}
-    assert real["prefetch"].skip_reason is None and "--load-requests" not in real[TINY_P2_D8].argv
+    assert real["prefetch/openai/gsm8k"].skip_reason is None and "--load-requests" not in real[TINY_P2_D8].argv
     assert SIMULATED_ENV not in dict(real[TINY_P2_D8].env) and real["history"].env == ()
 
 

@@ -147,3 +147,20 @@ def test_is_the_real_gsm8k_reachable(tmp_path):
     assert hub_dataset_reachable({}, tmp_path, probe=lambda: True) and not hub_dataset_reachable({}, tmp_path, probe=lambda: False)
     (tmp_path / "datasets--openai--gsm8k").mkdir()
     assert hub_dataset_reachable({"HF_HUB_OFFLINE": "1"}, tmp_path, probe=lambda: False)  # cached locally
+
+
+def test_a_hub_task_keeps_lm_evals_generation_settings_and_only_the_offline_task_sets_its_own():
+    """Issue 35 item 2: real GSM8K answers were cut at 64 tokens (max_gen_toks=64 for every task), so chain-of-thought
+    answers lost their final `#### N` and the published-score check could not pass."""
+    from harness.accuracy.resolve import resolve_accuracy
+
+    hub = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", hub_reachable=lambda: True)
+    argv = lm_eval_argv("/py", "http://x", "m", hub, "/out")
+    assert hub.max_gen_toks is None and "--gen_kwargs" not in argv and not any("max_gen_toks" in a for a in argv)
+    off = resolve_accuracy(AccuracySettings(), "/models/trained", "trained", hub_reachable=lambda: False)
+    argv = lm_eval_argv("/py", "http://x", "m", off, "/out")
+    assert off.task == "gsm8k_offline" and argv[argv.index("--gen_kwargs") + 1] == (
+        "max_gen_toks=64,temperature=0,do_sample=False")
+    # a length given by hand applies to any task
+    given = lm_eval_argv("/py", "http://x", "m", AccuracySettings(task="gsm8k", max_gen_toks=512), "/out")
+    assert given[given.index("--gen_kwargs") + 1].startswith("max_gen_toks=512,")

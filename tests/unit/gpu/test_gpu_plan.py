@@ -83,8 +83,31 @@ def test_n_by_m_instances_colocated_keep_every_gpu_within_budget():
 
 
 def test_memory_too_small_even_alone_says_what_gpu_would_do():
-    with pytest.raises(PlanError, match=r"prefill0 \(TP 2\) needs 15\.0 GiB.*GPUs of >= 17 GiB, or a larger TP"):
+    with pytest.raises(PlanError, match=r"prefill0 \(TP 2\) needs 15\.0 GiB.*10 GPUs of >= 17 GiB \(P and D apart\), "
+                       r"or colocated on 8 GPUs of >= 34 GiB, or a larger TP"):
         plan_gpus(uniform_gpus(8, 8), 2, 8, ModelMemory(20.0, "given"))
+    with pytest.raises(PlanError, match=r"prefill0 \(TP 2\) needs 15\.0 GiB.*: it needs GPUs of >= 17 GiB, or a larger "):
+        plan_gpus(uniform_gpus(10, 8), 2, 8, ModelMemory(20.0, "given"))  # P and D apart: no sharing to mention
+
+
+@pytest.mark.parametrize("mem", [80, 85])
+def test_the_refusals_advice_is_a_box_that_plans(mem):
+    """Issue 35 item 8: P2+D8 of a 131 GiB model on 8 x 80 GiB said "needs GPUs of >= 85 GiB", and at 85 it said
+    ">= 170": GPUs of 85 GiB are still shared by P and D. Each size the refusal names must plan."""
+    import re
+
+    memory = ModelMemory(131.0, "given")
+    with pytest.raises(PlanError) as e:
+        plan_gpus(uniform_gpus(8, mem), 2, 8, memory)
+    msg = str(e.value)
+    apart = re.search(r"(\d+) GPUs(?: of >= (\d+) GiB)? \(P and D apart\)", msg)
+    shared = re.search(r"colocated on (\d+) GPUs of >= (\d+) GiB", msg)
+    assert apart and shared, msg
+    plan_gpus(uniform_gpus(int(apart[1]), float(apart[2] or mem)), 2, 8, memory)  # P and D apart: it plans
+    assert not plan_gpus(uniform_gpus(int(apart[1]), float(apart[2] or mem)), 2, 8, memory).colocated
+    plan_gpus(uniform_gpus(int(shared[1]), float(shared[2])), 2, 8, memory)  # colocated: it plans
+    with pytest.raises(PlanError):
+        plan_gpus(uniform_gpus(int(shared[1]), float(shared[2]) - 1), 2, 8, memory)  # and it is the least
 
 
 def test_memory_too_small_colocated_but_fits_apart_says_how_many_gpus():
