@@ -178,12 +178,13 @@ def explain(expected: Key, value: int, found: Key | None, block_size: int) -> tu
         )
     if found.layer != expected.layer:
         return "another layer", f"P's {found.layer} {found.part} head {found.head} position {found.position}"
+    off = found.position - expected.position
+    shift = f" ({off:+d} tokens)" if off else ""
     if found.part != expected.part:
-        return "K/V swapped", f"P's {found.part} of head {found.head} position {found.position}"
+        return "K/V swapped", f"P's {found.part} of head {found.head} position {found.position}{shift}"
     if found.head != expected.head:
         where = "" if found.position == expected.position else f" position {found.position}"
         return "another head", f"P's head {found.head}{where}"
-    off = found.position - expected.position
     blocks = f" = {off // block_size:+d} blocks" if block_size and off % block_size == 0 else ""
     return "another position", f"P's position {found.position} ({off:+d} tokens{blocks})"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.checks import kv_digest
 from tests.helpers import FULL, processes_tagged
 
 # a hang fails this module's test, not all of CI: about 3x the CPU cut (500-600 s)
@@ -96,6 +97,47 @@ def test_a_sliding_window_corruption_that_flips_no_token_fails_on_logprobs(edge)
     assert r["failure"]["class"] == "logprob-mismatch", r.get("reason")
     assert checks["outputs_match_baseline"]["passed"] and not checks["logprobs_match_baseline"]["passed"]
     assert r["config"]["model_heads"]["sliding_window"] == 64
+
+
+def test_the_kv_digest_passes_with_d_prefix_hits_left_out(edge):
+    # P1->D2 with K=1 (GQA replication) and D's prefix cache: every received position equals P's bytes exactly
+    _, run_dir, _ = edge
+    c = {c["name"]: c for c in pair_report(run_dir, "edge-prefix-k1-p1-d2")["checks"]}["kv_digest_match"]
+    assert c["passed"], c["detail"]
+    assert c["data"]["left_out"] > 0 and c["data"]["heads"] == [0] and c["data"]["differ"] == 0
+
+
+def test_the_kv_digest_shows_the_block_size_findings_crossed_k_and_v(edge):
+    # P block 32 -> D block 64 on CPU_ATTN: in each 64-token D block, tokens 0-31 hold P's K and, as V, P's K of
+    # tokens 32-63; tokens 32-63 hold P's V and, as K, P's V of tokens 0-31 (docs/edge-cases.md)
+    _, run_dir, _ = edge
+    c = {c["name"]: c for c in pair_report(run_dir, "edge-bs64-k1-p1-d2")["checks"]}["kv_digest_match"]
+    assert not c["passed"] and c["data"]["holds"].get("K/V swapped", 0) > c["data"]["differ"] // 4, c["detail"]
+    records, _ = kv_digest.load(run_dir / "vllm-0.32.0" / "edge-bs64-k1-p1-d2" / "kv_digest")
+    p = {r.request_id: r for r in records if r.side == "prefill"}
+    crossed = right = 0
+    for d in (r for r in records if r.side == "decode"):
+        src = p[d.request_id]
+        n = int(src.positions.max()) + 1
+        for li in range(len(d.layers)):
+            for i, t in enumerate(int(x) for x in d.positions):
+                k, v = d.digest[li, 0, 0, i], d.digest[li, 1, 0, i]
+                if t % 64 < 32:
+                    right += k == src.digest[li, 0, 0, t]
+                    crossed += t + 32 < n and v == src.digest[li, 0, 0, t + 32]
+                else:
+                    right += v == src.digest[li, 1, 0, t]
+                    crossed += k == src.digest[li, 1, 0, t - 32]
+    compared = c["data"]["digests"] // 2  # positions x layers x D ranks: one K and one V each
+    assert right == compared, (right, compared)
+    assert crossed >= compared * 3 // 4, (crossed, compared)  # the rest: the zeroed tail past the prompt
+
+
+def test_the_sliding_window_layers_are_not_digested_and_said_so(edge):
+    _, run_dir, _ = edge
+    c = {c["name"]: c for c in pair_report(run_dir, "edge-gemma3-k1-p1-d2")["checks"]}["kv_digest_match"]
+    assert c["passed"] and c["data"]["layers_not_digested"], c
+    assert "not digested" in c["detail"]
 
 
 @pytest.mark.parametrize("pair,server,message", [

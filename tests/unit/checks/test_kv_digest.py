@@ -132,3 +132,15 @@ def test_equal_kv_in_another_request_does_not_hide_the_same_requests_head():
     recs = [record("prefill", "a-other", other), record("prefill", "b", p), record("decode", "b", d)]
     c = kd.check(kd.compare(recs))
     assert c.data["holds"] == {"another head": 64} and c.data["first_holds"] == "P's head 1"
+
+
+def test_k_and_v_halves_crossed_as_in_a_cpu_attn_block_size_conversion_are_named_with_their_offset():
+    # D block of 8 from P blocks of 4, pages read token-major: V of tokens 0-3 holds P's K of tokens 4-7
+    p = rng_digests(13, layers=1, heads=1, n=8)
+    d = p.copy()
+    d[0, 1, 0, 0:4] = p[0, 0, 0, 4:8]
+    d[0, 0, 0, 4:8] = p[0, 1, 0, 0:4]
+    c = kd.check(kd.compare([record("prefill", "r", p, heads=(0,)), record("decode", "r", d, heads=(0,))]))
+    assert c.data["holds"] == {"K/V swapped": 8}
+    assert c.data["first"].endswith("K, head 0, position 4")
+    assert c.data["first_holds"] == "P's V of head 0 position 0 (-4 tokens)"
