@@ -39,7 +39,9 @@ class DigestRecord:
     left_out: int = 0  # positions D computed itself (its prefix-cache hits), not compared
     block_size: int = 0  # the side's block size in tokens (to say an offset in blocks)
     seconds: float = 0.0  # the hook's time for this record inside the server's step
-    skipped_layers: tuple[str, ...] = ()  # layers the hook does not digest (sliding window, Mamba), by name
+    skipped_layers: tuple[str, ...] = ()  # layers the hook does not digest (Mamba), by name
+    window: int = 0  # a sliding-window group's window: only the positions it keeps are recorded
+    num_tokens: int = 0  # the prompt's length: D's layer needs [left_out, num_tokens), each position received
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class DigestComparison:
     differing_requests: list[str] = field(default_factory=list)  # P's ids of the requests whose KV differs
     seconds: dict[str, float] = field(default_factory=dict)  # the hook's time in the servers' steps, per side
     skipped_layers: set[str] = field(default_factory=set)
+    missing_first: Key | None = None  # the first position a layer needs that D did not receive
 
 
 def load(folder: Path) -> tuple[list[DigestRecord], list[str]]:
@@ -102,6 +105,8 @@ def read_record(path: Path) -> DigestRecord:
             block_size=int(meta.get("block_size", 0)),
             seconds=float(meta.get("seconds", 0.0)),
             skipped_layers=tuple(sorted(meta.get("skipped_layers") or {})),
+            window=int(meta.get("window", 0)),
+            num_tokens=int(meta.get("num_tokens", 0)),
         )
 
 
@@ -203,9 +208,11 @@ def compare(records: Sequence[DigestRecord]) -> DigestComparison:
             out.unmatched_requests.append(r.request_id)
             continue
         seen[r.request_id].update(int(p) for p in r.positions)
-        left[r.request_id] = max(left.get(r.request_id, 0), r.left_out)
+        if not r.window:  # a sliding-window group's left out is the part before its window, not D's own compute
+            left[r.request_id] = max(left.get(r.request_id, 0), r.left_out)
         out.layers.update(r.layers)
         out.heads.update(r.heads)
+        _missing(r, out, layer_pos, differing)
         for li, layer in enumerate(r.layers):
             for si, part in enumerate(r.parts):
                 for hi, head in enumerate(r.heads):
@@ -231,6 +238,29 @@ def compare(records: Sequence[DigestRecord]) -> DigestComparison:
     return out
 
 
+NOT_RECEIVED = "not received"
+
+
+def _missing(r: DigestRecord, out: DigestComparison, layer_pos: dict[str, list[int]], differing: set[str]) -> None:
+    """Positions D's layer needs ([left_out, num_tokens): its prefix hit, or a sliding window's start) that no
+    received block holds: D's block for them is the null block, so D attends over bytes P never sent."""
+    if not r.num_tokens:
+        return
+    held = set(int(p) for p in r.positions)
+    gone = [p for p in range(r.left_out, r.num_tokens) if p not in held]
+    if not gone:
+        return
+    n = len(gone) * len(r.parts) * len(r.heads)
+    for layer in r.layers:
+        out.differ += n
+        out.compared += n
+        out.holds[NOT_RECEIVED] += n
+        layer_pos[layer] += gone
+        if out.missing_first is None:
+            out.missing_first = Key(r.request_id, layer, r.parts[0], r.heads[0], gone[0])
+    differing.add(r.request_id)
+
+
 def _explain_all(out: DigestComparison, wrong: list[tuple[Key, int]], index: _PIndex) -> None:
     found = index.where({v for _, v in wrong if v != 0})
     for i, (key, v) in enumerate(wrong):
@@ -238,6 +268,9 @@ def _explain_all(out: DigestComparison, wrong: list[tuple[Key, int]], index: _PI
         out.holds[kind] += 1
         if i == 0:
             out.first, out.first_holds = key, words
+    if out.first is None and out.missing_first is not None:
+        out.first = out.missing_first
+        out.first_holds = "no received bytes: its block on D is the null block, which P never wrote"
 
 
 def check(result: DigestComparison) -> Check:
@@ -259,7 +292,7 @@ def check(result: DigestComparison) -> Check:
     }
     if result.skipped_layers:
         data["layers_not_digested"] = sorted(result.skipped_layers)
-        counts += f"; {len(result.skipped_layers)} layers not digested (sliding window or state layers)"
+        counts += f"; {len(result.skipped_layers)} layers not digested (state layers)"
     if result.unmatched_requests:
         data["unmatched_requests"] = result.unmatched_requests[:20]
     if result.requests == 0:

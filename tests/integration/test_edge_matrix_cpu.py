@@ -133,11 +133,15 @@ def test_the_kv_digest_shows_the_block_size_findings_crossed_k_and_v(edge):
     assert crossed >= compared * 3 // 4, (crossed, compared)  # the rest: the zeroed tail past the prompt
 
 
-def test_the_sliding_window_layers_are_not_digested_and_said_so(edge):
+def test_the_kv_digest_shows_the_sliding_windows_null_block(edge):
+    # the 415-token prompt: D's window for its last prompt token needs position 415 - 64 = 351, but its block on D
+    # is the null block (P handed it so); every other position of both layers equals P's bytes
     _, run_dir, _ = edge
     c = {c["name"]: c for c in pair_report(run_dir, "edge-gemma3-k1-p1-d2")["checks"]}["kv_digest_match"]
-    assert c["passed"] and c["data"]["layers_not_digested"], c
-    assert "not digested" in c["detail"]
+    assert not c["passed"] and set(c["data"]["holds"]) == {"not received"}, c["detail"]
+    assert c["data"]["first"].endswith("K, head 0, position 351") and "-w200-" in c["data"]["first"], c["detail"]
+    assert "null block" in c["data"]["first_holds"]
+    assert list(c["data"]["by_layer"]) == ["model.layers.0.self_attn.attn"]  # the sliding-window layer only
 
 
 @pytest.mark.parametrize("pair,server,message", [

@@ -116,30 +116,75 @@ def _unavailable(rank: int, why: str) -> None:
         log(f"could not write why: {e}")
 
 
-def _spec_kind(worker, group: int) -> str:
+def _spec(worker, group: int):
     try:
-        return type(worker.kv_cache_config.transfer_groups[group].kv_cache_spec).__name__
+        return worker.kv_cache_config.transfer_groups[group].kv_cache_spec
     except Exception:  # noqa: BLE001 - older layouts: treat as full attention
-        return "FullAttentionSpec"
+        return None
 
 
-def plan_layers(worker) -> tuple[list[tuple[str, int]], dict[str, str]]:
-    """(layer, transfer group) pairs to digest, and the layers left out with why."""
+def window_of(worker, group: int) -> int:
+    """The group's sliding window in tokens (0: full attention)."""
+    spec = _spec(worker, group)
+    return int(getattr(spec, "sliding_window", 0) or 0) if "SlidingWindow" in type(spec).__name__ else 0
+
+
+def plan_layers(worker) -> tuple[dict[int, list[str]], dict[str, str]]:
+    """The layers to digest by transfer group (one record per group: its layers share positions), and the layers
+    left out with why."""
     caches = _STATE.get("caches") or {}
     by_layer = getattr(worker.kv_cache_config, "transfer_group_index_by_layer", {})
-    keep: list[tuple[str, int]] = []
+    groups: dict[int, list[str]] = {}
     skipped: dict[str, str] = {}
     for name in sorted(caches, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]):
         cache = caches[name]
         group = by_layer.get(name, 0)
-        kind = _spec_kind(worker, group)
+        kind = type(_spec(worker, group)).__name__
         if not hasattr(cache, "dim") or cache.dim() != 4:
             skipped[name] = f"cache is not [blocks, heads, tokens, row] ({type(cache).__name__})"
-        elif "SlidingWindow" in kind or "Mamba" in kind or "ChunkedLocal" in kind:
+        elif "Mamba" in kind or "ChunkedLocal" in kind:
             skipped[name] = f"{kind} layers are not digested yet"
         else:
-            keep.append((name, group))
-    return keep, skipped
+            groups.setdefault(group, []).append(name)
+    return groups, skipped
+
+
+def p_layout(blocks: list[int], n_tokens: int, bs: int, first: int = 0):
+    """P: (blocks to read, offsets into their tokens, positions) for positions [first, n_tokens)."""
+    import numpy as np
+
+    keep = [(j, b) for j, b in enumerate(blocks) if b != 0 and (j + 1) * bs > first and j * bs < n_tokens]
+    offsets, positions = [], []
+    for k, (j, _) in enumerate(keep):
+        pos = np.arange(j * bs, min((j + 1) * bs, n_tokens))
+        pos = pos[pos >= first]
+        offsets.append(k * bs + pos - j * bs)
+        positions.append(pos)
+    cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if keep else (lambda xs: np.zeros(0, dtype=np.int64))
+    return [b for _, b in keep], cat(offsets), cat(positions)
+
+
+def d_layout(blocks: list[int], n_tokens: int, bs: int, hit: int, window: int):
+    """D: (blocks to read, offsets, positions, left out) of what a receive delivered. Full attention: block i holds
+    hit + i*bs + t. Sliding window: the blocks are the tail of the prompt's, and only the positions the window of
+    D's first step still needs ([n_tokens - window, n_tokens)) are compared; the others are counted as left out."""
+    import numpy as np
+
+    if not window:
+        pos = np.arange(hit, min(n_tokens, hit + len(blocks) * bs), dtype=np.int64)
+        return list(blocks), pos - hit, pos, hit
+    first_block = -(-n_tokens // bs) - len(blocks)
+    start = max(hit, n_tokens - window)
+    keep = [(k, b) for k, b in enumerate(blocks) if b != 0 and (first_block + k + 1) * bs > start]
+    offsets, positions = [], []
+    for idx, (k, _) in enumerate(keep):
+        pos = np.arange((first_block + k) * bs, min((first_block + k + 1) * bs, n_tokens))
+        pos = pos[pos >= start]
+        offsets.append(idx * bs + pos - (first_block + k) * bs)
+        positions.append(pos)
+    if not keep:
+        return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), start
+    return [b for _, b in keep], np.concatenate(offsets).astype(np.int64), np.concatenate(positions), start
 
 
 def write_record(rank: int, request_id: str, layers, parts, heads, positions, digests, meta: dict) -> None:
@@ -163,50 +208,36 @@ def write_record(rank: int, request_id: str, layers, parts, heads, positions, di
     os.replace(tmp, os.path.join(folder, f"{n:06d}-{safe}.npz"))
 
 
-def digest_request(worker, request_id: str, block_ids, positions_of, meta: dict) -> None:
-    """Digest one request on this rank. ``block_ids[g]``: kernel block ids of transfer group g; ``positions_of(g,
-    n_blocks)`` -> (offsets into the blocks' tokens, absolute positions) to digest."""
+def digest_request(worker, request_id: str, block_ids, layout, meta: dict) -> None:
+    """Digest one request on this rank, one record per transfer group. ``block_ids[g]``: kernel block ids of
+    transfer group g; ``layout(group, blocks, window)`` -> (blocks to read, offsets into their tokens, positions, left
+    out)."""
     import time
 
     import torch
 
-    t0 = time.perf_counter()
-    layers, skipped = plan_layers(worker)
-    if not layers:
+    groups, skipped = plan_layers(worker)
+    if not groups:
         _unavailable(worker.tp_rank, f"no layer this hook can digest: {skipped}")
         return
     mla = bool(getattr(worker, "use_mla", False))
     cpu_attn = str(getattr(worker, "backend_name", "")).upper().startswith("CPU")
-    caches = _STATE["caches"]
     tp = int(worker.world_size)
     total = 1 if mla else int(worker.model_config.get_total_num_kv_heads())
-    out: list[Any] = []
-    positions = None
-    heads = None
-    for name, group in layers:
+    for group, names in sorted(groups.items()):
+        t0 = time.perf_counter()
+        window = window_of(worker, group)
         blocks = list(block_ids[group]) if group < len(block_ids) else []
-        offsets, pos = positions_of(group, len(blocks))
-        if positions is None:
-            positions = pos
-        elif list(pos) != list(positions):
-            skipped[name] = "its group's positions differ from the first layer's"
-            out.append(None)
+        read, offsets, positions, left_out = layout(group, blocks, window)
+        if not read or not len(offsets):
             continue
-        if not blocks or not len(offsets):
-            out.append(None)
-            continue
-        d = digest_layer(caches[name], blocks, offsets, cpu_attn, mla)
-        heads = heads or global_heads(worker.tp_rank, tp, total, d.shape[1], mla)
-        out.append(d.cpu())
-    kept = [n for (n, _), d in zip(layers, out, strict=True) if d is not None and n not in skipped]
-    tensors = [d for (n, _), d in zip(layers, out, strict=True) if d is not None and n not in skipped]
-    if not tensors:
-        return
-    digests = torch.stack(tensors).numpy()
-    meta = {**meta, "tp": tp, "skipped_layers": skipped, "backend": str(getattr(worker, "backend_name", ""))}
-    meta["seconds"] = time.perf_counter() - t0  # the hook's own time in the server's step, for docs/kv-digest.md
-    parts = ["L"] if mla else ["K", "V"]
-    write_record(worker.tp_rank, request_id, kept, parts, heads, positions, digests, meta)
+        tensors = [digest_layer(_STATE["caches"][n], read, offsets, cpu_attn, mla).cpu() for n in names]
+        heads = global_heads(worker.tp_rank, tp, total, tensors[0].shape[1], mla)
+        body = {**meta, "tp": tp, "skipped_layers": skipped, "backend": str(getattr(worker, "backend_name", ""))}
+        body.update(group=group, window=window, left_out=int(left_out))
+        body["seconds"] = time.perf_counter() - t0  # the hook's own time in the server's step (docs/kv-digest.md)
+        parts = ["L"] if mla else ["K", "V"]
+        write_record(worker.tp_rank, request_id, names, parts, heads, positions, torch.stack(tensors).numpy(), body)
 
 
 def _arange(start: int, stop: int):
@@ -234,11 +265,12 @@ def after_step(runner, scheduler_output) -> None:
         ids = worker._logical_to_kernel_block_ids(ids or state.block_ids, worker._physical_blocks_per_logical_kv_block)
         bs = int(worker.block_size)
 
-        def positions_of(group: int, n_blocks: int, prompt: int = prompt, bs: int = bs):
-            pos = _arange(0, min(prompt, n_blocks * bs))
-            return pos, pos
+        def layout(group: int, blocks: list[int], window: int, prompt: int = prompt, bs: int = bs):
+            # a sliding-window layer: only what the window of D's first step needs (earlier blocks may be freed)
+            read, offsets, positions = p_layout(blocks, prompt, bs, max(0, prompt - window) if window else 0)
+            return read, offsets, positions, 0
 
-        digest_request(worker, rid, ids, positions_of, {"block_size": bs, "left_out": 0, "num_tokens": prompt})
+        digest_request(worker, rid, ids, layout, {"block_size": bs, "num_tokens": prompt})
 
 
 def after_receive(worker, metas: dict, finished) -> None:
@@ -254,20 +286,18 @@ def after_receive(worker, metas: dict, finished) -> None:
             _unavailable(worker.tp_rank, "this vLLM's receive metadata has no num_tokens (P's prompt length)")
             return
         hits = tuple(getattr(meta, "local_num_computed_blocks", ()) or ())
-        hit0 = (hits[0] if hits else 0) * logical
 
-        def positions_of(group: int, n_blocks: int, total: int = int(total), hits: tuple = hits):
+        def layout(group: int, blocks: list[int], window: int, total: int = int(total), hits: tuple = hits):
             hit = (hits[group] if group < len(hits) else 0) * logical
-            pos = _arange(hit, min(total, hit + n_blocks * bs))
-            return pos - hit, pos
+            return d_layout(blocks, total, bs, hit, window)
 
         ids = getattr(meta, "local_physical_block_ids", None) or meta.local_block_ids
         digest_request(
             worker,
             str(meta.remote.request_id),
             ids,
-            positions_of,
-            {"block_size": bs, "left_out": hit0, "num_tokens": int(total), "d_request_id": rid},
+            layout,
+            {"block_size": bs, "num_tokens": int(total), "d_request_id": rid},
         )
 
 
@@ -292,7 +322,7 @@ def patch_worker(cls) -> None:
     if SIDE != "decode":
         return
     if not hasattr(cls, "get_transfer_results"):
-        _unavailable(0, f"{cls.__name__} has no get_transfer_results: D's receives cannot be digested on this vLLM")
+        _patch_get_finished(cls)
         return
     results = cls.get_transfer_results
 
@@ -306,6 +336,23 @@ def patch_worker(cls) -> None:
         return out
 
     cls.get_transfer_results = get_transfer_results
+
+
+def _patch_get_finished(cls) -> None:
+    """Older releases (0.26) report finished receives from get_finished() -> (sending, receiving)."""
+    if not hasattr(cls, "get_finished"):
+        _unavailable(0, f"{cls.__name__} reports no finished receives this hook knows: D cannot be digested")
+        return
+    finished_fn = cls.get_finished
+
+    def get_finished(self):
+        metas = dict(getattr(self, "_recving_metadata", {}))
+        sending, recving = finished_fn(self)
+        if recving:
+            _guarded("digesting D's received KV", after_receive, self, metas, set(recving))
+        return sending, recving
+
+    cls.get_finished = get_finished
 
 
 def patch_runner(cls) -> None:

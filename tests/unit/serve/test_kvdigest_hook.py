@@ -86,3 +86,27 @@ def test_global_heads_follow_qkv_parallel_linear():
     assert hook.global_heads(1, 2, 1, 1, False) == [0]  # K=1, TP 2: both ranks hold the one head
     assert hook.global_heads(3, 4, 2, 1, False) == [1]
     assert hook.global_heads(0, 8, 8, 1, True) == [0]
+
+
+def test_p_layout_reads_real_blocks_from_a_first_position_and_skips_the_null_block():
+    read, offsets, pos = hook.p_layout([5, 0, 7, 9], 14, 4, first=6)
+    assert read == [7, 9]  # block 1 (positions 4-7) is the null block; block 0 lies before position 6
+    assert pos.tolist() == [8, 9, 10, 11, 12, 13] and offsets.tolist() == [0, 1, 2, 3, 4, 5]
+    read, offsets, pos = hook.p_layout([3, 4], 6, 4)
+    assert read == [3, 4] and pos.tolist() == list(range(6)) and offsets.tolist() == list(range(6))
+
+
+def test_d_layout_full_attention_starts_after_the_prefix_hit():
+    read, offsets, pos, left = hook.d_layout([11, 12], 14, 4, hit=8, window=0)
+    assert read == [11, 12] and pos.tolist() == [8, 9, 10, 11, 12, 13] and left == 8
+    assert offsets.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_d_layout_sliding_window_aligns_the_tail_and_keeps_what_the_window_needs():
+    # 14 tokens in blocks of 4 -> 4 blocks; D got the last 3 (blocks 1-3, positions 4-13); window 6 -> 8..13
+    read, offsets, pos, left = hook.d_layout([21, 22, 23], 14, 4, hit=0, window=6)
+    assert read == [22, 23] and pos.tolist() == [8, 9, 10, 11, 12, 13] and left == 8
+    assert offsets.tolist() == [0, 1, 2, 3, 4, 5]
+    # window 7 -> position 7 too, in the first tail block
+    read, offsets, pos, _ = hook.d_layout([21, 22, 23], 14, 4, hit=0, window=7)
+    assert read == [21, 22, 23] and pos.tolist()[0] == 7 and offsets.tolist()[0] == 3

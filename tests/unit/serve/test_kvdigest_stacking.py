@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from harness.serve.vllm_cmd import FAULTS_DIR, KV_DIGEST_DIR, TUNING_DIR
 
 WORKER = """
@@ -36,7 +38,22 @@ print("fault kept caches", hasattr(w, "_pd_fault_caches"))
 """
 
 
-def test_digest_fault_and_tuning_hooks_stack(tmp_path):
+OLD_WORKER = """
+class NixlBaseConnectorWorker:
+    calls = []
+    def register_kv_caches(self, kv_caches):
+        self.calls.append("register")
+    def get_finished(self):
+        self.calls.append("inner")
+        return set(), set()
+"""
+
+OLD_PROBE = PROBE.replace("w.get_transfer_results()", "w.get_finished()")
+
+
+@pytest.mark.parametrize("worker,probe", [(WORKER, PROBE), (OLD_WORKER, OLD_PROBE)], ids=["0.32", "0.26"])
+def test_digest_fault_and_tuning_hooks_stack(tmp_path, worker, probe):
+    """vLLM 0.32 reports finished receives in get_transfer_results(), 0.26 in get_finished(): both are wrapped."""
     mod = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
     pkg = tmp_path / "fake" / mod.replace(".", "/")
     pkg.parent.mkdir(parents=True)
@@ -44,7 +61,7 @@ def test_digest_fault_and_tuning_hooks_stack(tmp_path):
         if parent == tmp_path / "fake":
             break
         (parent / "__init__.py").touch()
-    pkg.with_suffix(".py").write_text(textwrap.dedent(WORKER))
+    pkg.with_suffix(".py").write_text(textwrap.dedent(worker))
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(KV_DIGEST_DIR), str(FAULTS_DIR), str(TUNING_DIR), str(tmp_path / "fake")]),
@@ -52,9 +69,10 @@ def test_digest_fault_and_tuning_hooks_stack(tmp_path):
         "PD_HARNESS_KV_DIGEST_SIDE": "decode",
         "PD_HARNESS_FAULT_KV_SCALE": "1.5",
     }
-    out = subprocess.run([sys.executable, "-c", PROBE.format(mod=mod)], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", probe.format(mod=mod)], env=env, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "calls ['register', 'inner']" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "digest saw the worker True" in out.stdout and "fault kept caches True" in out.stdout
     assert out.stderr.count("[pd-harness fault] armed") == 1, out.stderr[-2000:]
+    assert not list((tmp_path / "digest").glob("unavailable*")), "the digest hook armed on this worker"
