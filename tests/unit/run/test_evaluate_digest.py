@@ -1,0 +1,52 @@
+"""kv_digest_match is decided before its result: skipped with the reason (turned off, attach mode, a vLLM whose
+internals the hook does not know), or made over the records the servers wrote; never passed without records."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from harness.run.evaluate import digest_checks
+from tests.unit.checks.test_kv_digest import record, rng_digests
+
+
+def run(tmp_path, kv_digest=True, attached=False, records=(), unavailable=None):
+    folder = tmp_path / "kv_digest"
+    for i, r in enumerate(records):
+        side = folder / r.side / f"rank{r.rank}"
+        side.mkdir(parents=True, exist_ok=True)
+        meta = {"side": r.side, "rank": r.rank, "request_id": r.request_id, "layers": list(r.layers),
+                "parts": list(r.parts)}
+        np.savez(side / f"{i}.npz", digest=r.digest, positions=r.positions, heads=np.asarray(r.heads),
+                 meta=np.frombuffer(__import__("json").dumps(meta).encode(), dtype=np.uint8))
+    if unavailable:
+        (folder / "decode").mkdir(parents=True, exist_ok=True)
+        (folder / "decode" / "unavailable-rank0.txt").write_text(unavailable)
+    report = SimpleNamespace(skipped_checks=[])
+    ctx = SimpleNamespace(cfg=SimpleNamespace(kv_digest=kv_digest), run_dir=tmp_path, report=report, gpu=None)
+    checks = digest_checks(ctx, SimpleNamespace(attached=attached))
+    return {c.name: c for c in checks}, {s["name"]: s["reason"] for s in report.skipped_checks}
+
+
+def test_turned_off_and_attach_mode_are_skipped_with_their_reason(tmp_path):
+    p = rng_digests(1)
+    recs = [record("prefill", "r", p), record("decode", "r", p.copy())]
+    checks, skipped = run(tmp_path, kv_digest=False, records=recs)
+    assert not checks and "--no-kv-digest" in skipped["kv_digest_match"]
+    checks, skipped = run(tmp_path / "a", attached=True, records=recs)
+    assert not checks and "attach mode" in skipped["kv_digest_match"]
+
+
+def test_a_hook_that_could_not_arm_skips_the_check_with_its_words(tmp_path):
+    checks, skipped = run(tmp_path, unavailable="NixlBaseConnectorWorker reports no finished receives")
+    assert not checks and "reports no finished receives" in skipped["kv_digest_match"]
+
+
+def test_no_records_at_all_fail_rather_than_pass(tmp_path):
+    checks, skipped = run(tmp_path)
+    assert not checks["kv_digest_match"].passed and not skipped
+
+
+def test_records_are_compared(tmp_path):
+    p = rng_digests(2)
+    checks, _ = run(tmp_path, records=[record("prefill", "r", p), record("decode", "r", p.copy())])
+    assert checks["kv_digest_match"].passed
