@@ -1,7 +1,7 @@
 """The KV digest check: D's received KV equals, byte for byte, what P's KV cache held for the same request, layer,
 K or V, global KV head and token position; where it does not, what D holds instead.
 
-The records are written inside the servers by ``harness/serve/kvdigest/pd_kv_digest.py`` (one file per server rank
+The records are written inside the servers by ``harness/serve/inject/pd_kv_digest.py`` (one file per server rank
 and request; its docstring gives the format). Each record holds one 64-bit digest per (layer, part, head, position):
 the stored bytes of that vector as int64 words, dotted with fixed odd weights mod 2**64 — exact, no threshold, the
 same on every device. An all-zero vector digests to 0. Everything here is pure over the records, except ``load``.

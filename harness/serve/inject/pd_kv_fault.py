@@ -1,28 +1,28 @@
-"""Fault injection inside a vLLM decode server, for tests that must see the harness catch slightly wrong KV.
+"""Fault injection inside a vLLM decode server, for tests that must see the harness catch wrong KV.
 
-Injected by the harness via PYTHONPATH (before the CPU tuning's folder) and active only when
-PD_HARNESS_FAULT_KV_SCALE is set: each time a NIXL receive completes, the received blocks of the
-first attention layer are multiplied by that factor (keys and values) before the request's first
-decode step reads them. A small factor moves logprobs without flipping greedy tokens, which is the
-damage a wrong head offset can do quietly. Each perturbation is logged, so a test can see it fired:
-"[pd-harness fault] scaled the received KV of layer L by F: N blocks of request R".
-Then the next sitecustomize on the path (the CPU tuning) runs as if this one were not here.
+Armed by this folder's sitecustomize.py when PD_HARNESS_FAULT_KV_SCALE or PD_HARNESS_FAULT_SWAP_HEADS=1 is set.
+Each time a NIXL receive completes, before the request's first decode step reads the blocks:
+- scale: the received blocks of the first attention layer are multiplied by the factor (keys and values). A small
+  factor moves logprobs without flipping greedy tokens, the damage a wrong head offset can do quietly;
+- swap: the first two local KV heads of every layer are swapped in the received blocks (a wrong head slice).
+Each perturbation is logged, so a test can see it fired: "[pd-harness fault] scaled the received KV of layer L by
+F: N blocks of request R" / "[pd-harness fault] swapped local KV heads 0 and 1 ...".
 """
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
 
-_SCALE = os.environ.get("PD_HARNESS_FAULT_KV_SCALE")
+SCALE = os.environ.get("PD_HARNESS_FAULT_KV_SCALE")
 _SWAP = os.environ.get("PD_HARNESS_FAULT_SWAP_HEADS") == "1"
-_WORKER = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
-_HERE = os.path.dirname(os.path.abspath(__file__))
+ARMED = SCALE is not None or _SWAP
 
 
 def _log(msg):
     print(f"[pd-harness fault] {msg}", file=sys.stderr, flush=True)
+
+
+def unknown(why: str) -> None:
+    _log(f"{why}; nothing changed")
 
 
 def _block_dim(shape, num_blocks):
@@ -80,6 +80,14 @@ def _perturb(worker, metas, received, scale):
         _log(f"scaled the received KV of layer {layer} by {scale}: {len(blocks)} blocks of request {req_id}")
 
 
+def patch_worker(cls) -> None:
+    """Arm the fault on the NIXL worker class (a fault that cannot arm says so: the run's check sees it never fired)."""
+    try:
+        _patch_worker(cls, float(SCALE) if SCALE is not None else None)
+    except Exception as e:  # noqa: BLE001 - a fault that cannot arm must not take the server down
+        _log(f"could not arm on this vLLM ({type(e).__name__}: {e}); nothing changed")
+
+
 def _patch_worker(cls, scale):
     """Wrap the worker's KV registration (to keep the caches) and its report of finished receives: vLLM 0.32
     reports them in get_transfer_results(), older releases (0.26) in get_finished() -> (sending, receiving)."""
@@ -117,69 +125,3 @@ def _patch_worker(cls, scale):
         _log(f"armed: received KV of the first layer will be scaled by {scale}")
     if _SWAP:
         _log("armed: the first two local KV heads of received blocks will be swapped")
-
-
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner):
-        self._inner = inner
-
-    def create_module(self, spec):
-        return self._inner.create_module(spec)
-
-    def exec_module(self, module):
-        self._inner.exec_module(module)
-        cls = getattr(module, "NixlBaseConnectorWorker", None)
-        if cls is None:
-            _log(f"{_WORKER} has no NixlBaseConnectorWorker: this vLLM is not supported; nothing changed")
-            return
-        try:
-            _patch_worker(cls, float(_SCALE) if _SCALE is not None else None)
-        except (
-            Exception
-        ) as e:  # a fault that cannot arm must not take the server down: the run's check sees it never fired
-            _log(f"could not arm on this vLLM ({type(e).__name__}: {e}); nothing changed")
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps whatever loader the rest of the import path gives the worker module (the CPU tuning patches it too)."""
-
-    _busy = False  # another hook's finder asks the whole meta path too: answer only the outer call
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _WORKER or self._busy:
-            return None
-        self._busy = True
-        try:
-            return self._find(fullname, path, target)
-        finally:
-            self._busy = False
-
-    def _find(self, fullname, path, target):
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-def _chain():
-    """Run the next sitecustomize.py on sys.path after this folder's (the CPU tuning), which this module's name
-    shadows; only later entries, so that a hook before this one on the path (the KV digest) does not run twice."""
-    entries = [os.path.abspath(e or ".") for e in sys.path]
-    start = entries.index(_HERE) + 1 if _HERE in entries else 0
-    for entry in entries[start:]:
-        candidate = os.path.join(entry, "sitecustomize.py")
-        if entry != _HERE and os.path.isfile(candidate):
-            spec = importlib.util.spec_from_file_location("_pd_harness_next_sitecustomize", candidate)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return
-
-
-_chain()
-if _SCALE is not None or _SWAP:  # after the chained tuning installed its hook, so this one wraps it
-    sys.meta_path.insert(0, _Finder())

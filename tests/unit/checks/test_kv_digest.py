@@ -107,7 +107,7 @@ def test_records_round_trip_through_the_hooks_file_format(tmp_path):
     import importlib.util
     import os
 
-    spec = importlib.util.spec_from_file_location("pd_kv_digest_rt", "harness/serve/kvdigest/pd_kv_digest.py")
+    spec = importlib.util.spec_from_file_location("pd_kv_digest_rt", "harness/serve/inject/pd_kv_digest.py")
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     hook.FOLDER, hook.SIDE = str(tmp_path / "decode"), "decode"

@@ -1,6 +1,7 @@
-"""The digest hook stacks with the fault hook and the CPU tuning, each a sitecustomize.py on PYTHONPATH: a server
-starts (no recursion between the import hooks), each patches the NIXL worker once, and the digest's wrapper is the
-outer one, so that it sees what the fault changed."""
+"""The injected hooks (the KV digest and the decode-KV fault, one sitecustomize.py in harness/serve/inject) stack
+with the CPU tuning's sitecustomize.py behind it on PYTHONPATH: a server starts (no recursion between the import
+hooks), each patches the NIXL worker once, and the digest's wrapper is the outer one, so that it sees what the fault
+changed."""
 
 import os
 import subprocess
@@ -9,7 +10,7 @@ import textwrap
 
 import pytest
 
-from harness.serve.vllm_cmd import FAULTS_DIR, KV_DIGEST_DIR, TUNING_DIR
+from harness.serve.vllm_cmd import INJECT_DIR, TUNING_DIR
 
 WORKER = """
 class NixlBaseConnectorWorker:
@@ -35,6 +36,7 @@ import pd_kv_digest
 print("calls", m.NixlBaseConnectorWorker.calls)
 print("digest saw the worker", pd_kv_digest._STATE.get("worker") is w)
 print("fault kept caches", hasattr(w, "_pd_fault_caches"))
+print("digest outermost", "pd_kv_digest" in m.NixlBaseConnectorWorker.register_kv_caches.__code__.co_filename)
 """
 
 
@@ -64,7 +66,7 @@ def test_digest_fault_and_tuning_hooks_stack(tmp_path, worker, probe):
     pkg.with_suffix(".py").write_text(textwrap.dedent(worker))
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(KV_DIGEST_DIR), str(FAULTS_DIR), str(TUNING_DIR), str(tmp_path / "fake")]),
+        "PYTHONPATH": os.pathsep.join([str(INJECT_DIR), str(TUNING_DIR), str(tmp_path / "fake")]),
         "PD_HARNESS_KV_DIGEST": str(tmp_path / "digest"),
         "PD_HARNESS_KV_DIGEST_SIDE": "decode",
         "PD_HARNESS_FAULT_KV_SCALE": "1.5",
@@ -74,5 +76,6 @@ def test_digest_fault_and_tuning_hooks_stack(tmp_path, worker, probe):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "calls ['register', 'inner']" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "digest saw the worker True" in out.stdout and "fault kept caches True" in out.stdout
+    assert "digest outermost True" in out.stdout
     assert out.stderr.count("[pd-harness fault] armed") == 1, out.stderr[-2000:]
     assert not list((tmp_path / "digest").glob("unavailable*")), "the digest hook armed on this worker"

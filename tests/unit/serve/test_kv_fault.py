@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-FAULTS = Path(__file__).resolve().parents[3] / "harness" / "serve" / "faults" / "sitecustomize.py"
+INJECT = Path(__file__).resolve().parents[3] / "harness" / "serve" / "inject"
+FAULTS = INJECT / "pd_kv_fault.py"
+SITE = INJECT / "sitecustomize.py"
 
 
 @dataclass
@@ -76,10 +78,11 @@ def test_received_blocks_of_the_first_layer_are_scaled_and_logged(fault, capsys)
 
 
 def test_it_does_nothing_without_its_variable(monkeypatch, tmp_path):
-    monkeypatch.delenv("PD_HARNESS_FAULT_KV_SCALE", raising=False)
-    monkeypatch.setattr(sys, "path", [str(FAULTS.parent), str(tmp_path)])
+    for name in ("PD_HARNESS_FAULT_KV_SCALE", "PD_HARNESS_FAULT_SWAP_HEADS", "PD_HARNESS_KV_DIGEST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "path", [str(INJECT), str(tmp_path)])
     before = list(sys.meta_path)
-    spec = importlib.util.spec_from_file_location("pd_fault_off", FAULTS)
+    spec = importlib.util.spec_from_file_location("pd_fault_off", SITE)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     assert sys.meta_path == before
 
@@ -88,8 +91,8 @@ def test_it_chains_to_the_next_sitecustomize(monkeypatch, tmp_path):
     (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['PD_CHAINED'] = 'yes'\n")
     monkeypatch.delenv("PD_HARNESS_FAULT_KV_SCALE", raising=False)
     monkeypatch.delenv("PD_CHAINED", raising=False)
-    monkeypatch.setattr(sys, "path", [str(FAULTS.parent), str(tmp_path)])
-    spec = importlib.util.spec_from_file_location("pd_fault_chain", FAULTS)
+    monkeypatch.setattr(sys, "path", [str(INJECT), str(tmp_path)])
+    spec = importlib.util.spec_from_file_location("pd_fault_chain", SITE)
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     import os
 
