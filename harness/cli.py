@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from harness.accuracy.settings import AccuracySettings
-from harness.core.argtypes import non_negative_int, positive_int
+from harness.core.argtypes import non_negative_int, positive, positive_int
 from harness.core.errors import ConfigError
 from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import requested_versions
@@ -119,6 +119,13 @@ def _e2e_where_args(e: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-url", help="attach mode: comma-separated URLs of decode servers started elsewhere")
     g.add_argument(
         "--baseline-url", help="attach mode: a non-disaggregated server started elsewhere (default: launch one here)"
+    )
+    g.add_argument(
+        "--health-grace",
+        type=positive(float),
+        metavar="SECONDS",
+        help="attach mode: an attached server that answers no /health for this long is dead; until then it is "
+        "unresponsive, and the run goes on (default: 30)",
     )
 
 
@@ -288,8 +295,7 @@ def config_from_args(
             raise ConfigError("e2e runs one vLLM version at a time")
     tuning = CpuTuning(enabled=not a.no_cpu_tuning, progress_thread_delay_us=a.nixl_progress_delay_us)
     cfg = E2EConfig(
-        tp_p=pick("tp_p", 1),
-        tp_d=pick("tp_d", 1),
+        **_tp_and_health(a, attached, pick),
         model=model,
         device=device,
         block_size_p=pick("block_size_p"),
@@ -339,6 +345,20 @@ def config_from_args(
         except EnvSetupFailed as e:
             raise ConfigError(str(e)) from None
     return cfg
+
+
+def _tp_and_health(a: argparse.Namespace, attached: AttachSettings | None, pick) -> dict:
+    """TP sizes and the health grace. Attach mode: the TP sizes given or served, and a default standing in for one
+    that is not known (``tp_unknown``, never shown as a fact)."""
+    grace = getattr(a, "health_grace", None)
+    if grace is not None and attached is None:
+        raise ConfigError("--health-grace is for attach mode (--prefill-url/--decode-url)")
+    out: dict = {"tp_p": pick("tp_p", 1), "tp_d": pick("tp_d", 1)}
+    if attached is not None:
+        out.update(tp_p=attached.tp_p or out["tp_p"], tp_d=attached.tp_d or out["tp_d"], tp_unknown=attached.tp_unknown)
+    if grace is not None:
+        out["health_grace_s"] = grace
+    return out
 
 
 def _accuracy(a: argparse.Namespace) -> AccuracySettings | None:
@@ -407,12 +427,20 @@ def attach_config(a: argparse.Namespace, attach, env=None):
     """Attach mode: (config, attach) from the flags and what the attached servers said (``attach.served``, from
     ``read_attached``): the model D serves unless --model, the device, dtype and max_model_len as they serve them
     (``attach_settings``); a baseline launched here that this machine cannot run is refused. ConfigError."""
+    import os
     from dataclasses import replace
 
-    from harness.run.config import attach_settings
+    from harness.run.config import UPSTREAM_ENV, attach_settings
 
+    defaults = env_defaults(os.environ if env is None else env)
+    given: dict[str, tuple[int, str]] = {}  # the TP sizes the user gave, with the flag or variable that gave each
+    for name, flag in (("tp_p", "--tp-p"), ("tp_d", "--tp-d")):
+        if getattr(a, name) is not None:
+            given[name] = (getattr(a, name), flag)
+        elif name in defaults:
+            given[name] = (int(str(defaults[name])), f"${UPSTREAM_ENV[name]}")
     # this host's default device counts only where every attached server runs on this host (attach_settings)
-    settings = attach_settings(attach, a.model, a.device, a.dtype, a.max_model_len, default_device)
+    settings = attach_settings(attach, a.model, a.device, a.dtype, a.max_model_len, default_device, given)
     return config_from_args(a, env, preflight=True, attached=settings), replace(attach, sources=settings.sources)
 
 

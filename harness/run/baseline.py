@@ -288,7 +288,7 @@ def _launched(ctx: RunContext, base: Server, t0: float) -> BaselineResult:
 
 def _attached(ctx: RunContext, url: str, t0: float) -> BaselineResult:
     """A baseline server started elsewhere: the same requests (and lm-eval run), nothing launched."""
-    base = AttachedServers([], [url])
+    base = AttachedServers([], [url], health_grace_s=ctx.cfg.health_grace_s)
     base.start(contextlib.ExitStack())
     result = BaselineResult(run_completions(url, ctx.served_name, ctx.prompts, ctx.gen, "baseline-"))
     ctx.timed("baseline_requests", t0)

@@ -15,11 +15,12 @@ from harness.core.paths import RUNS_ROOT
 from harness.hosts.faults import NEEDS_HOLD, NET_FAULTS
 from harness.hosts.placement import RunHosts
 from harness.serve.axes import ServerAxes
-from harness.serve.servers import Attach, Served
+from harness.serve.servers import ATTACHED_HEALTH_GRACE_S, Attach, Served
 from harness.serve.vllm_cmd import CpuTuning
 from harness.workload.load import LoadSettings
 from harness.workload.prompts import prompt_set
 
+TP_UNKNOWN = "unknown (not served)"  # attach mode: a TP size neither served nor given
 VLLM_DEFAULT_BLOCK_SIZE = 16  # what vLLM uses where no block size is given (GPU)
 # |Δ logprob| of a chosen token between P/D and the baseline that noise cannot explain (docs/load.md: how measured).
 LOGPROB_THRESHOLD = {"cpu": 1e-3, "gpu": 1.5}
@@ -85,17 +86,22 @@ class E2EConfig:
         None  # fault injection: D scales the received KV of one layer by this (the run must fail)
     )
     decode_swap_heads: bool = False  # fault injection: D swaps the first two KV heads it received (the run must fail)
-    kv_digest: bool = True  # P and D digest their KV (harness/serve/kvdigest/); the check kv_digest_match
+    kv_digest: bool = True  # P and D digest their KV (harness/serve/inject/); the check kv_digest_match
     axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
     prompt_ids: tuple[str, ...] | None = None  # only these of the sequential prompts (None: all; a shrink narrows it)
     hosts: RunHosts = field(default_factory=RunHosts)  # the host of P, D, the proxy and the baseline (default: here)
     net_fault: str = "none"  # a network fault between hosts (harness/hosts/faults.py): "p-link-down"
+    # attach mode: "tp_p"/"tp_d" whose TP neither the servers said nor a flag gave (the int above is then a default,
+    # which the report never shows as a fact)
+    tp_unknown: tuple[str, ...] = ()
+    health_grace_s: float = ATTACHED_HEALTH_GRACE_S  # attach mode: silence on /health for this long is a death
 
     def validate(self) -> None:
         for name in ("tp_p", "tp_d"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        self._validate_attach()
         if self.device not in ("cpu", "gpu"):
             raise ConfigError(f"device must be cpu or gpu, got {self.device!r}")
         for name in ("block_size_p", "block_size_d"):
@@ -152,6 +158,12 @@ class E2EConfig:
                 f"in {self.model_len} tokens"
             )
 
+    def _validate_attach(self) -> None:
+        if set(self.tp_unknown) - {"tp_p", "tp_d"}:
+            raise ConfigError(f"tp_unknown names tp_p or tp_d, got {self.tp_unknown!r}")
+        if not self.health_grace_s > 0:
+            raise ConfigError(f"health grace must be > 0 seconds, got {self.health_grace_s!r}")
+
     @property
     def logprob_limit(self) -> float:
         if self.logprob_threshold is not None:
@@ -160,6 +172,10 @@ class E2EConfig:
         if (self.axes.kv_cache_dtype or "").startswith("fp8"):
             limit = max(limit, FP8_KV_LOGPROB_THRESHOLD)
         return limit
+
+    def tp_label(self, name: str) -> str:
+        """``name``'s (tp_p, tp_d) TP for people: "TP2", or "TP unknown (not served)"."""
+        return tp_text(TP_UNKNOWN if name in self.tp_unknown else getattr(self, name))
 
     @property
     def model_len(self) -> int:
@@ -190,7 +206,14 @@ class E2EConfig:
         d["block_size_p"], d["block_size_d"] = self.block_sizes()
         d["kv_lease_s"] = self.lease_s
         d["hosts"] = self.hosts.to_dict()
+        for name in self.tp_unknown:  # a default is no fact: say that it is not known
+            d[name] = TP_UNKNOWN
         return d
+
+
+def tp_text(value: object) -> str:
+    """A TP size of a report's config for people: "TP2", or "TP unknown (not served)"."""
+    return f"TP{value}" if isinstance(value, int) else f"TP {value}"
 
 
 def env_defaults(env: Mapping[str, str] = os.environ) -> dict[str, object]:
@@ -235,6 +258,12 @@ class AttachSettings:
     max_model_len: int | None  # None: unknown; the device's default
     baseline_here: bool  # no --baseline-url: the harness launches the baseline on this host
     sources: dict[str, str]
+    tp_p: int | None = None  # None: unknown (not served, not given)
+    tp_d: int | None = None
+
+    @property
+    def tp_unknown(self) -> tuple[str, ...]:
+        return tuple(name for name in ("tp_p", "tp_d") if getattr(self, name) is None)
 
 
 def on_this_host(url: str) -> bool:
@@ -272,6 +301,34 @@ def _attach_device(served: Sequence[Served], flag: str | None, host_device: Call
     )
 
 
+TP_HINT = "vLLM 0.32.0 names its TP size only at /server_info, served with VLLM_SERVER_DEV_MODE=1"
+TP_ROLES = {"tp_p": ("prefill", "--tp-p"), "tp_d": ("decode", "--tp-d")}
+
+
+def _attach_tp(attach: Attach, name: str, given: tuple[int, str] | None) -> tuple[int | None, str]:
+    """(the TP size of ``name``'s servers, where it came from): a flag or upstream's variable (``given``: value and
+    its name), else what the servers' /server_info said, else None: unknown. A given size they contradict, or servers
+    of one role that disagree, are a ConfigError."""
+    role, flag = TP_ROLES[name]
+    urls = {u.rstrip("/") for u in (attach.prefill_urls if role == "prefill" else attach.decode_urls)}
+    served = _one({s.url: str(s.tp) for s in attach.served if s.url in urls and s.tp}, f"{role} TP size")
+    if given is not None:
+        if served is not None and int(served) != given[0]:
+            raise ConfigError(f"{given[1]} {given[0]}, but the attached {role} servers serve TP {served}")
+        return given[0], given[1]
+    if served is not None:
+        return int(served), f"the {role} servers' /server_info"
+    return None, f"{TP_UNKNOWN}: {TP_HINT}; give {flag}"
+
+
+def _baseline_tp_source(attach: Attach, tp_d: int | None, tp_d_src: str) -> str:
+    if attach.baseline_url is not None:
+        return "the attached baseline's own (--baseline-url)"
+    if tp_d is not None:
+        return f"D's TP ({tp_d_src})"
+    return f"a guess: TP 1, since D's TP is {TP_UNKNOWN}; give --tp-d to run the baseline at D's TP"
+
+
 def _attach_model(attach: Attach, flag: str | None) -> tuple[str, str]:
     if flag is not None:
         return flag, "--model"
@@ -283,6 +340,18 @@ def _attach_model(attach: Attach, flag: str | None) -> tuple[str, str]:
     return decode.model, f"{url}/v1/models"
 
 
+def _attach_length(served: Sequence[Served], flag: int | None) -> tuple[int | None, str]:
+    lengths = {s.url: s.max_model_len for s in served if s.max_model_len}
+    served_len = min(lengths.values()) if lengths else None
+    if flag is not None and served_len is not None and flag > served_len:
+        url = min(lengths, key=lambda u: lengths[u])
+        raise ConfigError(f"--max-model-len {flag}, but {url} serves at most {served_len} tokens")
+    length = flag or served_len
+    if flag:
+        return length, "--max-model-len"
+    return length, ("the servers' /v1/models (the smallest)" if length else "unknown: the device's default")
+
+
 def attach_settings(
     attach: Attach,
     model: str | None,
@@ -290,11 +359,15 @@ def attach_settings(
     dtype: str | None,
     max_model_len: int | None,
     host_device: Callable[[], str],
+    given_tp: Mapping[str, tuple[int, str]] | None = None,
 ) -> AttachSettings:
     """The settings of a run against ``attach``'s servers from what each said (``attach.served``) and the flags given
     (None: not given). A flag the servers contradict is a ConfigError; so is a device that cannot be told.
-    ``host_device``: this host's default device, taken only when every attached server runs on this host."""
+    ``host_device``: this host's default device, taken only when every attached server runs on this host.
+    ``given_tp``: "tp_p"/"tp_d" -> (size, the flag or variable that gave it), for those the user gave."""
     served = attach.served
+    tp_p, tp_p_src = _attach_tp(attach, "tp_p", (given_tp or {}).get("tp_p"))
+    tp_d, tp_d_src = _attach_tp(attach, "tp_d", (given_tp or {}).get("tp_d"))
     mod, mod_src = _attach_model(attach, model)
     dev, dev_src = _attach_device(served, device, host_device)
     reported_dtype = _one({s.url: s.dtype for s in served if s.dtype}, "dtype")
@@ -311,22 +384,22 @@ def attach_settings(
             "default; give --dtype to match the servers"
         )
     )
-    lengths = {s.url: s.max_model_len for s in served if s.max_model_len}
-    served_len = min(lengths.values()) if lengths else None
-    if max_model_len is not None and served_len is not None and max_model_len > served_len:
-        url = min(lengths, key=lambda u: lengths[u])
-        raise ConfigError(f"--max-model-len {max_model_len}, but {url} serves at most {served_len} tokens")
-    length = max_model_len or served_len
-    len_src = (
-        "--max-model-len"
-        if max_model_len
-        else ("the servers' /v1/models (the smallest)" if length else "unknown: the device's default")
-    )
+    length, len_src = _attach_length(served, max_model_len)
     return AttachSettings(
         mod,
         dev,
         dt,
         length,
         attach.baseline_url is None,
-        {"model": mod_src, "device": dev_src, "dtype": dt_src, "max_model_len": len_src},
+        {
+            "model": mod_src,
+            "device": dev_src,
+            "dtype": dt_src,
+            "max_model_len": len_src,
+            "tp_p": tp_p_src,
+            "tp_d": tp_d_src,
+            "baseline_tp": _baseline_tp_source(attach, tp_d, tp_d_src),
+        },
+        tp_p,
+        tp_d,
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 from harness.checks.check import failed_checks_reason
 from harness.checks.kv_digest import location_in
+from harness.run.config import tp_text
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
@@ -89,7 +90,8 @@ def href(path: str, base: Path) -> str:
 def render_page(d: dict, run_dir: Path) -> str:
     """report.html of one run. A rendering error still gives a page with the verdict and the error (never no page)."""
     cfg = d.get("config") or {}
-    title = f"P/D run P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')}: {str(d.get('verdict', '?')).upper()}"
+    tps = f"P {tp_text(cfg.get('tp_p'))} -> D {tp_text(cfg.get('tp_d'))}"
+    title = f"P/D run {tps}: {str(d.get('verdict', '?')).upper()}"
     try:
         body = _body(d, run_dir)
     except Exception:
@@ -130,7 +132,7 @@ def _header(d: dict) -> str:
         reason += f'<div class="reason" id="known-upstream">{esc(d["known_upstream"])}</div>'
     return (
         f'<header class="top {VERDICT_CLASS.get(verdict, "v-fail")}"><div class="inner">'
-        f"<h1>P/D run: P TP{esc(cfg.get('tp_p'))} &rarr; D TP{esc(cfg.get('tp_d'))} "
+        f"<h1>P/D run: P {esc(tp_text(cfg.get('tp_p')))} &rarr; D {esc(tp_text(cfg.get('tp_d')))} "
         f'<span class="badge" id="verdict">{esc(verdict.upper())}</span></h1>{cls}{reason}</div></header>'
     )
 

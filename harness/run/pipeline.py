@@ -16,6 +16,7 @@ from harness.gpu.run import GpuRun
 from harness.hosts.reach import check_reachable
 from harness.models.heads import model_heads
 from harness.run import failures
+from harness.run.attach_report import attach_report
 from harness.run.baseline import BaselineResult, run_baseline
 from harness.run.config import E2EConfig
 from harness.run.context import RunContext
@@ -112,7 +113,7 @@ class PDRun:
                 else phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
             )
             servers = (
-                AttachedServers(self.attach.prefill_urls, self.attach.decode_urls)
+                AttachedServers(self.attach.prefill_urls, self.attach.decode_urls, health_grace_s=cfg.health_grace_s)
                 if self.attach
                 else local_servers(ctx, alloc, (bs_p, bs_d), binds)
             )
@@ -152,7 +153,8 @@ class PDRun:
         """The model, its heads and topology, the GPU plan and the accuracy settings; refuse what cannot run."""
         ctx, cfg = self.ctx, self.cfg
         progress.current().phase(
-            f"run P TP{cfg.tp_p} -> D TP{cfg.tp_d} on {cfg.device}: resolving the model {cfg.model or '(default)'}"
+            f"run P {cfg.tp_label('tp_p')} -> D {cfg.tp_label('tp_d')} on {cfg.device}: "
+            f"resolving the model {cfg.model or '(default)'}"
         )
         if self.attach is not None:
             self._resolve_attached()
@@ -183,7 +185,7 @@ class PDRun:
             if cfg.device == "gpu":
                 ctx.gpu = GpuRun(cfg.tp_p, cfg.tp_d, ctx.model, gpu_memory_utilization=cfg.gpu_memory_utilization)
                 config["gpu_plan"] = ctx.gpu.plan.to_dict()
-        config["attach"] = self.attach.to_dict() if self.attach else None
+        config["attach"] = attach_report(cfg, self.attach) if self.attach else None
         ctx.accuracy = resolve_accuracy(cfg.accuracy, ctx.model, ctx.served_name) if cfg.accuracy is not None else None
         if ctx.accuracy is not None:
             config["accuracy"] = ctx.accuracy.to_dict()

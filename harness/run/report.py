@@ -14,6 +14,8 @@ from harness.checks.kv_digest import location_in
 from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.run import html as run_html
+from harness.run.attach_report import attach_markdown
+from harness.run.config import tp_text
 from harness.upstream.known import load_known
 
 
@@ -104,6 +106,7 @@ def simulated_note(config: dict[str, Any]) -> str | None:
 def render_markdown(d: dict[str, Any]) -> str:
     """report.md: the verdict and why, the checks, then each section the run has, then its configuration."""
     lines = _header_markdown(d) + _checks_markdown(d) + _failure_markdown(d.get("failure"))
+    lines += attach_markdown((d.get("config") or {}).get("attach"), d.get("config") or {})
     lines += _accuracy_markdown(d.get("accuracy"))
     lines += load_markdown(d.get("load"))
     lines += prefix_markdown(d.get("prefix_cache"))
@@ -115,7 +118,7 @@ def render_markdown(d: dict[str, Any]) -> str:
 def _header_markdown(d: dict[str, Any]) -> list[str]:
     cfg = d.get("config", {})
     lines = [
-        f"# P/D run: P TP{cfg.get('tp_p')} -> D TP{cfg.get('tp_d')} — **{d['verdict'].upper()}**",
+        f"# P/D run: P {tp_text(cfg.get('tp_p'))} -> D {tp_text(cfg.get('tp_d'))} — **{d['verdict'].upper()}**",
         "",
     ]
     if d.get("simulated"):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime
 from typing import Protocol
 
 import psutil
@@ -81,11 +83,14 @@ class LocalServers:
         return list(self._procs.values())
 
     def start(self, stack: contextlib.ExitStack) -> dict[str, float]:
-        if not self.stagger:
-            return start_all(self.processes, stack, self.ready_timeout_s)
         ready: dict[str, float] = {}
-        for p in self.processes:
-            ready.update(start_all([p], stack, self.ready_timeout_s))
+        if not self.stagger:
+            ready = start_all(self.processes, stack, self.ready_timeout_s)
+        else:
+            for p in self.processes:
+                ready.update(start_all([p], stack, self.ready_timeout_s))
+        if self._watch is not None:  # every server answered just now: their silence counts from here
+            self._watch.arm()
         return ready
 
     def check(self, force: bool = False) -> None:
@@ -93,10 +98,10 @@ class LocalServers:
             p.check()
         gone = self._watch.probe(force) if self._watch is not None else None
         if gone is not None:
-            proc = self._procs[gone.name]
+            proc = self._procs[gone.endpoint.name]
             raise ServerUnreachable(
-                gone.name,
-                f"{gone.url} stopped answering /health over the network while its process runs",
+                gone.endpoint.name,
+                f"{gone.describe()} (over the network, while its process runs)",
                 None,
                 proc.spec.log_path,
                 proc.log_text()[-2000:],
@@ -143,33 +148,107 @@ class LocalServers:
         return out
 
 
+# How long a server may answer no /health before it counts as gone: attached servers (generous: a live server on a
+# loaded box answers late, and a death no one saw must not be stated), and servers launched here on another host
+# (their process is watched too; the network is what this watch is for).
+ATTACHED_HEALTH_GRACE_S = 30.0
+NETWORK_HEALTH_GRACE_S = 4.0
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.0f}" if s >= 10 else f"{s:.1f}"
+
+
+@dataclass(frozen=True)
+class Silence:
+    """An endpoint that answered no /health for ``silent_s`` >= ``grace_s``; ``last_answer``: wall time of its last
+    answer (or of the moment it was found ready)."""
+
+    endpoint: Endpoint
+    silent_s: float
+    last_answer: float
+    grace_s: float
+
+    def describe(self) -> str:
+        at = datetime.fromtimestamp(self.last_answer).strftime("%Y-%m-%d %H:%M:%S")
+        return (
+            f"{self.endpoint.url} stopped answering /health: no answer to /health for {_seconds(self.silent_s)} s "
+            f"(grace {_seconds(self.grace_s)} s); last answer at {at}"
+        )
+
+
+@dataclass
+class _Health:
+    """One endpoint's /health as the watch saw it (monotonic times, and the wall time of the last answer)."""
+
+    last_ok: float
+    last_ok_wall: float
+    last_probe: float = float("-inf")
+    probing: bool = False
+
+
 class HealthWatch:
-    """Liveness over the network: a server that stops answering /health MISSES times in a row is gone, whatever its
-    process does (one slow answer is no death)."""
+    """Liveness over the network: a server is unresponsive, not dead, until it has answered no /health for
+    ``grace_s``. Each probe runs in a thread of its own with the grace as its timeout, so a slow answer still counts
+    when it comes and a slow server never stalls the watch (nor the watch of the other servers)."""
 
-    MISSES = 2
-
-    def __init__(self, endpoints: Sequence[Endpoint], probe_every_s: float = 1.0):
+    def __init__(
+        self, endpoints: Sequence[Endpoint], probe_every_s: float = 1.0, grace_s: float = NETWORK_HEALTH_GRACE_S
+    ):
         self.endpoints = list(endpoints)
         self.probe_every_s = probe_every_s
-        self._misses: dict[str, int] = {}
-        self._last_probe = 0.0
+        self.grace_s = grace_s
+        self._lock = threading.Lock()
+        self._state: dict[str, _Health] = {}
 
-    def probe(self, force: bool = False) -> Endpoint | None:
-        """At most once per ``probe_every_s`` (``force``: now, as often as it takes to decide): the first endpoint
-        found gone, or None."""
+    def arm(self) -> None:
+        """Every endpoint answered just now (it is ready): its silence counts from here."""
+        now, wall = time.monotonic(), time.time()
+        with self._lock:
+            self._state = {ep.name: _Health(now, wall) for ep in self.endpoints}
+
+    def probe(self, force: bool = False) -> Silence | None:
+        """Ask each endpoint's /health at most once per ``probe_every_s`` (without waiting for the answers) and return
+        the first endpoint silent for the grace, or None. ``force``: ask now, and wait until each has answered since,
+        or one has been silent for the grace."""
+        if not self._state:
+            self.arm()
+        asked = time.monotonic()
+        self._ask(0.0 if force else self.probe_every_s)
+        while True:
+            gone = self._silent()
+            if gone is not None or not force:
+                return gone
+            with self._lock:
+                if all(h.last_ok >= asked for h in self._state.values()):
+                    return None
+            time.sleep(0.05)
+            self._ask(min(self.probe_every_s, 0.3))
+
+    def _ask(self, every_s: float) -> None:
         now = time.monotonic()
-        if not force and now - self._last_probe < self.probe_every_s:
-            return None
-        self._last_probe = now
-        for _ in range(self.MISSES if force else 1):
+        for ep in self.endpoints:
+            with self._lock:
+                h = self._state[ep.name]
+                if h.probing or now - h.last_probe < every_s:
+                    continue
+                h.probing, h.last_probe = True, now
+            threading.Thread(target=self._answer, args=(ep, h), name=f"health-{ep.name}", daemon=True).start()
+
+    def _answer(self, ep: Endpoint, h: _Health) -> None:
+        ok = http_ok(f"{ep.url}/health", timeout=self.grace_s)
+        with self._lock:
+            h.probing = False
+            if ok:
+                h.last_ok, h.last_ok_wall = time.monotonic(), time.time()
+
+    def _silent(self) -> Silence | None:
+        now = time.monotonic()
+        with self._lock:
             for ep in self.endpoints:
-                self._misses[ep.name] = 0 if http_ok(f"{ep.url}/health") else self._misses.get(ep.name, 0) + 1
-                if self._misses[ep.name] >= self.MISSES:
-                    return ep
-            if not force or not any(self._misses.values()):
-                return None
-            time.sleep(0.3)
+                h = self._state[ep.name]
+                if now - h.last_ok >= self.grace_s:
+                    return Silence(ep, now - h.last_ok, h.last_ok_wall, self.grace_s)
         return None
 
 
@@ -188,11 +267,12 @@ class AttachedServers:
         decode_urls: Sequence[str],
         ready_timeout_s: float = 60.0,
         probe_every_s: float = 1.0,
+        health_grace_s: float = ATTACHED_HEALTH_GRACE_S,
     ):
         self.prefill = endpoints("prefill", prefill_urls)
         self.decode = endpoints("decode", decode_urls)
         self.ready_timeout_s = ready_timeout_s
-        self._watch = HealthWatch(self.all, probe_every_s)
+        self._watch = HealthWatch(self.all, probe_every_s, health_grace_s)
 
     @property
     def all(self) -> list[Endpoint]:
@@ -211,13 +291,15 @@ class AttachedServers:
                 )
             if pending:
                 time.sleep(0.2)
+        self._watch.arm()
         return {}
 
     def check(self, force: bool = False) -> None:
-        """Probe /health at most once per ``probe_every_s``; ``force`` probes now, as often as it takes to decide."""
+        """Probe /health at most once per ``probe_every_s``; ``force`` probes now and waits until it can decide. A
+        server silent for less than the grace is unresponsive, not dead: no failure."""
         gone = self._watch.probe(force)
         if gone is not None:
-            raise ProcessFailed(gone.name, f"{gone.url} stopped answering /health", None, None, "", after_ready=True)
+            raise ProcessFailed(gone.endpoint.name, gone.describe(), None, None, "", after_ready=True)
 
     def logs(self) -> dict[str, str]:
         return {}
@@ -281,6 +363,7 @@ class Served:
     dtype: str | None = None  # the model's dtype (bfloat16, float32, ...), from /server_info
     cache: Mapping[str, str] = field(default_factory=dict)  # the labels of vllm:cache_config_info
     unread: tuple[str, ...] = ()  # what could not be read, one line each
+    tp: int | None = None  # tensor_parallel_size, from /server_info (vLLM 0.32.0 serves it nowhere else)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "cache": dict(self.cache), "unread": list(self.unread)}
@@ -350,6 +433,22 @@ def server_info_facts(info: dict) -> tuple[str | None, str | None]:
     return (_DEVICES.get(device, device) if device else None), dtype
 
 
+_TEXT_TP = re.compile(r"\btensor_parallel_size=(\d+)")
+
+
+def server_info_tp(info: dict) -> int | None:
+    """The tensor-parallel size in vLLM's /server_info answer (config_format json, or text), None where it is not."""
+    cfg = info.get("vllm_config")
+    if isinstance(cfg, dict):
+        tp = (cfg.get("parallel_config") or {}).get("tensor_parallel_size")
+    elif isinstance(cfg, str):
+        m = _TEXT_TP.search(cfg)
+        tp = int(m.group(1)) if m else None
+    else:
+        return None
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else None
+
+
 def cache_config_labels(samples: list[Sample]) -> dict[str, str]:
     for s in samples:
         if s.name == "vllm:cache_config_info":
@@ -373,14 +472,17 @@ def read_served(url: str, timeout_s: float = 10.0) -> Served:
         cache = cache_config_labels(parse_metrics(r.text))
     except (requests.RequestException, ValueError) as e:
         unread.append(f"GET {url}/metrics: {type(e).__name__}: {e}")
-    device = dtype = None
+    device = dtype = tp = None
     try:
-        device, dtype = server_info_facts(read_json(f"{url}/server_info?config_format=json", url, timeout_s))
+        info = read_json(f"{url}/server_info?config_format=json", url, timeout_s)
+        device, dtype = server_info_facts(info)
+        tp = server_info_tp(info)
     except MetricsUnavailable as e:
         unread.append(e.detail)
     root = card.get("root") or card.get("id")
     name = str(card["id"]) if card.get("id") else None
-    return Served(url, str(root) if root else None, name, card_max_model_len(card), device, dtype, cache, tuple(unread))
+    length = card_max_model_len(card)
+    return Served(url, str(root) if root else None, name, length, device, dtype, cache, tuple(unread), tp)
 
 
 def read_attached(attach: Attach, timeout_s: float = 10.0) -> Attach:

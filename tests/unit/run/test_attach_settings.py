@@ -4,6 +4,7 @@ dtype and, on GPU, a placement (issue 23, item 6). The servers are stand-ins ove
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,6 +14,8 @@ import pytest
 from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.run.config import LOGPROB_THRESHOLD, E2EConfig, attach_settings
+from harness.run.pipeline import PDRun as RealPDRun
+from harness.serve.axes import ServerAxes
 from harness.serve.servers import Attach, Served, read_attached, read_served, server_info_facts
 from tests.unit.gpu.fake_nvml import FakeNvml, gpus
 
@@ -26,10 +29,11 @@ class StandIn:
     (VLLM_SERVER_DEV_MODE=1), with ``device`` as vLLM names it (cuda, cpu) and the model ``dtype``."""
 
     def __init__(self, root: str = TINYLLAMA, max_model_len: int = 4096, dev_mode: bool = False, device: str = "cuda",
-                 dtype: str = "torch.bfloat16"):
+                 dtype: str = "torch.bfloat16", cache: str = CACHE_INFO, tp: int = 1):
         info = {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": max_model_len},
-                                "device_config": {"device": device}}}
-        routes = {"/health": b"", "/metrics": CACHE_INFO.encode(),
+                                "device_config": {"device": device},
+                                "parallel_config": {"tensor_parallel_size": tp}}}
+        routes = {"/health": b"", "/metrics": cache.encode(),
                   "/v1/models": json.dumps({"data": [{"id": "served", "root": root,
                                                        "max_model_len": max_model_len}]}).encode()}
         if dev_mode:
@@ -221,3 +225,119 @@ def test_a_local_baseline_takes_a_gpu_a_colocated_pair_could_not_share():
     with pytest.raises(ConfigError, match=r"the baseline runs here .*no GPU placement for the baseline at TP1: "
                                           r"baseline0 \(TP 1\) needs"):
         attached_baseline_gpu(cfg, TINYLLAMA, nvml=FakeNvml([gpus(1, total_gib=6.0, free_gib=5.8)]))
+
+
+# -- what attach mode knows of TP and the servers' cache settings, or says it does not (issue 37) ----------------------
+UPSTREAM_CACHE = ('vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+                  'num_gpu_blocks="900"} 1.0\n')  # vLLM's own defaults on CPU, as upstream's scripts start a pair
+
+
+def test_a_tp_neither_served_nor_given_is_unknown_in_the_progress_line_and_the_report(stand_in, remote, captured,
+                                                                                        tmp_path):
+    from harness.core import progress
+    from harness.run.pipeline import PDRun as FakeRun
+    from harness.run.report import write_report
+
+    got, Stop = captured
+    p, d = stand_in(cache=UPSTREAM_CACHE), stand_in(cache=UPSTREAM_CACHE)
+    with pytest.raises(Stop):
+        main(attach_argv(p, d, "--device", "cpu", "--dtype", "float32", "--run-dir", str(tmp_path / "run")))
+    cfg, attach = got["cfg"], got["attach"]
+    assert cfg.tp_unknown == ("tp_p", "tp_d") and cfg.to_dict()["tp_d"] == "unknown (not served)"
+    assert attach.sources["tp_d"].startswith("unknown (not served)") and "--tp-d" in attach.sources["tp_d"]
+    assert attach.sources["baseline_tp"].startswith("a guess: TP 1")
+    assert FakeRun is not RealPDRun
+    out = io.StringIO()
+    old = progress.use(progress.Progress(out, tty=False, ticker=False))
+    try:
+        run = RealPDRun(cfg, attach=attach)
+        run._resolve()
+    finally:
+        progress.use(old)
+    assert "run P TP unknown (not served) -> D TP unknown (not served) on cpu" in out.getvalue()
+    d = write_report(run.report, run.run_dir)
+    assert (d["config"]["tp_p"], d["config"]["tp_d"]) == ("unknown (not served)", "unknown (not served)")
+    assert {x["setting"]: x for x in d["config"]["attach"]["differences"]} == {
+        "block size": {"setting": "block size", "baseline": "32", "servers": {"prefill": "128", "decode": "128"}},
+        "prefix caching": {"setting": "prefix caching", "baseline": "off", "servers": {"prefill": "on", "decode": "on"}},
+    }
+    md = (run.run_dir / "report.md").read_text()
+    assert "# P/D run: P TP unknown (not served) -> D TP unknown (not served)" in md and "TP1" not in md
+    assert "- block size: the baseline 32; prefill 128, decode 128" in md
+    assert "- prefix caching: the baseline off; prefill on, decode on" in md
+    assert "- the baseline's TP: a guess: TP 1, since D's TP is unknown (not served)" in md
+
+
+def test_a_tp_given_by_flag_or_upstream_variable_is_known_and_named(stand_in, remote, captured, monkeypatch):
+    got, Stop = captured
+    p, d, b = stand_in(), stand_in(), stand_in()
+    with pytest.raises(Stop):
+        main(attach_argv(p, d, "--baseline-url", b, "--device", "cpu", "--tp-p", "1", "--tp-d", "2"))
+    cfg, attach = got["cfg"], got["attach"]
+    assert (cfg.tp_p, cfg.tp_d, cfg.tp_unknown, cfg.tp_label("tp_d")) == (1, 2, (), "TP2")
+    assert (attach.sources["tp_p"], attach.sources["tp_d"]) == ("--tp-p", "--tp-d")
+    monkeypatch.setenv("DECODER_TP_SIZE", "2")
+    with pytest.raises(Stop):
+        main(attach_argv(p, d, "--baseline-url", b, "--device", "cpu"))
+    cfg, attach = got["cfg"], got["attach"]
+    assert (cfg.tp_d, cfg.tp_unknown, attach.sources["tp_d"]) == (2, ("tp_p",), "$DECODER_TP_SIZE")
+    assert cfg.to_dict()["tp_p"] == "unknown (not served)" and cfg.to_dict()["tp_d"] == 2
+
+
+def test_a_tp_served_at_server_info_is_read_and_a_contradicting_flag_refused(stand_in, remote, captured, capsys):
+    got, Stop = captured
+    p, d = stand_in(dev_mode=True, tp=1), stand_in(dev_mode=True, tp=2)
+    b = stand_in(dev_mode=True, tp=2)
+    with pytest.raises(Stop):
+        main(attach_argv(p, d, "--baseline-url", b))
+    cfg, attach = got["cfg"], got["attach"]
+    assert (cfg.tp_p, cfg.tp_d, cfg.tp_unknown) == (1, 2, ())
+    assert attach.sources["tp_d"] == "the decode servers' /server_info" and attach.served[1].tp == 2
+    assert main(attach_argv(p, d, "--baseline-url", b, "--tp-d", "1")) == 2
+    assert "--tp-d 1, but the attached decode servers serve TP 2" in capsys.readouterr().err
+
+
+def test_every_setting_the_baseline_and_the_attached_servers_differ_in_is_listed():
+    from harness.run.attach_report import attach_report
+
+    upstream = {"block_size": "128", "enable_prefix_caching": "True", "cache_dtype": "auto"}
+    served = (Served("http://p:1", "m", cache=upstream), Served("http://d:2", "m", cache=upstream),
+              Served("http://d:3", "m", unread=("GET http://d:3/metrics: ConnectionError",)))
+    attach = Attach(("http://p:1",), ("http://d:2", "http://d:3"), None, served)
+    cfg = E2EConfig(tp_p=1, tp_d=2, device="cpu")  # TP given; the baseline launched here at D's TP, block size 32
+    report = attach_report(cfg, attach)
+    assert report["differences"] == [
+        {"setting": "block size", "baseline": "32", "servers": {"prefill": "128", "decode[0]": "128"}},
+        {"setting": "prefix caching", "baseline": "off", "servers": {"prefill": "on", "decode[0]": "on"}},
+        {"setting": "TP", "baseline": "2", "servers": {"prefill": "1"}},
+    ]
+    assert report["not_compared"] == [
+        "block size of decode[1]: its /metrics was not read",
+        "prefix caching of decode[1]: its /metrics was not read",
+        "KV cache dtype of decode[1]: its /metrics was not read",
+    ]
+    # TP unknown: no TP is compared, and the baseline's own is named a guess; an fp8 baseline differs in KV dtype
+    cfg = E2EConfig(device="cpu", tp_unknown=("tp_p", "tp_d"), axes=ServerAxes(kv_cache_dtype="fp8"))
+    report = attach_report(cfg, Attach(("http://p:1",), ("http://d:2",), None, served[:2]))
+    assert [x["setting"] for x in report["differences"]] == ["block size", "prefix caching", "KV cache dtype"]
+    assert report["not_compared"] == ["TP of the baseline: the baseline runs at TP 1, a guess: D's TP is unknown "
+                                      "(not served)"]
+
+
+def test_the_health_grace_is_a_positive_number_of_seconds_for_attach_mode(stand_in, remote, captured, capsys, tmp_path):
+    got, Stop = captured
+    p, d, b = stand_in(), stand_in(), stand_in()
+    with pytest.raises(Stop):
+        main(attach_argv(p, d, "--baseline-url", b, "--device", "cpu"))
+    assert got["cfg"].health_grace_s == 30.0  # generous by default
+    with pytest.raises(Stop):
+        main(attach_argv(p, d, "--baseline-url", b, "--device", "cpu", "--health-grace", "45"))
+    assert got["cfg"].health_grace_s == 45.0
+    for bad in ("0", "-3", "soon"):
+        with pytest.raises(SystemExit) as e:
+            main(attach_argv(p, d, "--baseline-url", b, "--device", "cpu", "--health-grace", bad))
+        assert e.value.code == 2 and "--health-grace" in capsys.readouterr().err
+    assert main(["e2e", "--health-grace", "5", "--run-dir", str(tmp_path / "run")]) == 2
+    assert "--health-grace is for attach mode" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    with pytest.raises(ConfigError, match="health grace must be > 0"):
+        E2EConfig(health_grace_s=float("nan")).validate()

@@ -1,7 +1,9 @@
 """The two server-set providers' liveness and /metrics paths, against small in-process HTTP servers."""
 
 import contextlib
+import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -69,24 +71,95 @@ def test_attached_server_not_answering_is_named(fake):
     assert e.value.name == "prefill" and not e.value.after_ready and "/health" in e.value.reason
 
 
-def test_one_missed_probe_is_no_death_two_are(fake):
-    s = AttachedServers([], [fake.url], probe_every_s=0)
-    fake.healthy = False
-    s.check()  # first miss: a slow answer is no death
+class SlowHealth:
+    """A server whose /health answers 200 after ``delay_s``; ``silent`` makes it answer nothing (it holds the request
+    until closed). ``asked`` counts the /health requests it got."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s, self.silent, self.asked = delay_s, False, 0
+        self.closing = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                outer.asked += 1
+                if outer.closing.wait(3600 if outer.silent else outer.delay_s):
+                    return  # closing: no answer
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.closing.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def slow():
+    made: list[SlowHealth] = []
+
+    def make(delay_s: float = 0.0) -> SlowHealth:
+        made.append(SlowHealth(delay_s))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_server_slow_on_health_for_less_than_the_grace_is_alive(slow):
+    """Each answer takes 2.2 s (the old watch gave up after two probes of 2 s): unresponsive, not dead."""
+    server = slow()
+    s = AttachedServers([server.url], [], probe_every_s=0.1)  # the default grace, 30 s
+    s.start(contextlib.ExitStack())
+    server.delay_s = 2.2
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        s.check()  # never waits for a slow answer, never fails
+        time.sleep(0.1)
+    s.check(force=True)  # waits for the next answer, which comes
+    assert server.asked >= 3
+
+
+def test_a_server_silent_for_longer_than_the_grace_is_dead_and_the_failure_says_what_was_seen(slow):
+    server = slow()
+    s = AttachedServers([], [server.url], probe_every_s=0.1, health_grace_s=1.0)
+    s.start(contextlib.ExitStack())
+    server.silent = True
+    went_silent = time.monotonic()
     with pytest.raises(ProcessFailed) as e:
-        s.check()
-    assert e.value.name == "decode" and e.value.after_ready and "stopped answering /health" in e.value.reason
+        while time.monotonic() < went_silent + 10:
+            s.check()
+            time.sleep(0.05)
+    assert time.monotonic() - went_silent >= 1.0  # not before the grace
+    assert e.value.name == "decode" and e.value.after_ready
+    assert re.fullmatch(
+        rf"{server.url} stopped answering /health: no answer to /health for \d\.\d s \(grace 1\.0 s\); "
+        r"last answer at \d{4}-\d\d-\d\d \d\d:\d\d:\d\d",
+        e.value.reason,
+    ), e.value.reason
 
 
-def test_forced_check_decides_at_once(fake):
-    s = AttachedServers([], [fake.url], probe_every_s=60)
+def test_forced_check_waits_out_the_grace_then_decides(fake):
+    s = AttachedServers([], [fake.url], probe_every_s=60, health_grace_s=0.5)
+    s.check(force=True)  # answers: alive
     fake.healthy = False
-    with pytest.raises(ProcessFailed):
+    t0 = time.monotonic()
+    with pytest.raises(ProcessFailed) as e:
         s.check(force=True)
+    assert 0.4 <= time.monotonic() - t0 < 5 and "no answer to /health for" in e.value.reason
 
 
 def test_metrics_of_a_dead_server_fail_as_the_death(fake):
-    s = AttachedServers([], [fake.url])
+    s = AttachedServers([], [fake.url], health_grace_s=0.5)
     assert decode_metrics(s)[0].value == 3
     fake.metrics_ok, fake.healthy = False, False
     with pytest.raises(ProcessFailed):
