@@ -118,6 +118,9 @@ def digest_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
     records, unavailable = kv_digest.load(ctx.run_dir / "kv_digest") if why is None else ([], [])
     if why is None and unavailable:
         why = "the hook could not digest on this vLLM: " + "; ".join(unavailable)
+    elif why is None and not records:  # the hook never armed: this vLLM's NIXL worker is not the one it patches
+        vllm = (ctx.report.versions or {}).get("vllm") or "?"
+        why = f"no server wrote a digest record: the hook knows no NIXL worker in vLLM {vllm} to patch"
     if why is not None:
         ctx.report.skipped_checks.append({"name": kv_digest.CHECK_NAME, "reason": why})
         return []

@@ -21,7 +21,7 @@ def run(tmp_path, kv_digest=True, attached=False, records=(), unavailable=None):
     if unavailable:
         (folder / "decode").mkdir(parents=True, exist_ok=True)
         (folder / "decode" / "unavailable-rank0.txt").write_text(unavailable)
-    report = SimpleNamespace(skipped_checks=[])
+    report = SimpleNamespace(skipped_checks=[], versions={"vllm": "0.21.0"})
     ctx = SimpleNamespace(cfg=SimpleNamespace(kv_digest=kv_digest), run_dir=tmp_path, report=report, gpu=None)
     checks = digest_checks(ctx, SimpleNamespace(attached=attached))
     return {c.name: c for c in checks}, {s["name"]: s["reason"] for s in report.skipped_checks}
@@ -41,8 +41,14 @@ def test_a_hook_that_could_not_arm_skips_the_check_with_its_words(tmp_path):
     assert not checks and "reports no finished receives" in skipped["kv_digest_match"]
 
 
-def test_no_records_at_all_fail_rather_than_pass(tmp_path):
+def test_no_record_from_any_server_is_skipped_with_the_version_never_passed(tmp_path):
+    # an older vLLM (0.21: no nixl/base_worker.py) gives the hook nothing to patch, so no server writes a record
     checks, skipped = run(tmp_path)
+    assert not checks and "vLLM 0.21.0" in skipped["kv_digest_match"]
+
+
+def test_records_from_p_only_fail_rather_than_pass(tmp_path):
+    checks, skipped = run(tmp_path, records=[record("prefill", "r", rng_digests(3))])
     assert not checks["kv_digest_match"].passed and not skipped
 
 
