@@ -28,6 +28,7 @@ import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from harness.core.safe import file_stem, under
 from harness.hosts.faults import GO, HELD
 
 log = logging.getLogger("toy_proxy")
@@ -141,14 +142,18 @@ def encode(body: dict) -> bytes:
 
 def hold_until_released(hold_dir: Path, limit_s: float = 60.0) -> Callable[[str], Awaitable[None]]:
     """A between-hops hook: mark the request held (``<id>.held`` in ``hold_dir``) and wait until ``<id>.go`` appears
-    (or ``limit_s`` passes), so whoever injects a fault does so while this request is between its hops."""
+    (or ``limit_s`` passes), so whoever injects a fault does so while this request is between its hops. ``<id>`` is
+    the request id as a safe file name (``file_stem``: a client's ``X-Request-Id`` may hold ``../`` or ``/``), and
+    the files are checked to stay in ``hold_dir``."""
 
     async def hold(request_id: str) -> None:
-        held = hold_dir / f"{request_id}{HELD}"
+        stem = file_stem(request_id)
+        held = under(hold_dir, hold_dir / f"{stem}{HELD}")
+        go = under(hold_dir, hold_dir / f"{stem}{GO}")
         held.touch()
         log.warning("req %s: held between hops for a fault (%s)", request_id, held)
         deadline = time.monotonic() + limit_s
-        while not (hold_dir / f"{request_id}{GO}").exists() and time.monotonic() < deadline:
+        while not go.exists() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
     return hold

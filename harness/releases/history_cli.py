@@ -13,6 +13,7 @@ from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.core.interrupts import catch_interrupts
 from harness.core.paths import RUNS_ROOT
+from harness.core.safe import load_json_object, safe_name, shown
 from harness.releases.history import Cell, Column, HistoryTable, render_markdown, render_png
 
 
@@ -41,32 +42,52 @@ def add_parser(sub) -> None:
     h.add_argument("--run-lock", type=Path, help="hold this file's lock around each run (not installs)")
 
 
-def import_runs(folder: Path, store, by: str) -> int:
-    """Store every judged pair of the matrix reports under ``folder``; returns how many."""
-    n = 0
+def importable_pairs(folder: Path) -> list[tuple[Path, dict]]:
+    """(report, pair) for every judged pair of the matrix reports under ``folder``, all checked before any is stored:
+    a report.json that is not a JSON object, or a pair whose id or vllm_version is not a safe name (they become the
+    results store's folder and file names) or whose fields have another type than a matrix writes, is a ConfigError
+    (one line naming the report and the pair) and nothing is imported."""
+    if not folder.is_dir():
+        raise ConfigError(f"--import-runs {folder}: not a folder")
+    found = []
     for report in sorted(folder.rglob("report.json")):
-        try:
-            d = json.loads(report.read_text())
-        except (OSError, ValueError):
-            continue
-        for p in d.get("pairs") or []:
-            if (
-                p.get("observed")
-                and p.get("vllm_version")
-                and store.put(
-                    p["id"],
-                    p["vllm_version"],
-                    p["observed"],
-                    seconds=0.0,
-                    run_dir=p.get("run_dir"),
-                    detail=p.get("detail") or "",
-                    expected=p.get("expected"),
-                    regime=p.get("regime"),
-                    by=f"{by} (imported from {report})",
-                )
-                is not None
-            ):
-                n += 1
+        pairs = load_json_object(report, "report").get("pairs") or []
+        if not isinstance(pairs, list):
+            raise ConfigError(f"{report}: 'pairs' is not a list")
+        for i, p in enumerate(pairs):
+            if not isinstance(p, dict):
+                raise ConfigError(f"{report}: pairs[{i}] is not a mapping")
+            if not (p.get("observed") and p.get("vllm_version")):
+                continue  # not judged: nothing to store
+            safe_name(p.get("id"), f"{report}: pairs[{i}].id")
+            safe_name(p["vllm_version"], f"{report}: pairs[{i}].vllm_version")
+            for k in ("observed", "detail", "expected", "regime", "run_dir"):
+                if p.get(k) is not None and not isinstance(p[k], str):
+                    raise ConfigError(f"{report}: pairs[{i}].{k} {shown(p[k])} is not a string")
+            found.append((report, p))
+    return found
+
+
+def import_runs(folder: Path, store, by: str, pairs: list[tuple[Path, dict]] | None = None) -> int:
+    """Store every judged pair of the matrix reports under ``folder`` (``pairs``: those already checked by
+    ``importable_pairs``); returns how many. ConfigError, before anything is stored, for a report or pair it refuses."""
+    n = 0
+    for report, p in importable_pairs(folder) if pairs is None else pairs:
+        if (
+            store.put(
+                p["id"],
+                p["vllm_version"],
+                p["observed"],
+                seconds=0.0,
+                run_dir=p.get("run_dir"),
+                detail=p.get("detail") or "",
+                expected=p.get("expected"),
+                regime=p.get("regime"),
+                by=f"{by} (imported from {report})",
+            )
+            is not None
+        ):
+            n += 1
     return n
 
 
@@ -82,6 +103,7 @@ def main(a: argparse.Namespace) -> int:
     try:
         if a.keep_envs is not None and a.keep_envs < 1:
             raise ConfigError("--keep-envs must be >= 1 (the environment in use stays)")
+        imports = importable_pairs(a.import_runs) if a.import_runs else []  # refused in one line before anything runs
         matrix, models = load_matrix(a.config or MATRIX_YAML)
         device = a.device or default_device()
         only = {x.strip() for x in a.only.split(",") if x.strip()} if a.only else None
@@ -106,7 +128,8 @@ def main(a: argparse.Namespace) -> int:
     )
     store = ResultStore()
     if a.import_runs:
-        print(f"history: stored {import_runs(a.import_runs, store, command)} pairs from {a.import_runs}", flush=True)
+        stored = import_runs(a.import_runs, store, command, imports)
+        print(f"history: stored {stored} pairs from {a.import_runs}", flush=True)
     plans = {v: {p.id: p for p in plan(matrix, models, v, device, 10**6, set(ids))} for v in versions}
     first = plans[versions[0]]
     columns = [

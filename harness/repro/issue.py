@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from harness.checks.classify import SIGNATURES
+from harness.core.safe import shell_line
 from harness.run.report import known_upstream_line
 
 
@@ -21,8 +22,11 @@ def model_config(report: dict) -> dict:
         "head_dim": None,
     }
     p = Path(str(cfg.get("resolved_model") or "")) / "config.json"
-    if p.exists():
-        c = json.loads(p.read_text())
+    try:
+        c = json.loads(p.read_text()) if p.is_file() else None
+    except (OSError, ValueError):  # not readable, not UTF-8 or not JSON: the report's heads only
+        c = None
+    if isinstance(c, dict):
         out.update(
             {
                 k: c.get(k)
@@ -57,29 +61,41 @@ def matching_line(report: dict, pattern: str) -> tuple[str, str] | None:
 
 
 def harness_command(report: dict, run_dir: Path) -> str:
-    """The harness command that made the run: the matrix entry when the run is a matrix pair, else e2e."""
+    """The harness command that made the run: the matrix entry when the run is a matrix pair, else e2e. Each word
+    quoted (a maintainer pastes it into a shell; the values come from reports)."""
     cfg = report.get("config") or {}
     version = (report.get("versions") or {}).get("vllm")
     matrix_report = run_dir.parent.parent / "report.json"
-    if matrix_report.exists():
-        try:
-            pairs = json.loads(matrix_report.read_text()).get("pairs") or []
-        except ValueError:
-            pairs = []
-        for p in pairs:
-            if p.get("run_dir") and Path(p["run_dir"]).resolve() == run_dir.resolve():
-                return f"python -m harness matrix --only {p['id']} --vllm-version {p['vllm_version']}"
-    parts = [
-        "python -m harness e2e",
-        f"--tp-p {cfg.get('tp_p')}",
-        f"--tp-d {cfg.get('tp_d')}",
-        f"--device {cfg.get('device')}",
-    ]
+    try:
+        pairs = json.loads(matrix_report.read_text()).get("pairs") or [] if matrix_report.is_file() else []
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or not an object
+        pairs = []
+    for p in pairs if isinstance(pairs, list) else []:
+        if isinstance(p, dict) and isinstance(p.get("run_dir"), str) and p["run_dir"]:
+            try:
+                same = Path(p["run_dir"]).resolve() == run_dir.resolve()
+            except (OSError, ValueError):
+                same = False
+            if same:
+                return shell_line(
+                    [
+                        "python",
+                        "-m",
+                        "harness",
+                        "matrix",
+                        "--only",
+                        p.get("id"),
+                        "--vllm-version",
+                        p.get("vllm_version"),
+                    ]
+                )
+    words = ["python", "-m", "harness", "e2e", "--tp-p", cfg.get("tp_p"), "--tp-d", cfg.get("tp_d")]
+    words += ["--device", cfg.get("device")]
     if cfg.get("model"):
-        parts.append(f"--model {cfg['model']}")
+        words += ["--model", cfg["model"]]
     if version:
-        parts.append(f"--vllm-version {version}")
-    return " ".join(parts)
+        words += ["--vllm-version", version]
+    return shell_line(words)
 
 
 WRONG_ANSWER = {
@@ -111,7 +127,7 @@ def issue_markdown(
         *environment_section(report, locked),
         *model_section(report, dec),
         *topology_section(report),
-        *commands_section(report),
+        *commands_section(pre, dec),
     ]
     if base is not None:
         lines += reference_section(base, replayed or [])
@@ -219,17 +235,17 @@ def topology_section(report: dict) -> list[str]:
     ]
 
 
-def commands_section(report: dict) -> list[str]:
+def commands_section(pre, dec) -> list[str]:
     return [
         "## Commands",
         "",
         "Prefill and decode, exactly as the run started them "
         "(each on 127.0.0.1; `repro.sh` uses the same with its own ports):",
         "",
-        "```bash",
-        report["commands"]["prefill"],
+        "```bash",  # as the run's .shell() wrote them, words quoted again (the report's text is not pasted as is)
+        shell_line(pre.argv, pre.env),
         "",
-        report["commands"]["decode"],
+        shell_line(dec.argv, dec.env),
         "```",
         "",
         "Then one request to the prefill server with `max_tokens: 1` and "
@@ -247,7 +263,7 @@ def reference_section(base, replayed: list[dict]) -> list[str]:
         "command:",
         "",
         "```bash",
-        " ".join(f"{k}={v}" for k, v in sorted(base.env.items())) + " " + " ".join(base.argv),
+        shell_line(base.argv, base.env),
         "```",
         "",
         "The failing request(s) replayed, as the run saw them (prompts sent as token ids to both sides):",

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
+from harness.core.safe import comment, load_json_object
 from harness.repro.replayed import failing, rule_of
 from harness.shrink.search import Probe, Settings, ShrinkResult, shrink
 from harness.workload.prompts import prompt_set
@@ -147,7 +148,14 @@ def main(a: argparse.Namespace) -> int:
         p = Path(a.run_dir) / "report.json"
         if not p.exists():
             raise ConfigError(f"{a.run_dir} holds no report.json (give a run folder, e.g. a matrix pair's folder)")
-        cls, start, carried, bad = start_of(json.loads(p.read_text()))
+        try:
+            cls, start, carried, bad = start_of(load_json_object(p, "report"))
+        except ConfigError:
+            raise
+        except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field of another shape than a run writes
+            raise ConfigError(
+                f"{p}: a field is not what a run writes ({type(e).__name__}: {comment(e, 200)})"
+            ) from None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -192,3 +192,52 @@ def test_a_file_that_cannot_be_read_is_one_line(tmp_path):
     path = tmp_path / "missing.yaml"
     line = one_error_line(harness_cli("matrix", str(path), "--list", "--device", "cpu", "--vllm-version", "0.32.0"))
     assert str(path) in line
+
+
+# ---------------------------------------------------------------- hostile and broken files handed to the harness
+
+BROKEN_REPORTS = {
+    "not JSON": (lambda p: p.write_text("{not json"), "not JSON"),
+    "a JSON list": (lambda p: p.write_text("[1, 2, 3]"), "a JSON list, not an object"),
+    "a folder": (lambda p: p.mkdir(), "a folder"),
+    "binary": (lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe"), "binary"),
+}
+
+
+@pytest.mark.parametrize("cmd", ["repro", "shrink"])
+@pytest.mark.parametrize("case", list(BROKEN_REPORTS))
+def test_a_broken_report_is_one_line(tmp_path, cmd, case):
+    make, said = BROKEN_REPORTS[case]
+    run = tmp_path / "run"
+    run.mkdir()
+    make(run / "report.json")
+    line = one_error_line(harness_cli(cmd, str(run), "--out", str(tmp_path / "out")))
+    assert str(run / "report.json") in line and said in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("text,said", [("[1, 2]", "a JSON list"),
+                                       ('{"pairs": [{"id": "../../x", "vllm_version": "0.32.0", "observed": "ok"}]}',
+                                        "pairs[0].id '../../x' is not a safe name")])
+def test_history_import_of_a_bad_report_is_one_line_and_stores_nothing(tmp_path, text, said):
+    (tmp_path / "runs" / "m").mkdir(parents=True)
+    (tmp_path / "runs" / "m" / "report.json").write_text(text)
+    store = tmp_path / "store"
+    line = one_error_line(harness_cli("history", "--versions", "0.21.0..0.32.0", "--device", "cpu", "--import-runs",
+                                      str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+                                      env={"PD_HARNESS_RESULTS_DIR": str(store)}))
+    assert said in line, line
+    assert not store.exists() and not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
+
+
+def test_topology_on_a_broken_models_yaml_is_one_line(tmp_path, monkeypatch, capsys):
+    """As matrix and plan say it: the file, the line, the problem."""
+    import harness.models.heads as heads
+    from harness.cli import main
+
+    broken = tmp_path / "models.yaml"
+    broken.write_text(MODELS_CASES["broken yaml"][0])
+    monkeypatch.setattr(heads, "load_models", lambda: load_models(broken))
+    assert main(["topology", "--model", "no-such-model-here", "--tp-p", "1", "--tp-d", "2"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0] == f"error: {config_error(load_models, broken, MODELS_CASES['broken yaml'][0])}"

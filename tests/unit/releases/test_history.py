@@ -1,9 +1,13 @@
 """The release history table: Markdown with every cell, where outcomes change, and a PNG heatmap."""
 
 import json
+import re
 
+import pytest
+
+from harness.core.errors import ConfigError
 from harness.releases.history import Cell, Column, HistoryTable, colour, render_markdown, render_png
-from harness.releases.history_cli import import_runs
+from harness.releases.history_cli import import_runs, importable_pairs
 from harness.releases.store import ResultStore
 
 VERSIONS = ["0.21.0", "0.22.0", "0.24.0", "0.27.0", "0.32.0"]
@@ -76,3 +80,35 @@ def test_each_failure_seen_says_what_upstream_knows_of_it():
     assert "- tiny-k1-p1-d2 assert-45330 (0.21.0, 0.22.0): known upstream: #45330 (closed)" in md
     assert "- tiny-k1-p2-d2 server-exited (0.24.0): known upstream: #47816 (closed" in md
     assert "- tiny-k1-p1-d2 kv-lease-expired (0.32.0): no known upstream report as of 2026-12-05" in md
+
+
+PAIR = {"id": "tinyllama-p2-d8", "vllm_version": "0.32.0", "observed": "ok", "expected": "ok", "regime": "B",
+        "run_dir": "/r"}
+
+
+@pytest.mark.parametrize("bad", [{"id": "../../../escaped"}, {"vllm_version": "../../x"}, {"id": "/tmp/abs"},
+                                 {"vllm_version": "0.32.0/../../y"}, {"id": None}, {"observed": ["ok"]},
+                                 {"detail": {"a": 1}}])
+def test_an_imported_pair_that_would_leave_the_store_is_refused_and_nothing_is_stored(tmp_path, bad):
+    """All or nothing: one line naming the report and the pair, before any pair of the folder is stored."""
+    report = tmp_path / "nightly" / "report.json"
+    report.parent.mkdir()
+    report.write_text(json.dumps({"pairs": [PAIR, {**PAIR, "id": "second", **bad}]}))
+    store = ResultStore(tmp_path / "store", revision="r1")
+    with pytest.raises(ConfigError) as e:
+        import_runs(tmp_path / "nightly", store, "nightly")
+    assert "\n" not in str(e.value) and str(report) in str(e.value) and "pairs[1]" in str(e.value)
+    assert not (tmp_path / "store").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["nightly"]
+
+
+@pytest.mark.parametrize("text,said", [("[1, 2]", "a JSON list"), ("not json", "not JSON"),
+                                       ('{"pairs": 3}', "not a list"), ('{"pairs": [3]}', "pairs[0] is not a mapping")])
+def test_a_report_of_another_shape_is_one_line(tmp_path, text, said):
+    (tmp_path / "report.json").write_text(text)
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        importable_pairs(tmp_path)
+
+
+def test_import_runs_from_a_missing_folder_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="not a folder"):
+        importable_pairs(tmp_path / "nope")

@@ -1,5 +1,8 @@
 """The results store: keyed by entry, release and harness revision; unjudgeable results are not kept."""
 
+import pytest
+
+from harness.core.errors import ConfigError
 from harness.releases.store import ResultStore, harness_revision
 
 
@@ -31,3 +34,16 @@ def test_the_revision_follows_the_code_that_runs_a_pair(tmp_path):
     assert harness_revision(tmp_path) == r1
     (tmp_path / "harness" / "run" / "pd.py").write_text("x = 2\n")
     assert harness_revision(tmp_path) != r1
+
+
+def test_a_name_that_would_leave_the_store_is_refused(tmp_path):
+    """An imported pair's id or vllm_version becomes a folder and a file name: ../ or / never writes outside."""
+    root = tmp_path / "store"
+    s = ResultStore(root, revision="aaaa")
+    for entry, version in (("../../x", "0.21.0"), ("e", "../../../y"), ("/abs", "0.21.0"), ("e", "a/b"), ("..", "1")):
+        with pytest.raises(ConfigError):
+            s.put(entry, version, "ok", seconds=1, run_dir=None)
+        assert s.get(entry, version) is None and s.other_revisions(entry, version) == []
+    assert not root.exists() and sorted(p.name for p in tmp_path.iterdir()) == []
+    with pytest.raises(ConfigError):
+        ResultStore(root, revision="../r").put("e", "0.21.0", "ok", seconds=1, run_dir=None)
