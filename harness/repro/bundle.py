@@ -320,6 +320,20 @@ def write_rule(out: Path) -> None:
         (out / "rule" / name).write_text(text)
 
 
+def copy_digests(run_dir: Path, out: Path, ids: list[str]) -> None:
+    """The run's KV digest records (checks/kv_digest.py) of the replayed requests, P's and D's, into the bundle's
+    ``kv_digest/`` (the same layout: ``<side>/rank<r>/<n>-<request>.npz``). A record is named after P's request id,
+    which holds the harness's id as ``-pd-<id>-``."""
+    src = run_dir / "kv_digest"
+    if not ids or not src.is_dir():
+        return
+    for path in sorted(src.glob("*/rank*/*.npz")):
+        if any(f"-pd-{i}-" in path.name for i in ids):
+            dest = out / "kv_digest" / path.relative_to(src)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(path, dest)
+
+
 def write_bundle(run_dir: Path, out: Path | None = None, signature: str | None = None) -> Path:
     """The bundle of ``run_dir`` in ``out``; ConfigError (one line) for a run folder or report it cannot use."""
     run_dir = Path(run_dir)
@@ -363,6 +377,7 @@ def _write_bundle(run_dir: Path, report: dict, out: Path | None, signature: str 
     else:
         requests = request_bodies(report, served)
     (out / "requests.json").write_text(json.dumps(requests, indent=1) + "\n")
+    copy_digests(run_dir, out, [str(r.get("id")) for r in requests if r.get("id")])
     shutil.copy(CLIENT, out / "repro_client.py")
     tuned = any(str(TUNING_DIR) in c.env.get("PYTHONPATH", "") for c in (pre, dec) + ((base,) if base else ()))
     if tuned:

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 from harness.checks.classify import SIGNATURES
+from harness.checks.kv_digest import CHECK_NAME as KV_DIGEST_CHECK
+from harness.checks.kv_digest import location_from_report
 from harness.core.safe import shell_line
 from harness.run.report import known_upstream_line
 
@@ -318,6 +320,7 @@ def outcome_section(report: dict, meaning: str, reproduced: bool) -> list[str]:
         observed,
         "",
     ]
+    lines += digest_lines(report)
     known = (
         (report.get("known_upstream") or known_upstream_line(failure, (report.get("versions") or {}).get("vllm")))
         if failure
@@ -327,6 +330,23 @@ def outcome_section(report: dict, meaning: str, reproduced: bool) -> list[str]:
         read = " Read the threads' current state before filing." if known.startswith("known") else ""
         lines += ["## Known upstream reports", "", f"{known}.{read}", ""]
     return lines
+
+
+def digest_lines(report: dict) -> list[str]:
+    """Where D's received KV first differed from P's bytes, and what it held instead (the harness's exact check)."""
+    c = next((c for c in report.get("checks") or [] if c.get("name") == KV_DIGEST_CHECK), None)
+    if c is None or c.get("passed"):
+        return []
+    where = location_from_report(c) or f"KV digest: {c.get('detail')}"
+    holds = ", ".join(f"{k} {n}" for k, n in ((c.get("data") or {}).get("holds") or {}).items())
+    return [
+        "The harness digested each KV vector (per layer, K/V, KV head, token position) in P's cache after the prefill"
+        " and in D's right after the NIXL receive, and compared them exactly:",
+        "",
+        f"- {where}",
+        *([f"- what D held instead, by kind: {holds}"] if holds else []),
+        "",
+    ]
 
 
 def closing_section(report: dict, run_dir: Path, replays: bool) -> list[str]:

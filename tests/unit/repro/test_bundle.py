@@ -269,3 +269,30 @@ def test_issue_text_carries_the_shrinks_answer_and_says_what_is_not_established(
     assert "python -m harness e2e --device cpu --tp-p 1 --tp-d 1 --load-requests 0 --block-size-p 32 --block-size-d 64" in md
     assert "- block sizes: needs block_size_p 32 != block_size_d 64" in md
     assert "## Not established\n\nThe cause." in md
+
+
+def test_issue_text_carries_the_kv_digest_location_when_it_failed(tmp_path):
+    run = wrong_answer_run(tmp_path, sys.executable, "output-mismatch")
+    report = json.loads((run / "report.json").read_text())
+    report["checks"].append({"name": "kv_digest_match", "passed": False, "detail": "9 of 18 digests differ", "data": {
+        "first": "request cmpl-pd-p03-w5-0-ab, model.layers.0.self_attn.attn V, head 0, position 0",
+        "first_holds": "P's K of head 0 position 32 (+32 tokens)", "holds": {"K/V swapped": 9}}})
+    (run / "report.json").write_text(json.dumps(report))
+    md = (write_bundle(run, tmp_path / "bundle") / "ISSUE.md").read_text()
+    assert ("- KV digest: request cmpl-pd-p03-w5-0-ab, model.layers.0.self_attn.attn V, head 0, position 0: D holds "
+            "P's K of head 0 position 32 (+32 tokens)") in md
+    assert "- what D held instead, by kind: K/V swapped 9" in md
+    plain = (write_bundle(wrong_answer_run(tmp_path / "b", sys.executable, "output-mismatch"), tmp_path / "b2")
+             / "ISSUE.md").read_text()
+    assert "KV digest" not in plain
+
+
+def test_the_bundle_carries_the_digest_records_of_the_replayed_requests_only(tmp_path):
+    run = wrong_answer_run(tmp_path, sys.executable, "output-mismatch")
+    for side, name in (("prefill", "000001-cmpl-pd-p03-w5-0-ab.npz"), ("decode", "000004-cmpl-pd-p03-w5-0-ab.npz"),
+                       ("decode", "000002-cmpl-pd-p00-w1-0-cd.npz")):
+        (run / "kv_digest" / side / "rank0").mkdir(parents=True, exist_ok=True)
+        (run / "kv_digest" / side / "rank0" / name).write_bytes(b"npz")
+    out = write_bundle(run, tmp_path / "bundle")
+    got = sorted(str(p.relative_to(out / "kv_digest")) for p in (out / "kv_digest").rglob("*.npz"))
+    assert got == ["decode/rank0/000004-cmpl-pd-p03-w5-0-ab.npz", "prefill/rank0/000001-cmpl-pd-p03-w5-0-ab.npz"]
