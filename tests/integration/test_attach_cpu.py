@@ -80,7 +80,7 @@ def test_attach_mode_passes_against_external_servers(external, tmp_path):
     skipped = {c["name"] for c in report["skipped_checks"]}
     # and the servers' KV pool is theirs (vLLM's default here): block reuse is not this run's to prove
     assert skipped == {"transfer_plan_logged", "kv_load_failure_policy_fail", "no_kv_lease_expiry", "smoke_capital_of_france",
-                       "load_kv_blocks_reused", "no_usage_reporting", "kv_over_network"} and not skipped & set(checks)
+                       "load_kv_blocks_reused", "no_usage_reporting", "kv_over_network", "kv_digest_match"} and not skipped & set(checks)
     # the leak check ran, in blocks, and said what it saw (an abort's lease hold is a pass it names)
     assert checks["no_kv_leak"]["data"]["outcome"] in ("idle", "lease-hold"), checks["no_kv_leak"]
     # the harness launched only its proxy, and named the servers it used
