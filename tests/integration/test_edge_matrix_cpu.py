@@ -112,7 +112,8 @@ def test_the_kv_digest_shows_the_block_size_findings_crossed_k_and_v(edge):
     # tokens 32-63; tokens 32-63 hold P's V and, as K, P's V of tokens 0-31 (docs/edge-cases.md)
     _, run_dir, _ = edge
     c = {c["name"]: c for c in pair_report(run_dir, "edge-bs64-k1-p1-d2")["checks"]}["kv_digest_match"]
-    assert not c["passed"] and c["data"]["holds"].get("K/V swapped", 0) > c["data"]["differ"] // 4, c["detail"]
+    # what D holds instead is looked up for the first 2000 differing digests: mostly the other part (K for V)
+    assert not c["passed"] and c["data"]["holds"].get("K/V swapped", 0) > sum(c["data"]["holds"].values()) // 2, c["detail"]
     records, _ = kv_digest.load(run_dir / "vllm-0.32.0" / "edge-bs64-k1-p1-d2" / "kv_digest")
     p = {r.request_id: r for r in records if r.side == "prefill"}
     crossed = right = 0
