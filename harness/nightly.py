@@ -604,6 +604,13 @@ def run_step(step: Step, log_path: Path) -> StepResult:
     return StepResult(step, "passed", secs, "", str(log_path), rc)
 
 
+def _nothing_to_import(s: Step, results: list[StepResult]) -> str:
+    """The history step imports the night's GQA-matrix runs (``matrix/<pair>``): where none ran (a box too small for
+    every pair), there is no folder to import and the step is skipped, saying so."""
+    ran = any(r.step.id.startswith("matrix/") and r.status in ("passed", "failed") for r in results)
+    return "" if s.kind != "history" or ran else "no GQA-matrix step ran this night: no runs to import into the history"
+
+
 def run_steps(
     steps: Sequence[Step],
     run_dir: Path,
@@ -622,7 +629,7 @@ def run_steps(
     junit = run_dir / "junit.xml"
     judge = (lambda r: judge_simulated(r, simulated)) if simulated else (lambda r: r)
     for s in steps:
-        missing = _missing(s, results) or _stopped(results)
+        missing = _missing(s, results) or _stopped(results) or _nothing_to_import(s, results)
         if s.skip_reason is not None or missing:
             results.append(StepResult(s, "skipped", 0.0, s.skip_reason or missing))
         else:

@@ -551,3 +551,26 @@ def test_a_simulated_night_says_so_in_its_junit(tmp_path):
 def test_a_real_night_rejects_a_bad_timeout_scale(capsys, tmp_path):
     assert main(["nightly", "--dry-run", "--timeout-scale", "0", "--run-dir", str(tmp_path)]) == 2
     assert "--timeout-scale must be > 0" in capsys.readouterr().err
+
+
+def test_the_history_step_is_skipped_when_no_gqa_matrix_step_ran(tmp_path):
+    # 4 of 8 GPUs: every GQA-matrix pair is skipped, an edge entry runs; there is no matrix folder to import
+    plan = object()
+    steps = [Step("matrix/p2-d8", "matrix", ("x",), 10, ("c",), 8, plan, skip_reason="needs 8 GPUs, 4 present"),
+             Step("edge/p1-d2", "matrix", ("x",), 10, ("c",), 2, plan),
+             Step("history", "history", ("x",), 10, ("c",))]
+    ran = []
+
+    def runner(step, log):
+        ran.append(step.id)
+        return StepResult(step, "passed", 1.0)
+
+    with open("/dev/null", "w") as out:
+        results = {r.step.id: r for r in run_steps(steps, tmp_path, runner=runner, out=out)}
+    assert ran == ["edge/p1-d2"] and results["history"].status == "skipped"
+    assert "no GQA-matrix step ran" in results["history"].message
+    steps[0] = Step("matrix/p2-d8", "matrix", ("x",), 10, ("c",), 8, plan)
+    ran.clear()
+    with open("/dev/null", "w") as out:
+        run_steps(steps, tmp_path / "b", runner=runner, out=out)
+    assert ran == ["matrix/p2-d8", "edge/p1-d2", "history"]
