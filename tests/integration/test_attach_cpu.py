@@ -117,7 +117,8 @@ def test_a_failed_transfer_that_decode_recomputes_fails_the_run(external, tmp_pa
 def kill_when_requests_flow(ext, role: str, run_dir: Path) -> tuple[subprocess.CompletedProcess, dict, float]:
     """Start an attached run, SIGKILL the external ``role`` server once D has taken a transfer, wait for the run."""
     before = metric_sum(parse_metrics(requests.get(f"{ext['decode'].url}/metrics", timeout=30).text), XFER_COUNT) or 0
-    run = subprocess.Popen(attach_argv(ext, run_dir, "--max-tokens", "64"), cwd=REPO, stdout=subprocess.PIPE,
+    # a short /health grace: a SIGKILLed server is dead, not slow (the grace itself is tested in tests/unit/serve)
+    run = subprocess.Popen(attach_argv(ext, run_dir, "--max-tokens", "64", "--health-grace", "5"), cwd=REPO, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
