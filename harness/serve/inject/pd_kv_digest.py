@@ -154,19 +154,24 @@ def plan_layers(worker) -> tuple[dict[int, list[str]], dict[str, str]]:
     return groups, skipped
 
 
-def p_layout(blocks: list[int], n_tokens: int, bs: int, first: int = 0):
-    """P: (blocks to read, offsets into their tokens, positions) for positions [first, n_tokens)."""
+def _read_plan(blocks: list[int], first_block: int, bs: int, start: int, n_tokens: int):
+    """(blocks to read, offsets into their tokens, positions) for positions [start, n_tokens) of ``blocks``, block k
+    holding block number ``first_block + k`` of the prompt; the null block (id 0) is never read."""
     import numpy as np
 
-    keep = [(j, b) for j, b in enumerate(blocks) if b != 0 and (j + 1) * bs > first and j * bs < n_tokens]
-    offsets, positions = [], []
+    keep = [(first_block + k, b) for k, b in enumerate(blocks) if b != 0]
+    keep = [(j, b) for j, b in keep if (j + 1) * bs > start and j * bs < n_tokens]
+    offsets, positions = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
     for k, (j, _) in enumerate(keep):
-        pos = np.arange(j * bs, min((j + 1) * bs, n_tokens))
-        pos = pos[pos >= first]
+        pos = np.arange(max(j * bs, start), min((j + 1) * bs, n_tokens), dtype=np.int64)
         offsets.append(k * bs + pos - j * bs)
         positions.append(pos)
-    cat = (lambda xs: np.concatenate(xs).astype(np.int64)) if keep else (lambda xs: np.zeros(0, dtype=np.int64))
-    return [b for _, b in keep], cat(offsets), cat(positions)
+    return [b for _, b in keep], np.concatenate(offsets), np.concatenate(positions)
+
+
+def p_layout(blocks: list[int], n_tokens: int, bs: int, first: int = 0):
+    """P: (blocks to read, offsets into their tokens, positions) for positions [first, n_tokens)."""
+    return _read_plan(blocks, 0, bs, first, n_tokens)
 
 
 def d_layout(blocks: list[int], n_tokens: int, bs: int, hit: int, window: int):
@@ -178,18 +183,8 @@ def d_layout(blocks: list[int], n_tokens: int, bs: int, hit: int, window: int):
     if not window:
         pos = np.arange(hit, min(n_tokens, hit + len(blocks) * bs), dtype=np.int64)
         return list(blocks), pos - hit, pos, hit
-    first_block = -(-n_tokens // bs) - len(blocks)
     start = max(hit, n_tokens - window)
-    keep = [(k, b) for k, b in enumerate(blocks) if b != 0 and (first_block + k + 1) * bs > start]
-    offsets, positions = [], []
-    for idx, (k, _) in enumerate(keep):
-        pos = np.arange((first_block + k) * bs, min((first_block + k + 1) * bs, n_tokens))
-        pos = pos[pos >= start]
-        offsets.append(idx * bs + pos - (first_block + k) * bs)
-        positions.append(pos)
-    if not keep:
-        return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), start
-    return [b for _, b in keep], np.concatenate(offsets).astype(np.int64), np.concatenate(positions), start
+    return (*_read_plan(blocks, -(-n_tokens // bs) - len(blocks), bs, start, n_tokens), start)
 
 
 def write_record(rank: int, request_id: str, layers, parts, heads, positions, digests, meta: dict) -> None:
@@ -243,12 +238,6 @@ def digest_request(worker, request_id: str, block_ids, layout, meta: dict) -> No
         body["seconds"] = time.perf_counter() - t0  # the hook's own time in the server's step (docs/kv-digest.md)
         parts = ["L"] if mla else ["K", "V"]
         write_record(worker.tp_rank, request_id, names, parts, heads, positions, torch.stack(tensors).numpy(), body)
-
-
-def _arange(start: int, stop: int):
-    import numpy as np
-
-    return np.arange(start, max(start, stop), dtype=np.int64)
 
 
 def after_step(runner, scheduler_output) -> None:
