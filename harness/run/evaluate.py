@@ -115,7 +115,7 @@ def digest_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
         why = "attach mode: the attached servers were not started with the digest hook (docs/kv-digest.md)"
     elif simulated.simulated(ctx):
         why = "stand-in servers compute no KV"
-    records, unavailable = kv_digest.load(ctx.run_dir / "kv_digest") if why is None else ([], [])
+    records, unavailable = pd.digests if why is None and pd.digests is not None else ([], [])
     if why is None and unavailable:
         why = "the hook could not digest on this vLLM: " + "; ".join(unavailable)
     elif why is None and not records:  # the hook never armed: this vLLM's NIXL worker is not the one it patches

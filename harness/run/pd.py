@@ -17,6 +17,8 @@ from harness.accuracy.checks import check_through_pd
 from harness.accuracy.lm_eval import EvalRun
 from harness.checks import smoke, transfer
 from harness.checks.check import Check
+from harness.checks.kv_digest import DigestRecord
+from harness.checks.kv_digest import load as load_digests
 from harness.checks.leak import (
     FAULT_CHECK_NAME,
     LEASE_MARGIN_S,
@@ -57,6 +59,8 @@ class PDResult:
     idle: IdleWatch | None = None  # P and D back to idle after the run
     final_stats: dict | None = None  # the proxy's counters at the end (faulted request ids among them)
     environs: dict[str, dict[str, str] | None] | None = None  # each server process's environment (None: attached)
+    # the KV digest records P and D wrote, and each rank's reason for writing none (None: servers started elsewhere)
+    digests: tuple[list[DigestRecord], list[str]] | None = None
 
 
 def local_servers(
@@ -101,6 +105,8 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
     ctx.timed("pd_phase", t0)
     ctx.leftovers += servers.leftover_pids() + proxy.leftover_pids()
     out.logs = servers.logs()  # after teardown, so the logs are complete
+    if not servers.attached and ctx.cfg.kv_digest:
+        out.digests = load_digests(ctx.run_dir / "kv_digest")  # after teardown, so every record is written
     return out
 
 

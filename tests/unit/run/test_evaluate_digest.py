@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from harness.checks.kv_digest import load
 from harness.run.evaluate import digest_checks
 from tests.unit.checks.test_kv_digest import record, rng_digests
 
@@ -23,7 +24,8 @@ def run(tmp_path, kv_digest=True, attached=False, records=(), unavailable=None):
         (folder / "decode" / "unavailable-rank0.txt").write_text(unavailable)
     report = SimpleNamespace(skipped_checks=[], versions={"vllm": "0.21.0"})
     ctx = SimpleNamespace(cfg=SimpleNamespace(kv_digest=kv_digest), run_dir=tmp_path, report=report, gpu=None)
-    checks = digest_checks(ctx, SimpleNamespace(attached=attached))
+    digests = None if attached or not kv_digest else load(folder)  # as run/pd.py reads them after teardown
+    checks = digest_checks(ctx, SimpleNamespace(attached=attached, digests=digests))
     return {c.name: c for c in checks}, {s["name"]: s["reason"] for s in report.skipped_checks}
 
 
