@@ -155,6 +155,12 @@ def _e2e_workload_args(e: argparse.ArgumentParser) -> None:
         help="do not digest P's and D's KV (the exact check kv_digest_match, docs/kv-digest.md); the report says so",
     )
     g.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="start no baseline server: the KV digest alone judges D's KV (outputs are not compared; the "
+        "sequential prompts only, so with --load-requests 0); about half the server start-ups of a run",
+    )
+    g.add_argument(
         "--load-requests",
         type=non_negative_int,
         default=LoadSettings.requests,
@@ -321,6 +327,7 @@ def config_from_args(
         decode_kv_fault=a.decode_kv_fault,
         decode_swap_heads=a.decode_swap_heads_fault,
         kv_digest=not a.no_kv_digest,
+        baseline=not a.no_baseline,
         enforce_eager=a.enforce_eager,
         fresh_baseline=a.fresh_baseline,
         hosts=_hosts(a.hosts, attached is not None),

@@ -87,6 +87,8 @@ class E2EConfig:
     )
     decode_swap_heads: bool = False  # fault injection: D swaps the first two KV heads it received (the run must fail)
     kv_digest: bool = True  # P and D digest their KV (harness/serve/inject/); the check kv_digest_match
+    # False: no baseline server; the KV digest alone judges D's KV (half the server starts: a transfer probe)
+    baseline: bool = True
     axes: ServerAxes = field(default_factory=ServerAxes)  # the edge-case axes (KV dtype, D's prefix cache, ...)
     prompt_ids: tuple[str, ...] | None = None  # only these of the sequential prompts (None: all; a shrink narrows it)
     hosts: RunHosts = field(default_factory=RunHosts)  # the host of P, D, the proxy and the baseline (default: here)
@@ -156,6 +158,28 @@ class E2EConfig:
             raise ConfigError(
                 f"load abort_max_tokens {self.load.abort_max_tokens} leaves no room for a prompt "
                 f"in {self.model_len} tokens"
+            )
+
+        self._validate_no_baseline()
+
+    def _validate_no_baseline(self) -> None:
+        """Without a baseline nothing compares outputs: only what the digest judges may run."""
+        if self.baseline:
+            return
+        needs = [
+            flag
+            for flag, used in (
+                ("--no-kv-digest", not self.kv_digest),
+                ("--accuracy", self.accuracy is not None),
+                ("--load-requests > 0", self.load.enabled),
+                ("--prefix-caching-d", self.axes.prefix_caching_d),
+            )
+            if used
+        ]
+        if needs:
+            raise ConfigError(
+                f"--no-baseline leaves the KV digest as the run's only judge, so it cannot run with "
+                f"{', '.join(needs)} (each of those compares with a baseline or turns the digest off)"
             )
 
     def _validate_attach(self) -> None:

@@ -38,8 +38,14 @@ MIN_PROMPTS = 16
 KV_FAULT_FIRED = "[pd-harness fault] scaled the received KV"  # harness/serve/inject/pd_kv_fault.py
 
 
-def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
+NO_BASELINE = "no baseline (--no-baseline): outputs are not compared; kv_digest_match judges D's KV"
+
+
+def evaluate(ctx: RunContext, baseline: BaselineResult | None, pd: PDResult) -> None:
     """Fill the report's checks, comparison, skipped checks and accuracy block."""
+    if baseline is None:
+        evaluate_digest_only(ctx, pd)
+        return
     n = len(ctx.prompts)
     checks = [answered_check(baseline.completions, pd.completions, n)]
     result = compare_completions(baseline.completions.completions, pd.completions.completions, top_k=ctx.gen.logprobs)
@@ -67,13 +73,7 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
                 "token the other side did not list (see the comparison)",
             }
         )
-    checks += fault_checks(ctx, pd)
-    left = ctx.leftovers
-    checks.append(
-        Check("no_process_left", not left, "every harness process exited" if not left else f"still running: {left}")
-    )
-    if pd.smoke is not None:
-        checks.append(pd.smoke)
+    checks += closing_checks(ctx, pd)
     if ctx.accuracy is not None and pd.eval is not None and baseline.eval is not None and pd.through is not None:
         acc_checks, ctx.report.accuracy = accuracy_checks(baseline.eval, pd.eval, ctx.accuracy)
         checks += [pd.through, *acc_checks]
@@ -82,6 +82,47 @@ def evaluate(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> None:
     ctx.report.checks = checks
     ctx.report.config["cpu_tuning"] = ctx.cfg.cpu_tuning.to_dict() if ctx.cfg.device == "cpu" else None
     simulated.apply(ctx)  # a simulated GPU box: the data-path checks become skipped ones (harness/run/simulated.py)
+
+
+def evaluate_digest_only(ctx: RunContext, pd: PDResult) -> None:
+    """A run without a baseline (``--no-baseline``, refused with anything that compares outputs): P/D answered,
+    KV moved, and D holds P's bytes. A digest that could not be made fails the run: nothing else judged D's KV."""
+    n = len(ctx.prompts)
+    failed = pd.completions.failures
+    checks = [
+        Check(
+            "all_requests_answered",
+            not failed and len(pd.completions.completions) == n,
+            f"P/D {len(pd.completions.completions)}/{n} (no baseline)"
+            + (f"; first failure: {failed[0]}" if failed else ""),
+        )
+    ]
+    checks += transfer_checks(ctx, pd, n)
+    digest = digest_checks(ctx, pd)
+    if not digest:
+        why = next(s["reason"] for s in ctx.report.skipped_checks if s["name"] == kv_digest.CHECK_NAME)
+        digest = [Check("kv_digest_judged", False, f"--no-baseline, and the KV digest could not be made ({why})")]
+    checks += digest + server_checks(ctx, pd)
+    ctx.report.skipped_checks += [{"name": name, "reason": NO_BASELINE} for name in COMPARED]
+    checks += closing_checks(ctx, pd)
+    ctx.report.checks = checks
+    ctx.report.config["cpu_tuning"] = ctx.cfg.cpu_tuning.to_dict() if ctx.cfg.device == "cpu" else None
+    simulated.apply(ctx)
+
+
+COMPARED = ("outputs_match_baseline", "logprobs_match_baseline")  # what only a baseline can judge
+
+
+def closing_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
+    """That a fault fired, that nothing was left running, and the smoke check."""
+    checks = fault_checks(ctx, pd)
+    left = ctx.leftovers
+    checks.append(
+        Check("no_process_left", not left, "every harness process exited" if not left else f"still running: {left}")
+    )
+    if pd.smoke is not None:
+        checks.append(pd.smoke)
+    return checks
 
 
 def transfer_checks(ctx: RunContext, pd: PDResult, n: int) -> list[Check]:

@@ -48,6 +48,8 @@ class PDRun:
         attach: Attach | None = None,
     ):
         cfg.validate()
+        if attach is not None and not cfg.baseline:  # attached servers carry no digest hook of ours
+            raise ConfigError("--no-baseline needs the KV digest, which attach mode cannot make: give a baseline")
         self.cfg = cfg
         self.attach = attach
         # a network fault is meant to end the run in the P/D phase: a baseline first would be started for nothing
@@ -74,8 +76,8 @@ class PDRun:
         rep = progress.current()
         mark = rep.mark()  # the spans of this run's steps become the report's timeline
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.report.versions = installed_versions(self.cfg.python)
-        try:
+        try:  # the versions too: a signal while they are read still ends with a report (class interrupted)
+            self.report.versions = installed_versions(self.cfg.python)
             self._run()
         except KeyboardInterrupt as e:  # servers are down by now
             self.report.failure = failures.interrupted(e)
@@ -109,7 +111,7 @@ class PDRun:
             # The baseline runs alone (never beside P/D), at D's TP and D's cores, so both sides compute alike.
             baseline = (
                 None
-                if self.baseline_last
+                if self.baseline_last or not cfg.baseline
                 else phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
             )
             servers = (
@@ -118,16 +120,15 @@ class PDRun:
                 else local_servers(ctx, alloc, (bs_p, bs_d), binds)
             )
             pd = phase("P/D", run_pd, ctx, alloc, servers)
-            if baseline is None:
+            if baseline is None and cfg.baseline:
                 baseline = phase(
                     "baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache
                 )
 
         phase("evaluation", evaluate, ctx, baseline, pd)
         add_token_spans(ctx, baseline, pd)
-        self.report.failure = failures.from_checks(
-            self.report.checks, ctx.read_logs(), [pd.completions, baseline.completions]
-        )
+        runs = [pd.completions] + ([baseline.completions] if baseline is not None else [])
+        self.report.failure = failures.from_checks(self.report.checks, ctx.read_logs(), runs)
 
     def _resolve_attached(self) -> None:
         """The model the attached decode server serves, within its max_model_len; a baseline launched here (no
@@ -197,11 +198,11 @@ def phase(name: str, fn, *args):
         return fn(*args)
 
 
-def add_token_spans(ctx: RunContext, baseline: BaselineResult, pd) -> None:
+def add_token_spans(ctx: RunContext, baseline: BaselineResult | None, pd) -> None:
     """Where the first divergent token of each diverged prompt lies in both texts (report.html highlights it),
     from the model's own tokenizer; left out, with why, when its decoding does not reproduce the texts."""
     comp = ctx.report.comparison
-    if not comp or not any(p.get("divergence") for p in comp.get("prompts", [])):
+    if baseline is None or not comp or not any(p.get("divergence") for p in comp.get("prompts", [])):
         return
     decode, why = load_decoder(ctx.model)
     if decode is None:

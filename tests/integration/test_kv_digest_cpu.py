@@ -2,7 +2,9 @@
 (K=1, GQA replication) fails kv_digest_match at the layer its log names, and a fault that swaps D's head slice fails
 it naming the head D holds instead. The third mutation, the proxy's block-id corruption, is checked on the runs of
 test_load_cpu.py and test_accuracy_broken_cpu.py; correct runs pass it in test_e2e_cpu.py and
-test_edge_matrix_cpu.py (P1->D2, K=1, with D's prefix cache)."""
+test_edge_matrix_cpu.py (P1->D2, K=1, with D's prefix cache).
+
+Both runs start no baseline (--no-baseline): the digest alone judges them, which is what this module proves."""
 
 import json
 import re
@@ -14,15 +16,15 @@ import pytest
 
 from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
-# a hang fails this module's test, not all of CI: about 3x its two runs (about 150 s each)
+# a hang fails this module's test, not all of CI: about 3x its two runs (about 70 s each)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 REPO = Path(__file__).resolve().parents[2]
 
 
 def run(tmp_path_factory, name: str, *args: str):
     run_dir = tmp_path_factory.mktemp(name) / "run"
-    proc = subprocess.run([sys.executable, "-m", "harness", "e2e", "--load-requests", "0", "--run-dir", str(run_dir),
-                           *args], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, "-m", "harness", "e2e", "--load-requests", "0", "--no-baseline",
+                           "--run-dir", str(run_dir), *args], cwd=REPO, capture_output=True, text=True, timeout=1800)
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
     return proc, run_dir, json.loads((run_dir / "report.json").read_text())
 
@@ -45,6 +47,9 @@ def test_a_scaled_layer_fails_the_digest_at_that_layer_and_only_there(scaled):
     assert c["data"]["first"].split(", ")[1].startswith(layers.pop())
     # every received position of that layer, K and V, on both D ranks (one head each: K=1): half of all digests
     assert c["data"]["differ"] * 2 == c["data"]["digests"]
+    # no baseline was started, and the report says that outputs were not compared
+    assert not (run_dir / "logs" / "baseline.log").exists() and report["failure"]["class"] == "kv-digest-mismatch"
+    assert "--no-baseline" in {s["name"]: s["reason"] for s in report["skipped_checks"]}["outputs_match_baseline"]
 
 
 @pytest.fixture(scope="module")

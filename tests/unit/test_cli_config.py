@@ -1,3 +1,4 @@
+import re
 from dataclasses import replace
 
 import pytest
@@ -120,3 +121,17 @@ def test_attach_config_takes_the_servers_settings_not_this_hosts(monkeypatch):
     assert attach.sources["model"] == "http://10.0.0.6:8000/v1/models"
     with pytest.raises(ConfigError, match="give --device"):
         attach_config(a, replace(attach, served=tuple(replace(s, device=None) for s in said)), env={})
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["--no-kv-digest"], "--no-kv-digest"),
+    (["--accuracy"], "--accuracy"),
+    (["--load-requests", "4"], "--load-requests > 0"),
+    (["--prefix-caching-d"], "--prefix-caching-d"),
+])
+def test_no_baseline_is_refused_with_what_needs_a_baseline(extra, named):
+    # without a baseline only the digest judges: whatever compares with a baseline, or turns the digest off, is refused
+    base = ["--no-baseline", "--load-requests", "0"]
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        cfg([*base, *extra])
+    assert cfg(base).baseline is False

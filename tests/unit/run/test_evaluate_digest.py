@@ -58,3 +58,40 @@ def test_records_are_compared(tmp_path):
     p = rng_digests(2)
     checks, _ = run(tmp_path, records=[record("prefill", "r", p), record("decode", "r", p.copy())])
     assert checks["kv_digest_match"].passed
+
+
+def digest_only(tmp_path, monkeypatch, **kw):
+    """A --no-baseline run's evaluation over the given records (the transfer and server checks stubbed out: their
+    own tests are elsewhere)."""
+    import harness.run.evaluate as ev
+
+    for name in ("transfer_checks", "server_checks", "closing_checks"):
+        monkeypatch.setattr(ev, name, lambda *a: [])
+    monkeypatch.setattr(ev.simulated, "apply", lambda ctx: None)
+    checks, _ = run(tmp_path, **kw)  # writes the records; its own evaluation is discarded
+    folder = tmp_path / "kv_digest"
+    report = SimpleNamespace(skipped_checks=[], versions={"vllm": "0.32.0"}, checks=None, config={})
+    cfg = SimpleNamespace(kv_digest=True, device="gpu", cpu_tuning=None)
+    ctx = SimpleNamespace(cfg=cfg, run_dir=tmp_path, report=report, gpu=None, prompts=[1, 2])
+    answered = SimpleNamespace(completions=[1, 2], failures=[])
+    ev.evaluate(ctx, None, SimpleNamespace(attached=False, digests=load(folder), completions=answered))
+    return {c.name: c for c in report.checks}, {s["name"]: s["reason"] for s in report.skipped_checks}
+
+
+def test_without_a_baseline_the_digest_judges_and_the_comparisons_are_skipped(tmp_path, monkeypatch):
+    p = rng_digests(2)
+    checks, skipped = digest_only(tmp_path, monkeypatch, records=[record("prefill", "r", p), record("decode", "r", p)])
+    assert checks["kv_digest_match"].passed and checks["all_requests_answered"].passed
+    for name in ("outputs_match_baseline", "logprobs_match_baseline"):
+        assert "--no-baseline" in skipped[name]
+    d = p.copy()
+    d[0, 0, 0, 0] += 1
+    checks, _ = digest_only(tmp_path / "b", monkeypatch, records=[record("prefill", "r", p), record("decode", "r", d)])
+    assert not checks["kv_digest_match"].passed
+
+
+def test_without_a_baseline_a_digest_that_could_not_be_made_fails_the_run(tmp_path, monkeypatch):
+    # nothing else judged D's KV: a skipped digest must not leave a run that passes on transfer counters alone
+    checks, skipped = digest_only(tmp_path, monkeypatch, unavailable="no finished receives")
+    assert not checks["kv_digest_judged"].passed and "no finished receives" in checks["kv_digest_judged"].detail
+    assert "kv_digest_match" in skipped
