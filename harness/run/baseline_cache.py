@@ -31,6 +31,7 @@ from harness.accuracy.lm_eval import EvalRun, Sample, lm_eval_argv
 from harness.checks.compare import COMPARISON_VERSION
 from harness.core.files import sha256_of
 from harness.core.paths import CACHE_ROOT
+from harness.core.redact import is_secret_name, redact_argv, redact_env, redact_text
 from harness.run.context import RunContext
 from harness.run.launch import RUN_TAG_ENV
 from harness.workload.client import CompletionRun, RequestFailed
@@ -74,7 +75,6 @@ INHERITED_PREFIXES = (
     "LD_PRELOAD",
     "LD_LIBRARY_PATH",
 )
-SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "CREDENTIAL", "_KEY")  # never written to disk; cannot change answers
 
 
 def cache_root() -> Path:
@@ -117,9 +117,10 @@ def threads_per_rank(bind: str) -> str:
 
 def command_identity(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, Any]:
     """The server's command line as data, without what differs between runs of the same server (ports, log folder).
-    Every other flag and variable stays, so a server setting added later is part of the key without anyone adding it."""
+    Every other flag and variable stays, so a server setting added later is part of the key without anyone adding it.
+    Secrets are masked (core/redact.py): the key inputs are written into the entry, and no secret changes answers."""
     args: list[str] = []
-    it = iter(argv)
+    it = iter(redact_argv(argv))
     for a in it:
         if a in VOLATILE_FLAGS:
             next(it, None)
@@ -128,23 +129,24 @@ def command_identity(argv: Sequence[str], env: Mapping[str, str]) -> dict[str, A
             args.append(a.split("=", 1)[0] + "=<port>")
         else:
             args.append(a)
-    e = {k: v for k, v in env.items() if k not in VOLATILE_ENV}
+    e = {k: v for k, v in redact_env(env).items() if k not in VOLATILE_ENV}
     if BIND_ENV in e:
         e[BIND_ENV] = threads_per_rank(e[BIND_ENV])
     return {"argv": args, "env": e}
 
 
 def inherited_env(environ: Mapping[str, str], overridden: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The harness's own variables a server inherits that can change what it computes (the command's own win)."""
+    """The harness's own variables a server inherits that can change what it computes (the command's own win). Secret
+    ones (core/redact.py) are left out and credentials in URLs masked: they are written to disk and change no answer."""
     overridden = overridden or {}
     return {
-        k: v
+        k: redact_text(v)
         for k, v in environ.items()
         if k.startswith(INHERITED_PREFIXES)
         and k not in overridden
         and k not in VOLATILE_ENV
         and k not in LIBRARY_SET_ENV
-        and not any(m in k.upper() for m in SECRET_MARKERS)
+        and not is_secret_name(k)
     }
 
 
@@ -454,7 +456,7 @@ def write_atomic_json(path: Path, obj: Any) -> None:
             os.fsync(
                 f.fileno()
             )  # the rename must not land before the content does (a crash would leave an empty entry)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from other users of a shared checkout
+        os.chmod(tmp, 0o600)  # the owner's only: an entry records the harness's environment and commands
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -540,7 +542,7 @@ def new_meta(ctx: RunContext, command: str) -> dict[str, Any]:
     return {
         "from_run": str(ctx.run_dir),
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
+        "command": redact_text(command),
         "versions": dict(ctx.report.versions),
         "timings_s": {k: round(v, 3) for k, v in t.items() if k.startswith(("baseline_", "lm_eval_baseline"))},
     }

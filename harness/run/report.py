@@ -13,6 +13,7 @@ from harness.checks.check import Check
 from harness.checks.kv_digest import location_in
 from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
+from harness.core.redact import redact_tree
 from harness.run import html as run_html
 from harness.run.attach_report import attach_markdown
 from harness.run.config import tp_text
@@ -237,7 +238,9 @@ def _appendix_markdown(d: dict[str, Any]) -> list[str]:
 
 
 def write_report(report: Report, run_dir: Path, runs_root: Path | None = None) -> dict[str, Any]:
-    d = report.to_dict()
+    """report.json, .md and .html, secrets masked (core/redact.py: the config, commands, attach URLs, log excerpts);
+    returns what was written."""
+    d = redact_tree(report.to_dict())
     run_dir.mkdir(parents=True, exist_ok=True)
     write_atomic(run_dir / "report.json", json.dumps(d, indent=2, default=str) + "\n")
     write_atomic(run_dir / "report.md", render_markdown(d))

@@ -27,6 +27,7 @@ from packaging.version import Version
 from harness.core.errors import ConfigError
 from harness.core.files import sha256_of, write_atomic
 from harness.core.paths import CACHE_ROOT, REPO_ROOT
+from harness.core.redact import redact_tree
 from harness.wheelhouse import plan as wh
 from harness.wheelhouse.index import PYPI, Index, IndexFile, releases, requires_dist, served_versions
 from harness.wheelhouse.pip import (
@@ -554,11 +555,11 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
     manifest["totals"] = _totals(manifest)
     write_atomic(folder / "requirements.txt", "".join(x + "\n" for x in manifest["requirements"]))
     write_atomic(folder / "requirements-nodeps.txt", "".join(x + "\n" for x in plan.no_deps))
-    write_atomic(folder / "pip-report.json", json.dumps(report) + "\n")
-    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    write_atomic(folder / "pip-report.json", json.dumps(redact_tree(report)) + "\n")
+    write_atomic(folder / MANIFEST, json.dumps(redact_tree(manifest), indent=1) + "\n")
     manifest["verify"] = verify(folder, req.resolver_python, err=err)
     manifest["build_s"] = round(time.monotonic() - t0, 1)
-    write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    write_atomic(folder / MANIFEST, json.dumps(redact_tree(manifest), indent=1) + "\n")
     return manifest
 
 

@@ -27,6 +27,7 @@ from packaging.version import InvalidVersion, Version
 
 from harness.core.files import sha256_of
 from harness.core.notrack import with_no_track
+from harness.core.redact import redact_text
 from harness.envs.pip_limits import SubprocessTimedOut, log_name, pip_network_args, run_bounded, wall_timeout_s
 from harness.wheelhouse.index import (
     Index,
@@ -161,7 +162,7 @@ def run_pip(
     # isolated_env() (or the caller's), with usage reporting off on top: a caller cannot turn it back on.
     env = with_no_track(env or isolated_env())
     cmd = pip_command(python, args, env)
-    log.write("$ " + " ".join(cmd) + "\n")
+    log.write("$ " + redact_text(" ".join(cmd)) + "\n")  # an index URL may carry credentials
     log.flush()
     try:
         got = run_bounded(cmd, wall_timeout_s(), log_name(log), capture_output=True, text=True, env=env)
@@ -169,7 +170,7 @@ def run_pip(
         log.write(f"# {e}\n")
         log.flush()
         raise PipFailed(str(e)) from None
-    log.write(got.stdout + got.stderr)
+    log.write(redact_text(got.stdout + got.stderr))
     log.flush()
     if check and got.returncode:
         raise PipFailed(_pip_error(got.stdout + got.stderr) or f"pip {args[0]} failed with exit code {got.returncode}")

@@ -7,6 +7,7 @@ test_edge_matrix_cpu.py (P1->D2, K=1, with D's prefix cache).
 Both runs start no baseline (--no-baseline): the digest alone judges them, which is what this module proves."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -21,10 +22,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 REPO = Path(__file__).resolve().parents[2]
 
 
+# fake secrets of each kind in the run's environment (vLLM reads none of them): no file of the run may hold one
+SECRETS = {"HF_TOKEN": "fake-hf-5e1", "VLLM_TEST_DB_PASSWD": "fake-pw-5e2",
+           "HF_MIRROR": "https://me:fake-url-5e3@m.example/"}
+
+
 def run(tmp_path_factory, name: str, *args: str):
     run_dir = tmp_path_factory.mktemp(name) / "run"
     proc = subprocess.run([sys.executable, "-m", "harness", "e2e", "--load-requests", "0", "--no-baseline",
-                           "--run-dir", str(run_dir), *args], cwd=REPO, capture_output=True, text=True, timeout=1800)
+                           "--run-dir", str(run_dir), *args], cwd=REPO, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, **SECRETS})
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
     return proc, run_dir, json.loads((run_dir / "report.json").read_text())
 
@@ -71,3 +78,10 @@ def test_the_swap_fired_and_the_digest_names_the_head_d_holds(swapped):
     assert set(c["data"]["holds"]) == {"another head"}, c["detail"]
     assert c["data"]["differ"] == c["data"]["digests"]  # every received vector of both heads is the other head's
     assert "KV digest:" in (run_dir / "report.md").read_text()
+
+
+def test_no_file_of_a_run_holds_a_secret_of_its_environment(scaled):
+    _, run_dir, _ = scaled
+    leaks = [(p, s) for p in run_dir.rglob("*") if p.is_file() and p.suffix != ".npz"
+             for s in ("fake-hf-5e1", "fake-pw-5e2", "fake-url-5e3") if s in p.read_text(errors="replace")]
+    assert leaks == []
