@@ -12,7 +12,7 @@ from pathlib import Path
 from harness.calibrate.threshold import Calibration, calibrate, markdown, per_request_deltas
 from harness.core.argtypes import positive
 from harness.core.errors import ConfigError
-from harness.core.files import write_atomic
+from harness.core.files import new_folder, write_atomic
 
 DEFAULT_FAULT = 1.02  # 2 % on one layer's received KV: quiet enough to flip few tokens
 
@@ -39,7 +39,7 @@ def add_parser(sub) -> None:
 
 
 def run_e2e(out: Path, name: str, args: list[str], timeout_s: float) -> dict:
-    run_dir = out / name
+    run_dir = new_folder(out / name)  # a second calibration into `out` never reads the first one's report
     argv = [sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), *args]
     print(f"calibrate: {name} run: {' '.join(argv[1:])}", file=sys.stderr, flush=True)
     try:

@@ -1,17 +1,36 @@
-"""Writing files that readers may look at while they are written, and hashing them."""
+"""Writing files that readers may look at while they are written, hashing them, and the folders runs write into."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import shutil
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+
+from harness.core.errors import ConfigError
+
+# What a harness run leaves in its folder (glob patterns): only such a folder is ever emptied for a new run.
+RUN_MARKERS = ("report.json", "logs")
+OVERWRITE_FLAG = "--overwrite-run-dir"
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write beside the target and rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    """Write beside the target under a name of this call's own, then rename: a reader never sees half a file, and two
+    writers (threads or processes) each replace it whole."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        # mkstemp's 0600 would hide reports from other users: keep the file's mode, or what write_text would give
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def sha256_of(path: Path) -> str:
@@ -21,3 +40,55 @@ def sha256_of(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def run_dir_problem(
+    path: Path, overwrite: bool = False, flag: str = OVERWRITE_FLAG, markers: Sequence[str] = RUN_MARKERS
+) -> str | None:
+    """Why ``path`` cannot be a new run's folder (None: it can). A folder that holds anything is refused (an old run's
+    logs would feed the new run's failure classification); ``overwrite`` accepts it only where an earlier run left
+    it (one of ``markers``), so that emptying it never deletes anything else."""
+    try:
+        if not path.exists():
+            return None
+        if not path.is_dir():
+            return f"{path} exists and is not a folder"
+        if not any(path.iterdir()):
+            return None
+        if not overwrite:
+            return f"{path} is not empty: a run folder is never reused (give a new folder, or {flag} to empty it)"
+        if not any(any(path.glob(m)) for m in markers):
+            return f"{path} does not look like a run folder (no {' or '.join(markers)}): {flag} empties only those"
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    return None
+
+
+def claim_run_dir(
+    path: Path, overwrite: bool = False, flag: str = OVERWRITE_FLAG, markers: Sequence[str] = RUN_MARKERS
+) -> None:
+    """Make ``path`` a new run's folder: ConfigError (one line) for what ``run_dir_problem`` refuses; with
+    ``overwrite``, an earlier run's folder is emptied (the folder itself stays: it may be a link someone follows)."""
+    problem = run_dir_problem(path, overwrite, flag, markers)
+    if problem:
+        raise ConfigError(problem)
+    if overwrite and path.is_dir():
+        for entry in path.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+
+
+def new_folder(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``, ... : the first that does not exist yet, created here (mkdir claims it, so
+    two callers at once never get the same folder)."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        folder = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise ConfigError(f"{base}: no free folder name left beside it")

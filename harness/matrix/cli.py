@@ -10,6 +10,7 @@ from pathlib import Path
 from harness.core.argtypes import non_negative_int, positive_int
 from harness.core.cpuinfo import cpu_flags
 from harness.core.errors import ConfigError
+from harness.core.files import OVERWRITE_FLAG, claim_run_dir
 from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import versions_from
 from harness.gpu.detect import count_gpus, default_device
@@ -28,7 +29,8 @@ def add_parser(sub) -> None:
         help="comma-separated versions to run, each from its own environment under .venvs/ "
         "(default: $VLLM_VERSION or the version requirements/ pins)",
     )
-    mx.add_argument("--run-dir", type=Path, help="matrix folder (default: runs/<timestamp>-matrix)")
+    mx.add_argument("--run-dir", type=Path, help="matrix folder, new or empty (default: runs/<timestamp>-matrix)")
+    mx.add_argument(OVERWRITE_FLAG, action="store_true", help="--run-dir may hold an earlier matrix: emptied first")
     mx.add_argument("--only", help="comma-separated entry ids")
     mx.add_argument("--model", help="entries of this model (id in configs/models.yaml or hub id)")
     mx.add_argument("--tp-p", type=positive_int)
@@ -91,6 +93,12 @@ def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: st
     from harness.matrix.run import new_matrix_dir, run_matrix, summary
 
     catch_interrupts()
+    try:
+        if a.run_dir is not None:  # refused (or emptied, with the flag) before anything is installed or started
+            claim_run_dir(Path(a.run_dir), a.overwrite_run_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         # Every environment first: a failed install stops the matrix before any server starts.
         pythons = {v: str(ensure_env(device, v)) for v, pairs in plans.items() if any(p.run for p in pairs)}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from harness.core.files import new_folder
 from harness.matrix.config import MatrixEntry, MatrixFile
 from harness.models.config import ModelEntry
 from harness.releases.bisect import Observation
@@ -89,7 +90,7 @@ class Prober:
         pair = pairs[0]
         if not pair.run:
             return Observation("not-run", "run", time.monotonic() - t0, None, pair.skip_reason or "")
-        run_dir = self.run_root / entry_id / f"vllm-{version}"
+        run_dir = new_folder(self.run_root / entry_id / f"vllm-{version}")  # a re-probe gets its own folder
         with self._locked():
             t1 = time.monotonic()
             results = run_matrix(

@@ -12,6 +12,7 @@ from typing import Any
 
 from harness.checks.classify import FATAL_PATTERNS, REPEATED_FATAL
 from harness.checks.transport import PROTO_INFO_ENV
+from harness.core.files import claim_run_dir
 from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
 from harness.gpu.claims import STATE_ENV, box_state
@@ -40,7 +41,10 @@ class Server:
 
 
 def new_run_dir(cfg: E2EConfig) -> Path:
+    """The run's folder: the one given, which must be new or empty (ConfigError: an earlier run's logs would mix with
+    this run's; the CLI's --overwrite-run-dir empties it first), else a new one under the runs root."""
     if cfg.run_dir is not None:
+        claim_run_dir(Path(cfg.run_dir))
         return Path(cfg.run_dir)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     return cfg.runs_root / f"{stamp}-p{cfg.tp_p}d{cfg.tp_d}-{os.getpid()}"

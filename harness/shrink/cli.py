@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from harness.core.errors import ConfigError
+from harness.core.files import new_folder
 from harness.core.paths import REPO_ROOT
 from harness.core.safe import comment, load_json_object
 from harness.repro.replayed import failing, rule_of
@@ -92,7 +93,7 @@ def real_probe(carried: list[str], out: Path, timeout_s: float):
 
     def run(s: Settings) -> Probe:
         count[0] += 1
-        run_dir = out / f"probe-{count[0]:02d}"
+        run_dir = new_folder(out / f"probe-{count[0]:02d}")  # a second shrink of one run never reuses a probe's folder
         argv = [sys.executable, "-m", "harness", "e2e", *carried, *s.flags(), "--run-dir", str(run_dir)]
         print(f"shrink: probe {count[0]}: {s.describe()}", flush=True)
         t0 = time.monotonic()
