@@ -483,7 +483,7 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
 def history_step(python: str, run_dir: Path, versions: Sequence[str], ids: list[str]) -> Step:
     """The release history attached to the night: its matrix results (and any stored earlier at the same harness
     revision) as history.md + history.png, one row per version; it runs nothing itself."""
-    from harness.envs.vllm_env import pinned
+    from harness.envs.vllm_env import main_version
 
     argv = (
         python,
@@ -493,7 +493,7 @@ def history_step(python: str, run_dir: Path, versions: Sequence[str], ids: list[
         "--device",
         "gpu",
         "--versions",
-        ",".join(versions) or pinned("gpu")["vllm"],
+        ",".join(versions) or main_version("gpu"),
         "--only",
         ",".join(ids),
         "--import-runs",

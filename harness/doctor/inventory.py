@@ -100,11 +100,11 @@ def probe_env(name: str, version: str | None, python: Path, timeout_s: float = 1
 
 def night_envs(versions: tuple[str | None, ...], root: Path = REPO_ROOT) -> list[EnvState]:
     """Each environment the night's steps serve from: .venv for the pinned version, .venvs/ for the others."""
-    from harness.envs.vllm_env import env_dir, pinned
+    from harness.envs.vllm_env import env_dir, main_version
 
     out = []
     for v in versions:
-        folder = env_dir("gpu", v or pinned("gpu", root)["vllm"], root)
+        folder = env_dir("gpu", v or main_version("gpu", root), root)
         out.append(probe_env(str(folder.relative_to(root)), v, folder / "bin" / "python"))
     return out
 
