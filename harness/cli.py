@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 from harness.accuracy.settings import AccuracySettings
 from harness.core.argtypes import non_negative_int, positive, positive_int
 from harness.core.errors import ConfigError
+from harness.core.files import OVERWRITE_FLAG, claim_run_dir, run_dir_problem
 from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import requested_versions
 from harness.gpu.detect import default_device
@@ -104,7 +106,16 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
 
 def _e2e_where_args(e: argparse.ArgumentParser) -> None:
     g = e.add_argument_group("where the run goes: its folder, its hosts, servers started elsewhere (attach mode)")
-    g.add_argument("--run-dir", type=Path, help="where logs and the report go (default: runs/<timestamp>-pPdD)")
+    g.add_argument(
+        "--run-dir",
+        type=Path,
+        help="where logs and the report go, a new or empty folder (default: runs/<timestamp>-pPdD)",
+    )
+    g.add_argument(
+        OVERWRITE_FLAG,
+        action="store_true",
+        help="--run-dir may hold an earlier run: it is emptied first (only a run folder: report.json or logs/)",
+    )
     g.add_argument(
         "--hosts",
         type=Path,
@@ -293,6 +304,8 @@ def config_from_args(
     else:
         model = attached.model
     python = a.python or _sys.executable
+    if a.python and not _runnable(a.python):
+        raise ConfigError(f"--python {a.python}: no such executable (the interpreter that has vLLM)")
     version = requested_versions(a.vllm_version, env)
     if version:
         if a.python:
@@ -342,13 +355,17 @@ def config_from_args(
         ),
     )
     cfg.validate()
+    if cfg.run_dir is not None:  # refused before anything is installed, launched or written
+        problem = run_dir_problem(Path(cfg.run_dir), bool(getattr(a, "overwrite_run_dir", False)))
+        if problem:
+            raise ConfigError(problem)
     if preflight:
         _preflight(cfg, attached, version[0] if version else None)
     if version:
         from harness.envs.vllm_env import EnvSetupFailed, ensure_env
 
         try:
-            cfg = replace(cfg, python=str(ensure_env(device, version[0])))
+            cfg = replace(cfg, python=str(ensure_env(device, version[0], lm_eval=cfg.accuracy is not None)))
         except EnvSetupFailed as e:
             raise ConfigError(str(e)) from None
     return cfg
@@ -522,6 +539,21 @@ def _hosts(path: Path | None, attach: bool) -> RunHosts:
     return hosts
 
 
+def _runnable(program: str) -> bool:
+    """A path to an executable file, or a name found on PATH."""
+    import shutil
+
+    if "/" not in program:
+        return shutil.which(program) is not None
+    return os.path.isfile(program) and os.access(program, os.X_OK)
+
+
+def _interrupted_before_run(e: KeyboardInterrupt) -> int:
+    signum = getattr(e, "signum", signal.SIGINT)
+    print(f"interrupted by {signal.Signals(signum).name} before the run started: nothing ran", file=sys.stderr)
+    return 128 + signum
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     from harness.core import progress
@@ -566,17 +598,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if attach is None and a.model is None and cfg.device == "gpu":
         print(default_model_note(cfg), flush=True)
-    catch_interrupts()
     from harness.run.pipeline import PDRun
     from harness.run.report import print_summary
 
-    run = PDRun(cfg, attach=attach)
-    print(f"run folder: {run.run_dir}", flush=True)
+    catch_interrupts()
+    try:  # an interrupt before the run's own handling: one line, and nothing started (the folder is made by run())
+        if cfg.run_dir is not None and a.overwrite_run_dir:
+            claim_run_dir(Path(cfg.run_dir), overwrite=True)
+        run = PDRun(cfg, attach=attach)
+        print(f"run folder: {run.run_dir}", flush=True)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt as e:
+        return _interrupted_before_run(e)
     try:
         d = run.run()
     except KeyboardInterrupt as e:
-        signum = getattr(e, "signum", signal.SIGINT)
-        print_summary(json.loads((run.run_dir / "report.json").read_text()), run.run_dir)
-        return 128 + signum
+        report = run.run_dir / "report.json"
+        if not report.exists():  # the signal came before the run's try: nothing was started
+            return _interrupted_before_run(e)
+        print_summary(json.loads(report.read_text()), run.run_dir)
+        return 128 + getattr(e, "signum", signal.SIGINT)
     print_summary(d, run.run_dir)
     return 0 if d["verdict"] == "pass" else 1

@@ -53,6 +53,46 @@ HARNESS_PROXY_FAULTS = ("hold-between-hops",)  # what the harness sets itself (-
 
 
 @dataclass(frozen=True)
+class Bound:
+    """A numeric setting's allowed range, declared once: the CLI, the Makefile's variables and YAML entries all build
+    an E2EConfig, whose validate() checks every field against its bound (one line naming the flag)."""
+
+    flag: str
+    low: float | None = None  # None: no lower bound
+    high: float | None = None
+    low_open: bool = False  # True: the value must be > low (else >= low)
+
+    def problem(self, name: str, value: object) -> str | None:
+        if value is None or isinstance(value, bool):
+            return None
+        if not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
+            return f"{self.flag} ({name}) must be a finite number, got {value!r}"
+        too_low = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        if too_low or (self.high is not None and value > self.high):
+            low = "" if self.low is None else f"{'>' if self.low_open else '>='} {self.low:g}"
+            high = "" if self.high is None else f"<= {self.high:g}"
+            return f"{self.flag} ({name}) must be {' and '.join(x for x in (low, high) if x)}, got {value!r}"
+        return None
+
+
+# Each numeric field's range (a value outside it cannot work: it would start servers and fail later, or never).
+BOUNDS = {
+    "max_tokens": Bound("--max-tokens", 1),
+    "logprobs": Bound("logprobs", 0, 20),  # no flag: the top-k the comparison asks for
+    "ready_timeout_s": Bound("--ready-timeout", 0, low_open=True),
+    "request_timeout_s": Bound("--request-timeout", 0, low_open=True),
+    "kv_lease_s": Bound("--kv-lease", 1),
+    "proxy_fault_every": Bound("--proxy-fault-every", 1),
+    "max_model_len": Bound("--max-model-len", 1),
+    "kv_pool_blocks": Bound("--kv-pool-blocks", 0),
+    "logprob_threshold": Bound("--logprob-threshold", 0, low_open=True),
+    "gpu_memory_utilization": Bound("--gpu-memory-utilization", 0, 1, low_open=True),
+    # a scale of D's received KV: a fault must stay finite in fp16/bf16 (65504) so the digest, not a NaN, catches it
+    "decode_kv_fault": Bound("--decode-kv-fault", 0, 100, low_open=True),
+}
+
+
+@dataclass(frozen=True)
 class E2EConfig:
     tp_p: int = 1
     tp_d: int = 1
@@ -99,6 +139,14 @@ class E2EConfig:
     health_grace_s: float = ATTACHED_HEALTH_GRACE_S  # attach mode: silence on /health for this long is a death
 
     def validate(self) -> None:
+        for name, bound in BOUNDS.items():
+            problem = bound.problem(name, getattr(self, name))
+            if problem:
+                raise ConfigError(problem)
+        if self.cpu_tuning.progress_thread_delay_us < 0:
+            raise ConfigError(
+                f"--nixl-progress-delay-us must be >= 0, got {self.cpu_tuning.progress_thread_delay_us!r}"
+            )
         for name in ("tp_p", "tp_d"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:

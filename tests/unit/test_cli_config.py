@@ -55,8 +55,13 @@ def test_env_defaults_ignores_empty():
 
 
 def test_vllm_version_selects_an_environment_and_conflicts_with_python(monkeypatch):
-    monkeypatch.setattr("harness.envs.vllm_env.ensure_env", lambda device, version: f"/envs/{device}-{version}/bin/python")
+    monkeypatch.setattr(
+        "harness.envs.vllm_env.ensure_env",
+        lambda device, version, lm_eval=False: f"/envs/{device}-{version}{'-lm' if lm_eval else ''}/bin/python",
+    )
     assert cfg(["--device", "cpu", "--vllm-version", "0.21.0"]).python == "/envs/cpu-0.21.0/bin/python"
+    # an accuracy run's lm-eval runs with the serving interpreter: its environment must have it
+    assert cfg(["--device", "cpu", "--vllm-version", "0.21.0", "--accuracy"]).python == "/envs/cpu-0.21.0-lm/bin/python"
     assert cfg(["--device", "cpu"], {"VLLM_VERSION": "0.21.0"}).python == "/envs/cpu-0.21.0/bin/python"
     with pytest.raises(ConfigError, match="not both"):
         cfg(["--device", "cpu", "--vllm-version", "0.21.0", "--python", "/usr/bin/python3"])
@@ -135,3 +140,29 @@ def test_no_baseline_is_refused_with_what_needs_a_baseline(extra, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         cfg([*base, *extra])
     assert cfg(base).baseline is False
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--request-timeout", "-5"], "--request-timeout"),
+        (["--ready-timeout", "0"], "--ready-timeout"),
+        (["--logprob-threshold", "-1"], "--logprob-threshold"),
+        (["--nixl-progress-delay-us", "-100"], "--nixl-progress-delay-us"),
+        (["--decode-kv-fault=-1e9"], "--decode-kv-fault"),
+        (["--decode-kv-fault=nan"], "--decode-kv-fault"),
+        (["--python", "/nonexistent/python3"], "--python"),
+        (["--gpu-memory-utilization", "5"], "--gpu-memory-utilization"),
+    ],
+)
+def test_a_flag_value_that_cannot_work_is_refused_in_one_line_before_any_server(argv, says):
+    with pytest.raises(ConfigError) as e:
+        cfg(["--device", "cpu", *argv])
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_same_bounds_hold_for_a_config_built_in_code_or_from_yaml():
+    with pytest.raises(ConfigError, match="--gpu-memory-utilization"):
+        replace(E2EConfig(), gpu_memory_utilization=5.0).validate()
+    with pytest.raises(ConfigError, match="GPU_MEMORY_UTILIZATION"):
+        env_defaults({"GPU_MEMORY_UTILIZATION": "5"})
