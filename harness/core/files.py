@@ -12,8 +12,10 @@ from pathlib import Path
 
 from harness.core.errors import ConfigError
 
-# What a harness run leaves in its folder (glob patterns): only such a folder is ever emptied for a new run.
-RUN_MARKERS = ("report.json", "logs")
+# What a harness run leaves in its folder (glob patterns: an e2e's report and logs, a matrix's pair folders): a folder
+# holding one is an earlier run's, refused for a new run and the only kind --overwrite-run-dir empties. Anything else
+# in it (a Ray task's task.log, a note) is left alone: it cannot feed the run's failure classification.
+RUN_MARKERS = ("report.json", "logs", "vllm-*")
 OVERWRITE_FLAG = "--overwrite-run-dir"
 
 
@@ -45,19 +47,18 @@ def sha256_of(path: Path) -> str:
 def run_dir_problem(
     path: Path, overwrite: bool = False, flag: str = OVERWRITE_FLAG, markers: Sequence[str] = RUN_MARKERS
 ) -> str | None:
-    """Why ``path`` cannot be a new run's folder (None: it can). A folder that holds anything is refused (an old run's
-    logs would feed the new run's failure classification); ``overwrite`` accepts it only where an earlier run left
-    it (one of ``markers``), so that emptying it never deletes anything else."""
+    """Why ``path`` cannot be a new run's folder (None: it can). A folder an earlier run left (one of ``markers``) is
+    refused (its logs would feed the new run's failure classification) unless ``overwrite``; ``overwrite`` of a folder
+    that holds something else is refused, so that emptying never deletes anything but a run."""
     try:
         if not path.exists():
             return None
         if not path.is_dir():
             return f"{path} exists and is not a folder"
-        if not any(path.iterdir()):
-            return None
-        if not overwrite:
-            return f"{path} is not empty: a run folder is never reused (give a new folder, or {flag} to empty it)"
-        if not any(any(path.glob(m)) for m in markers):
+        used = any(any(path.glob(m)) for m in markers)
+        if used and not overwrite:
+            return f"{path} holds an earlier run: a run folder is never reused (a new folder, or {flag} to empty it)"
+        if overwrite and not used and any(path.iterdir()):
             return f"{path} does not look like a run folder (no {' or '.join(markers)}): {flag} empties only those"
     except OSError as e:
         return f"{path}: {e.strerror or e}"
@@ -72,7 +73,7 @@ def claim_run_dir(
     problem = run_dir_problem(path, overwrite, flag, markers)
     if problem:
         raise ConfigError(problem)
-    if overwrite and path.is_dir():
+    if overwrite and path.is_dir() and any(any(path.glob(m)) for m in markers):
         for entry in path.iterdir():
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)

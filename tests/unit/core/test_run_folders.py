@@ -25,7 +25,11 @@ def test_a_new_or_empty_folder_is_taken_and_a_used_one_refused_in_one_line(tmp_p
     (tmp_path / "empty").mkdir()
     assert run_dir_problem(tmp_path / "empty") is None
     problem = run_dir_problem(finished_run(tmp_path / "old"))
-    assert problem and "not empty" in problem and "--overwrite-run-dir" in problem and "\n" not in problem
+    assert problem and "holds an earlier run" in problem and "--overwrite-run-dir" in problem and "\n" not in problem
+    ray = tmp_path / "ray-entry"  # a Ray task writes its task.log into the entry's folder before the matrix starts
+    ray.mkdir()
+    (ray / "task.log").write_text("started\n")
+    assert run_dir_problem(ray) is None
     (tmp_path / "file").write_text("x")
     assert "not a folder" in run_dir_problem(tmp_path / "file")
 
@@ -44,16 +48,16 @@ def test_overwrite_empties_only_an_earlier_runs_folder(tmp_path):
 
 def test_e2e_refuses_a_finished_runs_folder_before_anything_starts(tmp_path, capsys):
     old = finished_run(tmp_path / "old")
-    assert main(["e2e", "--device", "cpu", "--python", "/nonexistent/python", "--run-dir", str(old)]) == 2
+    assert main(["e2e", "--device", "cpu", "--run-dir", str(old)]) == 2
     err = capsys.readouterr().err
-    assert "not empty" in err and "Traceback" not in err
+    assert "holds an earlier run" in err and "Traceback" not in err
     assert (old / "logs" / "decode.log").read_text() == "ERROR old run's fatal line\n"
 
 
 def test_matrix_refuses_a_used_folder_before_installing(tmp_path, capsys):
     old = finished_run(tmp_path / "old")
     assert main(["matrix", "--device", "cpu", "--only", "tiny-k1-p1-d2", "--run-dir", str(old)]) == 2
-    assert "not empty" in capsys.readouterr().err
+    assert "holds an earlier run" in capsys.readouterr().err
 
 
 def test_new_folder_never_hands_out_one_folder_twice(tmp_path):
