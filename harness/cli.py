@@ -359,6 +359,10 @@ def config_from_args(
         problem = run_dir_problem(Path(cfg.run_dir), bool(getattr(a, "overwrite_run_dir", False)))
         if problem:
             raise ConfigError(problem)
+    if preflight and attached is None:  # the context holds the prompts in the served model's tokens (attach: theirs)
+        from harness.run.prompt_fit import fit_model_len
+
+        cfg = fit_model_len(cfg)
     if preflight:
         _preflight(cfg, attached, version[0] if version else None)
     if version:
