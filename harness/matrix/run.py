@@ -185,6 +185,19 @@ def new_matrix_dir(runs_root: Path) -> Path:
     return runs_root / f"{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-matrix-{os.getpid()}"
 
 
+def interrupted_pair_report(pair_dir: Path, p: PlannedPair, version: str, e: KeyboardInterrupt) -> None:
+    """The pair's own report when an interrupt (a Ray cancel, Ctrl-C) came before its run wrote one (while its model
+    was built, before its servers started): every interrupted pair then says so in its folder, whatever the phase."""
+    if (pair_dir / "report.json").exists():
+        return
+    from harness.run.failures import interrupted
+    from harness.run.report import Report, write_report
+
+    config = {"entry": p.id, "vllm_version": version, "tp_p": p.tp_p, "tp_d": p.tp_d, "device": p.device}
+    failure = {**interrupted(e), "reason": f"{interrupted(e)['reason']} before the pair's run started"}
+    write_report(Report(config=config, failure=failure), pair_dir, runs_root=None)
+
+
 def run_matrix(
     plans: dict[str, list[PlannedPair]],
     pythons: dict[str, str],
@@ -231,12 +244,19 @@ def run_matrix(
                     )
                 )
                 t_pair = rep.clock()  # the pair's time includes building its model (the estimate must, too)
-                cfg = config_for(base, p, model_for(p, models), pythons[version], run_dir / f"vllm-{version}" / p.id)
-                rep.clear()
-                print(
-                    f"  {p.id}: running P TP{p.tp_p} -> D TP{p.tp_d} (run folder {cfg.run_dir})", file=out, flush=True
-                )
-                report = run_pair(cfg, cache)
+                pair_dir = run_dir / f"vllm-{version}" / p.id
+                try:
+                    cfg = config_for(base, p, model_for(p, models), pythons[version], pair_dir)
+                    rep.clear()
+                    print(
+                        f"  {p.id}: running P TP{p.tp_p} -> D TP{p.tp_d} (run folder {cfg.run_dir})",
+                        file=out,
+                        flush=True,
+                    )
+                    report = run_pair(cfg, cache)
+                except KeyboardInterrupt as e:
+                    interrupted_pair_report(pair_dir, p, version, e)
+                    raise
                 took.append(rep.clock() - t_pair)
                 rep.phase(f"matrix pair {len(took)}/{total}: {p.id} done in {progress.duration(took[-1])}")
                 observed = observed_outcome(report)

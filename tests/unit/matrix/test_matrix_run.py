@@ -144,3 +144,36 @@ def test_a_known_failure_already_reported_upstream_says_so(tmp_path, monkeypatch
     md = (tmp_path / "report.md").read_text()
     assert "- 0.32.0 edge-conv: output-mismatch in the decode log — known upstream: #55208 (open)" in md
     assert "known upstream: #55208" in pair_line(results[0])
+
+
+import pytest  # noqa: E402
+
+from harness.core.interrupts import Interrupted  # noqa: E402
+
+
+@pytest.mark.parametrize("phase", ["model", "run-before-report", "run-after-report"])
+def test_a_pair_interrupted_in_any_phase_leaves_its_own_interrupted_report(tmp_path, monkeypatch, phase):
+    """A Ray cancel (or Ctrl-C) reaches an entry while its model is built, before its run writes a report, or after:
+    the pair's folder always holds a report of class interrupted (issue: a cancelled entry that wrote none)."""
+    import signal
+
+    def model_for(p, models):
+        if phase == "model":
+            raise Interrupted(signal.SIGTERM)
+        return "/models/k1"
+
+    def run_pair(cfg, cache):
+        if phase == "run-after-report":  # the run's own report: kept, not replaced
+            cfg.run_dir.mkdir(parents=True)
+            (cfg.run_dir / "report.json").write_text(json.dumps({"failure": {"class": "interrupted", "own": True}}))
+        raise Interrupted(signal.SIGTERM)
+
+    monkeypatch.setattr("harness.matrix.run.model_for", model_for)
+    with pytest.raises(Interrupted):
+        run_matrix({"0.32.0": [pair()]}, {"0.32.0": "/py"}, {}, E2EConfig(), tmp_path, out=open("/dev/null", "w"),
+                   run_pair=run_pair)
+    d = json.loads((tmp_path / "vllm-0.32.0" / "tiny-k1-p1-d2" / "report.json").read_text())
+    assert d["failure"]["class"] == "interrupted"
+    assert d["failure"].get("own") is (True if phase == "run-after-report" else None)
+    if phase != "run-after-report":
+        assert "SIGTERM before the pair's run started" in d["failure"]["reason"] and d["verdict"] == "interrupted"
