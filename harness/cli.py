@@ -77,6 +77,16 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
         help="D permutes the HND blocks it receives into its NHD layout "
         "(vLLM's enable_permute_local_kv; with --kv-layout-d NHD)",
     )
+    g.add_argument(
+        "--speculative-config",
+        help="vLLM --speculative-config (JSON, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":2,"
+        "\"prompt_lookup_max\":3}') for every server, the baseline included",
+    )
+    g.add_argument(
+        "--max-num-batched-tokens-p",
+        type=positive_int,
+        help="P's --max-num-batched-tokens: below a prompt's length P prefills in chunks",
+    )
     g.add_argument("--max-model-len", type=positive_int, help="default: 512 on CPU, 2048 on GPU")
     g.add_argument(
         "--kv-pool-blocks",
@@ -352,6 +362,8 @@ def config_from_args(
             attention_backend=a.attention_backend,
             kv_buffer_device=a.kv_buffer_device,
             permute_local_kv_d=a.permute_local_kv_d,
+            speculative_config=a.speculative_config,
+            max_num_batched_tokens_p=a.max_num_batched_tokens_p,
         ),
     )
     cfg.validate()

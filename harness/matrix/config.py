@@ -12,7 +12,7 @@ from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
 from harness.models.config import ModelEntry, load_models, load_yaml, require_unique_ids
 from harness.models.topology import ModelShape
-from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
+from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes, speculative_problem
 
 MATRIX_YAML = REPO_ROOT / "configs" / "gqa_replication.yaml"
 EDGE_YAML = REPO_ROOT / "configs" / "edge_cases.yaml"  # the edge-case matrix: axes beyond TP
@@ -73,6 +73,14 @@ class Axes(BaseModel):
     attention_backend: str | None = Field(default=None, pattern=r"^[A-Z0-9_]+$")
     kv_buffer_device: Literal[KV_BUFFER_DEVICES] | None = None  # type: ignore[valid-type]
     permute_local_kv_d: bool = False
+    speculative_config: str | None = None  # JSON, every server (serve/axes.py)
+    max_num_batched_tokens_p: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _speculative(self) -> Axes:
+        if self.speculative_config is not None:
+            speculative_problem(self.speculative_config)
+        return self
 
     def server_axes(self) -> ServerAxes:
         return ServerAxes(**self.model_dump())

@@ -78,7 +78,7 @@ class Bound:
 # Each numeric field's range (a value outside it cannot work: it would start servers and fail later, or never).
 BOUNDS = {
     "max_tokens": Bound("--max-tokens", 1),
-    "logprobs": Bound("logprobs", 0, 20),  # no flag: the top-k the comparison asks for
+    "logprobs": Bound("logprobs", 1, 20),  # no flag: the top-k the comparison asks for
     "ready_timeout_s": Bound("--ready-timeout", 0, low_open=True),
     "request_timeout_s": Bound("--request-timeout", 0, low_open=True),
     "kv_lease_s": Bound("--kv-lease", 1),

@@ -156,6 +156,8 @@ def _spec(
         kv_cache_dtype=cfg.axes.kv_cache_dtype,
         async_scheduling=cfg.axes.async_scheduling,
         attention_backend=cfg.axes.attention_backend,
+        speculative_config=cfg.axes.speculative_config,
+        max_num_batched_tokens=cfg.axes.max_num_batched_tokens_p if role == "prefill" else None,
         kv_buffer_device=cfg.axes.kv_buffer_device,
         prefix_caching=role == "decode" and cfg.axes.prefix_caching_d,
         permute_local_kv=role == "decode" and cfg.axes.permute_local_kv_d,

@@ -6,6 +6,7 @@ matrix entry, a run config and a server spec carry them the same way.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 
 # What vLLM accepts for --kv-cache-dtype (a value outside it is a config error here, not a server crash).
@@ -23,6 +24,11 @@ class ServerAxes:
     permute_local_kv_d: bool = (
         False  # D permutes received HND blocks into its NHD layout (vLLM's enable_permute_local_kv)
     )
+    # --speculative-config (JSON) on every server, the baseline included: P/D decodes speculatively against a baseline
+    # that does too, so the comparison stays greedy-exact and an acceptance drop is P/D's
+    speculative_config: str | None = None
+    # P's --max-num-batched-tokens: below the prompt length, P prefills in chunks (D and the baseline keep theirs)
+    max_num_batched_tokens_p: int | None = None
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -36,6 +42,11 @@ class ServerAxes:
                 f"attention_backend must be a vLLM backend name such as FLASH_ATTN, got {self.attention_backend!r}"
             )
 
+        if self.speculative_config is not None:
+            speculative_problem(self.speculative_config)
+        if self.max_num_batched_tokens_p is not None and self.max_num_batched_tokens_p < 1:
+            raise ValueError(f"max_num_batched_tokens_p must be >= 1, got {self.max_num_batched_tokens_p!r}")
+
     def set(self) -> dict[str, object]:
         """The axes that differ from their default: what a report and a matrix listing show."""
         default = ServerAxes()
@@ -43,3 +54,14 @@ class ServerAxes:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def speculative_problem(text: str) -> None:
+    """ValueError (one line) unless ``text`` is a JSON object naming a speculative ``method`` (vLLM's schema, checked
+    by vLLM itself when the server starts: here only what makes the flag unusable)."""
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"speculative_config is not JSON: {e}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("method"), str):
+        raise ValueError(f'speculative_config must be a JSON object with a "method", got {text!r}')

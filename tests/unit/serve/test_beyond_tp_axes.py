@@ -1,0 +1,63 @@
+"""The axes beyond TP (issue: spec decode, chunked prefill on P): each reaches the servers it is for, the baseline
+included where the comparison needs it, and a value that cannot work is refused where it is declared."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.cli import build_parser, config_from_args
+from harness.core.errors import ConfigError
+from harness.matrix.config import load_matrix
+from harness.run.config import E2EConfig
+from harness.run.launch import make_server
+from harness.serve.axes import ServerAxes
+from harness.serve.ports import PortAllocator
+
+NGRAM = '{"method":"ngram","num_speculative_tokens":2,"prompt_lookup_max":3}'
+
+
+def argv_of(cfg: E2EConfig, role: str, tmp_path) -> list[str]:
+    with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
+        srv = make_server(cfg, alloc, role, 1, "/m", "m", None, None, tmp_path)
+    return list(srv.proc.spec.argv)
+
+
+def value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def test_spec_decode_reaches_every_server_and_chunked_prefill_only_p(tmp_path):
+    cfg = E2EConfig(python="python3", axes=ServerAxes(speculative_config=NGRAM, max_num_batched_tokens_p=64))
+    argv = {role: argv_of(cfg, role, tmp_path / role) for role in ("prefill", "decode", "baseline")}
+    assert all(value(a, "--speculative-config") == NGRAM for a in argv.values())  # the baseline decodes alike
+    assert value(argv["prefill"], "--max-num-batched-tokens") == "64"
+    assert value(argv["decode"], "--max-num-batched-tokens") is None
+    assert value(argv["baseline"], "--max-num-batched-tokens") is None
+    plain = argv_of(E2EConfig(python="python3"), "decode", tmp_path / "plain")
+    assert "--speculative-config" not in plain and "--max-num-batched-tokens" not in plain
+
+
+def cli(*args: str) -> E2EConfig:
+    return config_from_args(build_parser().parse_args(["e2e", "--device", "cpu", *args]), env={}, preflight=False)
+
+
+def test_the_flags_build_the_axes_and_bad_values_are_one_line_errors():
+    a = cli("--speculative-config", NGRAM, "--max-num-batched-tokens-p", "48").axes
+    assert (a.speculative_config, a.max_num_batched_tokens_p) == (NGRAM, 48)
+    assert a.set() == {"speculative_config": NGRAM, "max_num_batched_tokens_p": 48}
+    for bad, says in (("{not json", "not JSON"), ('{"num_speculative_tokens": 2}', '"method"'), ("[1]", '"method"')):
+        with pytest.raises(ConfigError, match=says):
+            cli("--speculative-config", bad)
+
+
+def test_a_matrix_entry_takes_the_axes_and_refuses_a_config_without_a_method(tmp_path):
+    head = "entries:\n  - id: x\n    model: tiny-llama\n    device: cpu\n    tp_p: 1\n    tp_d: 2\n"
+    tail = "    expected: {pre-fix: assert-45330, fixed: ok}\n"
+    good = tmp_path / "good.yaml"
+    good.write_text(head + f"    axes: {{speculative_config: '{NGRAM}', max_num_batched_tokens_p: 64}}\n" + tail)
+    entry = load_matrix(good)[0].entries[0]
+    assert entry.settings() == {"speculative_config": NGRAM, "max_num_batched_tokens_p": 64}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(head + "    axes: {speculative_config: '{\"k\": 1}'}\n" + tail)
+    with pytest.raises(ConfigError, match="method"):
+        load_matrix(bad)
