@@ -11,6 +11,7 @@ import sys
 
 from pathlib import Path
 
+from harness.core.argtypes import HarnessArgumentParser
 from harness.proxy.app import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app, hold_until_released, wrong_engine_id
 
 # Fault injection for tests that must see the harness fail a run; "no-remote-decode" skips the transfer.
@@ -20,7 +21,7 @@ FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids, "wrong-engine-id
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = HarnessArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill base URLs")

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from harness.accuracy.settings import AccuracySettings
-from harness.core.argtypes import non_negative_int, positive, positive_int
+from harness.core.argtypes import HarnessArgumentParser, non_negative_int, positive, positive_int
 from harness.core.errors import ConfigError
 from harness.core.files import OVERWRITE_FLAG, claim_run_dir, run_dir_problem
 from harness.core.interrupts import catch_interrupts
@@ -79,8 +79,8 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--speculative-config",
-        help="vLLM --speculative-config (JSON, e.g. '{\"method\":\"ngram\",\"num_speculative_tokens\":2,"
-        "\"prompt_lookup_max\":3}') for every server, the baseline included",
+        help='vLLM --speculative-config (JSON, e.g. \'{"method":"ngram","num_speculative_tokens":2,'
+        '"prompt_lookup_max":3}\') for every server, the baseline included',
     )
     g.add_argument(
         "--max-num-batched-tokens-p",
@@ -247,7 +247,7 @@ def _e2e_faults_args(e: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = HarnessArgumentParser(
         prog="python -m harness", description="vLLM P/D (NixlConnector) heterogeneous-TP accuracy harness"
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -487,9 +487,16 @@ def attach_config(a: argparse.Namespace, attach, env=None):
 def topology_main(a: argparse.Namespace) -> int:
     import json
 
+    from harness.envs.vllm_env import check_version
     from harness.models.heads import model_heads
-    from harness.models.topology import ModelShape, predict
+    from harness.models.topology import ModelShape, predict, shape_problem
 
+    if a.vllm_version is not None:
+        try:
+            check_version(a.vllm_version)  # as e2e checks it: an unknown word would pass as the fixed family
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if a.model is not None:
         try:
             heads = model_heads(a.model)
@@ -512,6 +519,10 @@ def topology_main(a: argparse.Namespace) -> int:
             print("error: --kv-heads needs --heads", file=sys.stderr)
             return 2
         shape = ModelShape(a.heads, a.kv_heads, a.head_dim, a.dtype)
+    problem = shape_problem(shape)
+    if problem:
+        print(f"error: {problem}: not a model vLLM loads", file=sys.stderr)
+        return 2
     t = predict(shape, a.tp_p, a.tp_d, a.block_size_p, a.block_size_d, a.vllm_version)
     if a.json:
         print(json.dumps(t.to_dict(), indent=2))

@@ -25,6 +25,8 @@ import signal
 import sys
 import time
 
+from harness.core.argtypes import HarnessArgumentParser
+
 # One KV params shape, as vLLM's NixlConnector returns it from P (what harness/proxy/app.py forwards to D).
 KV_TRANSFER_PARAMS = {
     "do_remote_prefill": True,
@@ -211,7 +213,7 @@ def run(coro) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = HarnessArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--ready-after", type=float, default=0.0, help="seconds before /health answers 200")

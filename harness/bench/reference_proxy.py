@@ -25,6 +25,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from harness.core.argtypes import HarnessArgumentParser
+
 REMOTE_DECODE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -101,7 +103,7 @@ def create_app(prefill_urls: list[str], decode_urls: list[str]) -> FastAPI:
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = HarnessArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--prefill", nargs="+", required=True, metavar="URL")

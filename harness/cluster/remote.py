@@ -25,6 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from harness.core.argtypes import HarnessArgumentParser
+
 REMOTE_GRACE_S = 8.0  # the server's SIGTERM -> SIGKILL on its node (vLLM stops in a few seconds)
 START_TIMEOUT_S = 120.0  # placing the actor and starting the server (Ray may first start a worker on the node)
 POLL_S = 0.25
@@ -69,7 +71,7 @@ class NodeProcess:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m harness.cluster.remote", description=__doc__.splitlines()[0])
+    p = HarnessArgumentParser(prog="python -m harness.cluster.remote", description=__doc__.splitlines()[0])
     p.add_argument("--ray", required=True, help="the cluster's address (ray://HEAD[:PORT] or HEAD:PORT)")
     p.add_argument("--node-id", required=True, help="the Ray node to run on")
     p.add_argument("--env", action="append", default=[], metavar="NAME", help="a variable to take along")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextvars
+from typing import NoReturn
 
 
 def positive(kind):
@@ -31,3 +33,21 @@ def non_negative_int(s: str) -> int:
     if v < 0:
         raise argparse.ArgumentTypeError(f"{s!r} must be >= 0")
     return v
+
+
+# The innermost (sub)command being parsed: "unrecognized arguments" is raised by the top parser after its
+# subcommand's parser has run, and the hint should name that subcommand's --help.
+_parsing: contextvars.ContextVar[str] = contextvars.ContextVar("_parsing", default="")
+
+
+class HarnessArgumentParser(argparse.ArgumentParser):
+    """argparse as the harness uses it: a bad flag is ``error: <message>`` and one line pointing at ``--help``
+    (not the whole usage first), exit 2. Subparsers take this class too (argparse's default ``parser_class`` is the
+    parent's); ``--help`` is argparse's own."""
+
+    def parse_known_args(self, args=None, namespace=None):  # argparse's (overloaded) signature
+        _parsing.set(self.prog)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {message}\n(see {_parsing.get() or self.prog} --help)\n")

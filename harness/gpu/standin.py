@@ -25,6 +25,7 @@ import threading
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from harness.core.argtypes import HarnessArgumentParser
 from harness.gpu import standin_model as model
 from harness.gpu.claims import STATE_ENV, Claim, box_state, proc_start, register, release
 from harness.gpu.nvml import GpuInfo, discover
@@ -39,7 +40,7 @@ TAG = "[stand-in]"
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The vLLM server arguments a stand-in uses; the others (dtype, attention backend, ...) are accepted unread."""
-    p = argparse.ArgumentParser(prog="python -m harness.gpu.standin", add_help=False)
+    p = HarnessArgumentParser(prog="python -m harness.gpu.standin", add_help=False)
     p.add_argument("--model", required=True)
     p.add_argument("--served-model-name")
     p.add_argument("--host", default="127.0.0.1")

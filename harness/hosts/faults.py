@@ -14,12 +14,12 @@ run reads P again to follow the blocks it held for D back to idle (the leak chec
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.hosts.netns import run_ip
 from harness.hosts.placement import Host
 
 NET_FAULTS = ("none", "p-link-down", "side-channel-blocked")
@@ -36,7 +36,7 @@ def links(host: Host) -> dict[str, bool]:
     """Each interface of ``host``'s namespace but loopback -> whether it is up."""
     if host.netns is None:
         raise NetFaultError(f"host {host.name} is not a network namespace: the harness cuts links only there")
-    out = subprocess.run(["ip", "-n", host.netns, "-o", "link", "show"], capture_output=True, text=True)
+    out = run_ip(["ip", "-n", host.netns, "-o", "link", "show"], NetFaultError)
     if out.returncode:
         raise NetFaultError(f"ip -n {host.netns} link show: {out.stderr.strip()}")
     state: dict[str, bool] = {}
@@ -75,7 +75,7 @@ def bring_up(host: Host, names: list[str]) -> dict[str, bool]:
 
 
 def _set_link(host: Host, name: str, updown: str) -> None:
-    done = subprocess.run(["ip", "-n", str(host.netns), "link", "set", name, updown], capture_output=True, text=True)
+    done = run_ip(["ip", "-n", str(host.netns), "link", "set", name, updown], NetFaultError)
     if done.returncode:
         raise NetFaultError(f"ip -n {host.netns} link set {name} {updown}: {done.stderr.strip()}")
 
@@ -142,7 +142,7 @@ class LinkCutter:
 def _iptables(host: Host, *args: str) -> str:
     if shutil.which("iptables") is None:
         raise NetFaultError("iptables is not installed (Debian: apt-get install iptables)")
-    out = subprocess.run(["ip", "netns", "exec", str(host.netns), "iptables", *args], capture_output=True, text=True)
+    out = run_ip(["ip", "netns", "exec", str(host.netns), "iptables", *args], NetFaultError)
     if out.returncode:
         raise NetFaultError(f"iptables {' '.join(args)} in {host.netns}: {out.stderr.strip()}")
     return out.stdout

@@ -6,8 +6,10 @@ Needs root and iproute2 (``ip``). ``namespace_problem()`` says why a lab cannot 
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import shlex
 import shutil
 import subprocess
 import uuid
@@ -24,10 +26,28 @@ NETNS_DIR = "/run/netns"
 # torch.distributed's Gloo advertises the address the host name resolves to, 127.0.0.1 here, so a TP group across
 # hosts is told which interface to use (measured: a D rank on another host was refused at 127.0.0.1 without it).
 NAMESPACE_HOST_ENV = (("UCX_TLS", "tcp"),)
+# An `ip` or `iptables` call takes milliseconds; one hung in the kernel (a stuck namespace) must not hang the run.
+IP_TIMEOUT_S = 30.0
+IP_KILL_WAIT_S = 5.0  # after the kill: a process stuck in the kernel may not die at once; it is then left behind
 
 
 class NamespaceError(RuntimeError):
     """An ``ip`` command of the lab failed; the message carries its stderr."""
+
+
+def run_ip(argv: list[str], error: type[Exception]) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (``ip ...``, or ``ip netns exec NS iptables ...``) for its output, bounded by ``IP_TIMEOUT_S``:
+    past it the command is killed and ``error`` raised, one line naming the command. Every ``ip`` and ``iptables``
+    call of hosts/ goes through here."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=IP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=IP_KILL_WAIT_S)
+        raise error(f"{shlex.join(argv)}: no answer within {IP_TIMEOUT_S:g} s (killed)") from None
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
 @dataclass(frozen=True)
@@ -73,15 +93,18 @@ def namespace_problem() -> str | None:
     if shutil.which("ip") is None:
         return "iproute2's `ip` is not installed"
     probe = f"pdh-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode:
-        return f"ip netns add failed: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    try:
+        made = run_ip(["ip", "netns", "add", probe], NamespaceError)
+        if made.returncode:
+            return f"ip netns add failed: {made.stderr.strip()}"
+        run_ip(["ip", "netns", "del", probe], NamespaceError)
+    except NamespaceError as e:
+        return str(e)
     return None
 
 
 def _ip(*args: str) -> None:
-    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    done = run_ip(["ip", *args], NamespaceError)
     if done.returncode:
         raise NamespaceError(f"ip {' '.join(args)}: {done.stderr.strip() or f'exit {done.returncode}'}")
 
@@ -135,9 +158,7 @@ class NamespaceLab:
 
     def link_is_up(self, host: str) -> bool:
         i = [h.name for h in self.plan.hosts].index(host)
-        out = subprocess.run(
-            ["ip", "-n", self.plan.switch, "-o", "link", "show", self.plan.links[i][1]], capture_output=True, text=True
-        )
+        out = run_ip(["ip", "-n", self.plan.switch, "-o", "link", "show", self.plan.links[i][1]], NamespaceError)
         flags = out.stdout.partition("<")[2].partition(">")[0].split(",")
         return out.returncode == 0 and "UP" in flags
 
@@ -145,7 +166,11 @@ class NamespaceLab:
         """Remove every namespace this lab made (their interfaces go with them)."""
         errors = []
         for name in reversed(self._made):
-            done = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True)
+            try:  # every namespace gets its try, whatever happened to the one before
+                done = run_ip(["ip", "netns", "del", name], NamespaceError)
+            except NamespaceError as e:
+                errors.append(f"{name}: {e}")
+                continue
             if done.returncode and os.path.exists(os.path.join(NETNS_DIR, name)):
                 errors.append(f"{name}: {done.stderr.strip()}")
         self._made.clear()

@@ -91,8 +91,21 @@ def regime(k: int, p: int, d: int) -> str:
     return "D"  # k < p and p > d
 
 
+def shape_problem(shape: ModelShape) -> str | None:
+    """Why ``shape`` is no model vLLM loads, or None: in GQA each KV head serves an equal group of attention heads,
+    so K must divide them (unknown attention heads, 0, pass; MLA has no K to speak of)."""
+    if shape.mla:
+        return None
+    if shape.kv_heads < 1:
+        return f"K={shape.kv_heads} KV heads: a model has at least one"
+    if shape.attention_heads % shape.kv_heads:
+        return f"{shape.attention_heads} attention heads are not a multiple of K={shape.kv_heads} KV heads (GQA groups)"
+    return None
+
+
 def validity(shape: ModelShape, p: int, d: int, bs_p: int, bs_d: int) -> list[str]:
-    reasons = []
+    problem = shape_problem(shape)
+    reasons = [problem] if problem else []
     for side, tp in (("P", p), ("D", d)):
         if tp < 1:
             reasons.append(f"{side} tp must be >= 1")

@@ -22,7 +22,6 @@ thread count; float summation order may differ elsewhere.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -33,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from harness.core.argtypes import HarnessArgumentParser
 from harness.core.cache import build_cached
 from harness.models.tiny import DEFAULT_CACHE, TinyModelSpec, build_model, train_tokenizer
 from harness.tasks.gsm8k_offline import (
@@ -386,7 +386,7 @@ def read_meta(folder: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Train (or reuse) the tiny model for the gsm8k_offline task.")
+    p = HarnessArgumentParser(description="Train (or reuse) the tiny model for the gsm8k_offline task.")
     p.add_argument("--kv-heads", type=int, default=default_arch().kv_heads)
     p.add_argument("--steps", type=int, default=TrainSpec.steps)
     p.add_argument("--eval", action="store_true", help="also score the saved folder with HF greedy decoding")

@@ -446,7 +446,8 @@ def create_app(
     """The proxy's app (see ``Router``; the fault arguments are ``FaultSettings``'s)."""
     faults = FaultSettings(kv_params_hook, skip_transfer, fault_every, between_hops)
     router = Router(prefill_urls, decode_urls, timeout_s, faults)
-    app = FastAPI(lifespan=router.lifespan)
+    # No /docs, /redoc, /openapi.json: nothing reads them, and /docs loads its assets from a CDN (docs/proxy.md).
+    app = FastAPI(lifespan=router.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.stats = router.stats
 
     async def completions(request: Request) -> Response:

@@ -20,7 +20,6 @@ The same spec always gives byte-identical files.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from harness.core.argtypes import HarnessArgumentParser
 from harness.core.cache import build_cached
 from harness.core.paths import CACHE_ROOT
 
@@ -298,7 +298,7 @@ def ensure_task(spec: TaskSpec = TaskSpec(), cache_dir: Path = DEFAULT_CACHE) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Write the offline GSM8K-format task (an lm-eval include_path).")
+    p = HarnessArgumentParser(description="Write the offline GSM8K-format task (an lm-eval include_path).")
     p.add_argument("--out", type=Path, help="folder to write; default: the cache under .cache/tasks/")
     p.add_argument("--n-train", type=int, default=TaskSpec.n_train)
     p.add_argument("--n-test", type=int, default=TaskSpec.n_test)

@@ -251,6 +251,7 @@ def pack_main(a: argparse.Namespace) -> int:
 
 def main(a: argparse.Namespace) -> int:
     from harness.wheelhouse.build import build, verify
+    from harness.wheelhouse.pack import XzFailed
     from harness.wheelhouse.pip import PipFailed
 
     try:
@@ -268,7 +269,7 @@ def main(a: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except PipFailed as e:
+    except (PipFailed, XzFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if a.json:

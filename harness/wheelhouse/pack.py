@@ -12,9 +12,12 @@ import contextlib
 import json
 import lzma
 import os
+import shlex
 import shutil
 import subprocess
 import tarfile
+import threading
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,6 +28,13 @@ from harness.core.files import sha256_of
 from harness.core.notrack import with_no_track
 
 MIB = 1 << 20
+# xz writes its output a block (24 MiB of input) at a time: seconds apart; estimated ~20 s on 2 busy cores from the
+# 26 min a 480 MiB pack took there (docs/offline-install.md). This long without a byte it has hung: killed.
+XZ_STALL_S = 300.0
+
+
+class XzFailed(RuntimeError):
+    """The xz command failed or hung: one line naming it."""
 
 
 def restore_stored(src: Path, dst: Path) -> None:
@@ -48,24 +58,49 @@ class Packed:
 @contextlib.contextmanager
 def _xz_writer(path: Path, threads: int) -> Iterator[IO[bytes]]:
     """A writable stream that xz-compresses into ``path``: the xz command (multi-threaded) when there is one,
-    else Python's lzma (one thread). Raises when xz fails."""
+    else Python's lzma (one thread). Raises XzFailed when xz fails or writes nothing for ``XZ_STALL_S``."""
     xz = shutil.which("xz")
     if not xz:
         with lzma.open(path, "wb", preset=6) as f:
             yield f
         return
+    cmd = [xz, "-6", f"-T{threads}", "-c"]
     with open(path, "wb") as out:
-        proc = subprocess.Popen(
-            [xz, "-6", f"-T{threads}", "-c"], stdin=subprocess.PIPE, stdout=out, env=with_no_track(os.environ)
-        )
-        assert proc.stdin is not None  # stdin=PIPE
-        try:
-            yield proc.stdin
-        finally:
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=out, env=with_no_track(os.environ))
+    stalled = threading.Event()
+    watch = threading.Thread(target=_watch_xz, args=(proc, path, stalled), name="xz-watch", daemon=True)
+    watch.start()
+    assert proc.stdin is not None  # stdin=PIPE
+    try:
+        yield proc.stdin
+    finally:
+        with contextlib.suppress(BrokenPipeError):  # xz is gone: said below
             proc.stdin.close()
-            rc = proc.wait()
-    if rc:
-        raise RuntimeError(f"xz failed with exit code {rc}")
+        rc = proc.wait()
+        watch.join()
+        # raised here, it replaces what writing to a killed xz raised (BrokenPipeError): the cause, in one line
+        if stalled.is_set():
+            raise XzFailed(f"{shlex.join(cmd)}: wrote nothing for {XZ_STALL_S:g} s (killed)")
+        if rc:
+            raise XzFailed(f"{shlex.join(cmd)} failed with exit code {rc}")
+
+
+def _watch_xz(proc: subprocess.Popen[bytes], path: Path, stalled: threading.Event) -> None:
+    """Kill ``proc`` (xz) once ``path``, its output, has not grown for ``XZ_STALL_S``; return when it exits."""
+    size, since = -1, time.monotonic()
+    while True:
+        try:
+            proc.wait(timeout=min(1.0, XZ_STALL_S / 4))
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        now = path.stat().st_size
+        if now != size:
+            size, since = now, time.monotonic()
+        elif time.monotonic() - since >= XZ_STALL_S:
+            stalled.set()
+            proc.kill()
+            return
 
 
 def pack(folder: Path, out: Path, part_mib: int = 60, threads: int = 2) -> Packed:

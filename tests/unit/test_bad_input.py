@@ -121,6 +121,9 @@ def test_bad_env_values_name_the_variable(tmp_path, env, var):
 def test_bad_flag_value_is_argparse_exit_2(tmp_path):
     cp = harness_cli("e2e", "--tp-d", "three", "--run-dir", str(tmp_path / "run"))
     assert cp.returncode == 2 and "--tp-d" in cp.stderr
+    # the error and where help is, not argparse's ~38 lines of usage first (harness/core/argtypes.py)
+    assert cp.stderr.splitlines() == ["error: argument --tp-d: 'three' is not an integer",
+                                      "(see python -m harness e2e --help)"]
     assert not (tmp_path / "run").exists()
 
 
@@ -241,3 +244,17 @@ def test_topology_on_a_broken_models_yaml_is_one_line(tmp_path, monkeypatch, cap
     assert main(["topology", "--model", "no-such-model-here", "--tp-p", "1", "--tp-d", "2"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0] == f"error: {config_error(load_models, broken, MODELS_CASES['broken yaml'][0])}"
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--kv-heads", "3", "--heads", "4"], "error: 4 attention heads are not a multiple of K=3 KV heads"),
+    (["--kv-heads", "2", "--heads", "4", "--vllm-version", "banana"],
+     "error: --vllm-version 'banana' is not a version number such as 0.21.0"),  # what e2e says (check_version)
+])
+def test_topology_refuses_what_is_no_model_or_no_version(capsys, args, said):
+    from harness.cli import main
+
+    assert main(["topology", "--tp-p", "1", "--tp-d", "2", *args]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.splitlines()
+    assert len(err) == 1 and err[0].startswith(said) and captured.out == ""

@@ -99,7 +99,7 @@ def test_a_blocked_port_drops_connections_and_counts_them(tmp_path):
 
 
 class FakeIp:
-    """``subprocess.run`` for ``ip -n NS ...`` and ``ip netns exec NS iptables ...``: links and an INPUT chain held in
+    """``run_ip`` for ``ip -n NS ...`` and ``ip netns exec NS iptables ...``: links and an INPUT chain held in
     memory; ``stuck`` links ignore "up"; ``fail_on`` makes the command whose argv contains it fail."""
 
     def __init__(self, names=("pa1", "pa2"), stuck=(), fail_on=None, delete_does_nothing=False):
@@ -144,7 +144,7 @@ class FakeIp:
 def fake_ip(monkeypatch):
     def make(**kw) -> FakeIp:
         fake = FakeIp(**kw)
-        monkeypatch.setattr(faults.subprocess, "run", fake)
+        monkeypatch.setattr(faults, "run_ip", lambda argv, error: fake(argv))
         monkeypatch.setattr(faults.shutil, "which", lambda name: f"/usr/sbin/{name}")
         return fake
 

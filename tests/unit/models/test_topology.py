@@ -1,6 +1,6 @@
 import pytest
 
-from harness.models.topology import ModelShape, predict, regime
+from harness.models.topology import ModelShape, predict, regime, shape_problem
 
 TINYLLAMA = ModelShape(attention_heads=32, kv_heads=4, head_dim=64)
 LLAMA_1B = ModelShape(attention_heads=32, kv_heads=8, head_dim=64)
@@ -103,3 +103,13 @@ def test_preflight_config_reads_mla_from_the_model(tmp_path):
     assert pf.ok and pf.topology.regime == "M" and pf.topology.expected == "ok"
     # vLLM's CPU MLA forces 16-token blocks: 16 x 576 x 4 B, the remote_block_len D logs in float32
     assert pf.topology.block_size_p == 16 and predict(ModelShape(4, 4, 576, "float32", mla=True), 1, 2).p_block_len == 36864
+
+
+@pytest.mark.parametrize("heads,k", [(4, 3), (6, 4), (32, 5)])
+def test_heads_not_a_multiple_of_k_is_no_model(heads, k):
+    # Each KV head serves an equal group of attention heads: such a shape is never "ok", at any TP pair.
+    t = predict(ModelShape(heads, k), 1, 1)
+    assert t.expected == "invalid" and f"{heads} attention heads are not a multiple of K={k}" in t.expected_reason
+    assert shape_problem(ModelShape(heads, k)) in t.invalid_reasons
+    assert shape_problem(ModelShape(heads, 1)) is None and shape_problem(ModelShape(heads * k, k)) is None
+    assert shape_problem(ModelShape(heads, k, 576, mla=True)) is None  # MLA: no GQA groups

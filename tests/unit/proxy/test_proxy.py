@@ -224,3 +224,22 @@ def test_cli_rejects_bad_args(argv):
     with pytest.raises(SystemExit):
         toy_proxy_server.parse_args(argv)
 
+
+
+def test_fastapi_docs_and_schema_are_off(b):
+    # /docs loads assets from a CDN and nothing of the harness reads any of these (docs/proxy.md).
+    with client(b) as c:
+        for path in ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"):
+            assert c.get(path).status_code == 404, path
+        assert c.get("/health").status_code == 200 and c.get("/proxy/stats").status_code == 200
+
+
+def test_the_documented_routes_are_the_served_ones(b):
+    import re
+
+    from harness.core.paths import REPO_ROOT
+
+    doc = (REPO_ROOT / "docs" / "proxy.md").read_text().partition("## What the proxy exposes")[2]
+    documented = set(re.findall(r"^\| `(GET|POST) (/[^`]*)` \|", doc, re.MULTILINE))
+    served = {(m, r.path) for r in client(b).app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+    assert documented and documented == served
