@@ -12,7 +12,8 @@ Steps, each through an existing entry point with its own timeout and one JUnit t
 With several vLLM versions (--vllm-version/VLLM_VERSION a,b) the matrix and accuracy steps repeat per version,
 their ids ending in @<version>. The GPUs are NVML's, restricted to the caller's CUDA_VISIBLE_DEVICES; every GPU
 step gets exactly those (physical ids, CUDA_DEVICE_ORDER=PCI_BUS_ID), so its servers land where the night planned.
-`--dry-run` prints every step (command, GPU plan, server command lines, checks, timeout) on any machine.
+`--dry-run` prints every step (command, GPU plan, server command lines, checks, timeout) and the night's worst case on
+any machine; its server lines are built by the run's own code (server_lines), so they are the lines that run.
 On a simulated GPU box (PD_HARNESS_SIMULATED_GPUS, docs/gpu.md) a real night runs its steps against stand-in servers:
 no prefetch, no lm-eval, and a step passes when its runs got through (their data-path checks skipped, never passed).
 Exit codes: 0 every step passed or was skipped, 1 a step failed, 2 the night cannot start (bad input, GPUs that
@@ -30,6 +31,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import cast
 
 from harness.accuracy.settings import HUB_DATASET, HUB_TASK
 from harness.core.argtypes import non_negative_int
@@ -49,10 +51,10 @@ from harness.gpu.plan import (
     render_plan,
     uniform_gpus,
 )
+from harness.gpu.run import GpuRun
 from harness.gpu.simulate import SIMULATED_ENV, parse_box
 from harness.run.config import E2EConfig, env_defaults
-from harness.serve.ports import PortBlock
-from harness.serve.vllm_cmd import CpuTuning
+from harness.serve.ports import PortAllocator, PortBlock
 
 # What a dry run assumes when NVML cannot be read (a real run then refuses): the nightly runner's box.
 DEFAULT_GPUS = 8
@@ -91,10 +93,16 @@ ACCURACY_CHECKS = (
     "accuracy_responses_agree",
     "accuracy_matches_expected",
 )
-PORTS_NOTE = "ports are placeholders (a fixed fake allocator); a real run takes them from harness/serve/ports.py"
+WORST_CASE_NOTE = "every step to run at its timeout, then its stop grace and, a GPU step, the GPU release wait"
+PORTS_NOTE = (
+    "ports are placeholders (a fixed fake allocator, taken in the run's order); a real run takes them from "
+    "harness/serve/ports.py"
+)
 PLAN_NOTE = (
-    "server lines are what a run launches: each server's GPUs (CUDA_VISIBLE_DEVICES) and memory share "
-    "(--gpu-memory-utilization) come from the GPU plan; colocated servers start one after another"
+    "server lines are what a run launches, built by the run's own code (harness/run/context.py RunContext.server) "
+    "from the step's config: each server's GPUs (CUDA_VISIBLE_DEVICES) and memory share (--gpu-memory-utilization) "
+    "come from the GPU plan, the interpreter from the step's vLLM environment; colocated servers start one after "
+    "another"
 )
 
 
@@ -187,50 +195,60 @@ class Night:
         return (("CUDA_VISIBLE_DEVICES", ids), ("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER), *sim)
 
 
-def _server_commands(
-    plan: GpuPlan, model: str, python: str, base: E2EConfig | None = None, util: float | None = None
-) -> tuple[tuple[str, str], ...]:
-    """Each vLLM server of the plan as a run would launch it (harness/run/launch.py make_server), plus the proxy;
-    ports are illustrative. ``base``: the entry's settings (block sizes, layout, axes) over a GPU run's defaults;
-    ``util``: GPU_MEMORY_UTILIZATION as the step's run reads it."""
-    from harness.run.launch import make_server
+class PlannedGpus(GpuRun):
+    """The run's GPU interface over a plan made here: what RunContext.server asks of it (each server's placement),
+    without reading NVML (a dry run plans for a box it may not be on)."""
 
-    alloc = FakePorts()
-    cfg = replace(
-        base or E2EConfig(),
-        device="gpu",
-        model=model,
-        python=python,
-        cpu_tuning=CpuTuning(enabled=False),
-        gpu_memory_utilization=util,
-    )
+    def __init__(self, plan: GpuPlan):  # no GpuRun.__init__: it discovers the GPUs and plans again
+        self.plan = plan
+
+
+def server_lines(cfg: E2EConfig, plan: GpuPlan) -> tuple[tuple[str, str], ...]:
+    """Each server of a step's run and its proxy as that run builds them: RunContext.server (run/launch.py
+    make_server: the KV pool, request logging, the serving interpreter) and RunContext.proxy over the run's own
+    ``cfg`` and the plan's placements, in the order the run starts them; ports are placeholders, taken in that
+    order. Pure: nothing is started or installed."""
+    from harness.models.heads import model_heads
+    from harness.run.context import RunContext
+    from harness.run.launch import resolve_model
+    from harness.run.report import Report
+    from harness.workload.client import GenerationSettings
+
+    model, served = resolve_model(cfg)
+    report = Report(config={"model_heads": model_heads(model)})  # what the run reads before it builds its servers
+    run_dir = cfg.run_dir or Path("run")
+    ctx = RunContext(cfg, run_dir, report, [], GenerationSettings(), model, served, gpu=PlannedGpus(plan))
+    alloc = cast(PortAllocator, FakePorts())  # the allocator's interface (port, block), nothing reserved
     bs_p, bs_d = cfg.block_sizes()
-    out, urls = [], {}
-    for s in plan.servers:
-        bs = bs_p if s.role == "prefill" else bs_d
-        srv = make_server(
-            cfg,
-            alloc,
-            s.role,
-            s.tp,
-            model,
-            model,
-            bs,
-            None,
-            Path("logs"),
-            cfg.kv_layout_d if s.role == "decode" else None,
-            placement=s,
-        )
-        urls[s.role] = srv.url
-        out.append((s.name, srv.command))
-    out.append(
-        (
-            "proxy",
-            f"{python} {REPO_ROOT / 'toy_proxy_server.py'} --host 127.0.0.1 --port {alloc.port()} "
-            f"--prefill {urls['prefill']} --decode {urls['decode']}",
-        )
-    )
+    out: list[tuple[str, str]] = []
+    for phase in plan.order:  # run/pipeline.py: the baseline alone, before P/D or (a matrix's) after
+        if phase == "baseline":
+            out.append(("baseline0", ctx.server(alloc, "baseline", cfg.tp_d, bs_d, None).command))
+            continue
+        pre = ctx.server(alloc, "prefill", cfg.tp_p, bs_p, None)
+        dec = ctx.server(alloc, "decode", cfg.tp_d, bs_d, None, cfg.kv_layout_d)
+        ctx.proxy(alloc, [pre.url], [dec.url])
+        out += [("prefill0", pre.command), ("decode0", dec.command), ("proxy", report.commands["proxy"])]
     return tuple(out)
+
+
+def serving_python(version: str | None, default: str) -> str:
+    """The interpreter a step's servers run with: its vLLM version's environment, as envs/vllm_env.py ensure_env
+    returns it (nothing is installed here), else ``default``."""
+    from harness.envs.vllm_env import env_dir
+
+    return str(env_dir("gpu", version) / "bin" / "python") if version else default
+
+
+def e2e_config(argv: Sequence[str], python: str) -> E2EConfig:
+    """The config an e2e step's run builds from its arguments and this environment (harness/cli.py config_from_args),
+    served by ``python``: without installing its version's environment or claiming its run folder."""
+    from harness.cli import build_parser, config_from_args
+
+    a = build_parser().parse_args(list(argv))
+    run_dir, a.run_dir, a.vllm_version = a.run_dir, None, None  # ensure_env and the folder's claim: the run's own
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_VERSION"}
+    return replace(config_from_args(a, env), run_dir=run_dir, python=python)
 
 
 def _matrix_checks(expected: str, version_label: str) -> tuple[str, ...]:
@@ -307,11 +325,18 @@ def build_steps(
 
 def select_steps(steps: Sequence[Step], patterns: Sequence[str]) -> list[Step]:
     """``--only``: the steps whose id matches one of ``patterns`` (shell-style, e.g. ``accuracy/*``); the others are
-    skipped with the reason. No pattern: every step."""
+    skipped with the reason. No pattern: every step. A pattern that matches no step is a mistake (ConfigError): a
+    night that runs nothing would pass."""
     from fnmatch import fnmatchcase
 
     if not patterns:
         return list(steps)
+    unmatched = [p for p in patterns if not any(fnmatchcase(s.id, p) for s in steps)]
+    if unmatched:
+        raise ConfigError(
+            f"--only {','.join(unmatched)} matches no step of this night (ids as doctor, prefetch/<repo>, "
+            "matrix/<entry>, edge/<entry>, accuracy/<run>, history; --dry-run lists them)"
+        )
     return [
         s
         if s.skip_reason is not None or any(fnmatchcase(s.id, p) for p in patterns)
@@ -323,6 +348,17 @@ def select_steps(steps: Sequence[Step], patterns: Sequence[str]) -> list[Step]:
 def scale_timeouts(steps: Sequence[Step], factor: float) -> list[Step]:
     """``--timeout-scale``: every step's timeout times ``factor``."""
     return [replace(s, timeout_s=s.timeout_s * factor) for s in steps]
+
+
+def worst_case_s(steps: Sequence[Step]) -> float:
+    """The longest a night of ``steps`` can take: every step that runs reaches its timeout and is stopped (its grace)
+    and, a GPU step, waits for its GPUs' memory to come back. What a CI job's timeout must hold
+    (ci/nightly-gpu.yml)."""
+    return sum(
+        s.timeout_s + STOP_GRACE_S + (RELEASE_TIMEOUT_S if s.gpu_plan is not None else 0.0)
+        for s in steps
+        if s.skip_reason is None
+    )
 
 
 def _matrix_steps(night: Night, matrix_file: Path | None, matrix_ids: list[str]) -> list[Step]:
@@ -372,7 +408,8 @@ def _accuracy_step(night: Night, hub_id: str, tp_p: int, tp_d: int) -> Step:
     if skip is None and hub_id not in night.hub_models:
         night.hub_models.append(hub_id)
     checks += ("e2e exit code 0 (verdict pass)",)
-    servers = _server_commands(gplan, hub_id, night.python, util=night.util) if gplan else ()
+    cfg = e2e_config(argv[3:], serving_python(night.version, night.python)) if gplan else None
+    servers = server_lines(cfg, gplan) if cfg and gplan else ()
     note = f"full {ACCURACY_TASK} through P/D vs baseline" + (f"; expected score {expected}" if expected else "")
     return Step(
         sid,
@@ -433,9 +470,9 @@ def _prefetch_steps(python: str, hub_models: list[str]) -> list[Step]:
 def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
     """One GPU matrix entry as a nightly step: `python -m harness matrix FILE --only ID`, its plan and server
     commands."""
-    from harness.matrix.run import config_for
+    from harness.matrix.run import model_for
 
-    model = models[p.model].hub_id or p.model
+    model = model_for(p, models)
     sid = night.sid(kind, p.id)
     argv = (
         night.python,
@@ -458,7 +495,6 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
         gplan, skip = _plan(night, sid, p.tp_p, p.tp_d, model, baseline_first=False)
     if skip is None and model not in night.hub_models:
         night.hub_models.append(model)
-    base = config_for(E2EConfig(device="gpu"), p, model, night.python, night.run_dir)
     axes = " ".join(f"{k}={v}" for k, v in p.settings.items())
     label = night.version or "(pinned)"
     return Step(
@@ -469,7 +505,7 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
         _matrix_checks(p.expected, label),
         entry.gpus or 0,
         gplan,
-        _server_commands(gplan, model, night.python, base, night.util) if gplan else (),
+        _matrix_servers(night, p, model, night.run_dir / sid, gplan) if gplan else (),
         skip,
         f"K={p.kv_heads} P{p.tp_p}->D{p.tp_d} regime {p.regime}"
         + (f"; {axes}" if axes else "")
@@ -478,6 +514,19 @@ def _matrix_step(night: Night, p, entry, models, file: Path, kind: str) -> Step:
         night.version,
         needs=(prefetch_id(model),) if skip is None else (),
     )
+
+
+def _matrix_servers(night: Night, p, model: str, folder: Path, plan: GpuPlan) -> tuple[tuple[str, str], ...]:
+    """The servers of the pair's run as `python -m harness matrix --run-dir FOLDER` builds it (matrix/cli.py
+    base_config, matrix/run.py config_for, the pair's folder), served by its version's environment."""
+    from harness.envs.vllm_env import main_version
+    from harness.matrix.cli import base_config
+    from harness.matrix.run import config_for
+
+    version = night.version or main_version("gpu")  # the matrix runs the pinned version from its environment too
+    python = serving_python(version, night.python)
+    cfg = config_for(base_config("gpu", night.load_requests), p, model, python, folder / f"vllm-{version}" / p.id)
+    return server_lines(cfg, plan)
 
 
 def history_step(python: str, run_dir: Path, versions: Sequence[str], ids: list[str]) -> Step:
@@ -523,6 +572,7 @@ def render_dry_run(steps: Sequence[Step], hw: Hardware) -> str:
         f"nightly GPU run (dry run) on {describe_gpus(hw.gpus)}: {len(run)} steps to run, "
         f"{len(steps) - len(run)} skipped",
         f"GPUs: {hw.source}",
+        f"worst case: {worst_case_s(steps) / 60:.0f} min ({WORST_CASE_NOTE})",
         f"note: {PORTS_NOTE}",
         f"note: {PLAN_NOTE}",
         "",
@@ -872,12 +922,11 @@ def main(a: argparse.Namespace) -> int:
         steps = build_steps(
             hw.gpus, a.python, run_dir, versions, util=util, simulated=hw.simulated, load_requests=a.load_requests
         )
+        steps = select_steps(steps, [p.strip() for p in (a.only or "").split(",") if p.strip()])
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    steps = scale_timeouts(
-        select_steps(steps, [p.strip() for p in (a.only or "").split(",") if p.strip()]), a.timeout_scale
-    )
+    steps = scale_timeouts(steps, a.timeout_scale)
     if a.dry_run:
         print(render_dry_run(steps, hw))
         return 0
@@ -886,6 +935,7 @@ def main(a: argparse.Namespace) -> int:
 
         box_state()
     print(f"nightly: run folder {run_dir}; GPUs: {hw.source}", flush=True)
+    print(f"nightly: worst case {worst_case_s(steps) / 60:.0f} min ({WORST_CASE_NOTE})", flush=True)
     results = run_steps(steps, run_dir, gpu_guard=nvml_guard, simulated=hw.simulated)
     bad = [r for r in results if r.status in ("failed", "timeout")]
     sim = f" [{SIM_REASON}: stand-in servers; data-path checks skipped, not passed]" if hw.simulated else ""

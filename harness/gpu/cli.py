@@ -6,9 +6,10 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 from harness.core.errors import ConfigError
-from harness.gpu.plan import MAX_UTIL, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
+from harness.gpu.plan import MAX_UTIL, Gpu, PlanError, model_memory, plan_gpus, render_plan, uniform_gpus
 
 DEFAULT_GPU_MEM_GIB = 80.0
 UTIL_ENV = "GPU_MEMORY_UTILIZATION"  # upstream's name, as e2e reads it (harness/run/config.py UPSTREAM_ENV)
@@ -22,7 +23,7 @@ def add_parser(sub) -> None:
     p.add_argument("--gpus", help="GPUs present (default: counted through NVML)")
     p.add_argument(
         "--gpu-mem-gib",
-        help=f"memory of each GPU in GiB (default: NVML's with --gpus absent, else {DEFAULT_GPU_MEM_GIB:g})",
+        help=f"memory of each GPU in GiB (default: NVML's; where it cannot be read {DEFAULT_GPU_MEM_GIB:g}, said so)",
     )
     p.add_argument("--tp-p", default="1", help="prefill TP size (default 1)")
     p.add_argument("--tp-d", default="1", help="decode TP size (default 1)")
@@ -52,19 +53,30 @@ def _number(flag: str, raw: str | None, kind=int, positive: bool = True):
     return v
 
 
-def _gpus(a: argparse.Namespace):
+def _gpus(a: argparse.Namespace) -> tuple[tuple[Gpu, ...], str | None]:
+    """The GPUs to plan on and, where their memory is assumed, a note saying so and how to change it. ``--gpus N``
+    without ``--gpu-mem-gib`` takes NVML's memory (the first N of its GPUs, or N of its smallest size)."""
     count = _number("--gpus", a.gpus)
     mem = _number("--gpu-mem-gib", a.gpu_mem_gib, float)
-    if count is not None:
-        return uniform_gpus(count, mem or DEFAULT_GPU_MEM_GIB)
-    from dataclasses import replace
-
+    if count is not None and mem is not None:
+        return uniform_gpus(count, mem), None
     from harness.gpu.nvml import discover
 
     d = discover()  # the caller's GPUs: CUDA_VISIBLE_DEVICES applied, physical NVML ids
-    if not d.available or not d.gpus:
-        raise PlanError(f"no GPUs found ({d.reason or 'NVML lists none'}): give --gpus N")
-    return tuple(replace(g, total_gib=mem) if mem else g for g in d.plan_gpus())
+    seen = d.plan_gpus() if d.available else ()
+    if count is None:
+        if not seen:
+            raise PlanError(f"no GPUs found ({d.reason or 'NVML lists none'}): give --gpus N")
+        return tuple(replace(g, total_gib=mem) if mem else g for g in seen), None
+    if not seen:
+        why = d.reason or "NVML lists no GPU"
+        return uniform_gpus(count, DEFAULT_GPU_MEM_GIB), (
+            f"{DEFAULT_GPU_MEM_GIB:g} GiB per GPU assumed ({why}); give --gpu-mem-gib to plan for another size"
+        )
+    if count <= len(seen):
+        return tuple(seen[:count]), None
+    least = min(g.total_gib for g in seen)
+    return uniform_gpus(count, least), f"{count} GPUs planned, {len(seen)} present: each as the smallest, {least:g} GiB"
 
 
 def _util(a: argparse.Namespace) -> float | None:
@@ -79,9 +91,9 @@ def _util(a: argparse.Namespace) -> float | None:
 
 
 def build(a: argparse.Namespace):
-    gpus = _gpus(a)
+    gpus, assumed = _gpus(a)
     memory = model_memory(a.model, a.dtype, _number("--weights-gib", a.weights_gib, float, positive=False))
-    return plan_gpus(
+    plan = plan_gpus(
         gpus,
         _number("--tp-p", a.tp_p),
         _number("--tp-d", a.tp_d),
@@ -91,6 +103,7 @@ def build(a: argparse.Namespace):
         max_util=_number("--max-util", a.max_util, float),
         util=_util(a),
     )
+    return replace(plan, notes=(*plan.notes, assumed)) if assumed else plan
 
 
 def main(a: argparse.Namespace) -> int:

@@ -70,7 +70,8 @@ class ModelMemory:
 def model_memory(
     model: str | None, dtype: str = "bfloat16", weights_gib: float | None = None, models=None
 ) -> ModelMemory:
-    """The weights' size: given, else a local folder's weight files, else params_b of configs/models.yaml."""
+    """The weights' size: given, else a local folder's weight files, else params_b of configs/models.yaml, else of the
+    model's safetensors headers in the local Hugging Face cache; its source says which."""
     if weights_gib is not None:
         if weights_gib < 0:
             raise PlanError(f"weights size must be >= 0 GiB, got {weights_gib}")
@@ -88,14 +89,14 @@ def model_memory(
         from harness.models.config import load_models
 
         models = load_models()
-    entry = models.find(model)
+    listed = models.find(model, files=False)
+    entry = listed or models.find(model)  # not listed: this machine's copy (models/config.py entry_from_files)
     if entry is None or entry.params_b is None:
         what = "unknown model" if entry is None else "no params_b for model"
         raise PlanError(f"{what} {model!r}: add params_b to configs/models.yaml or give the weights size in GiB")
     b = DTYPE_BYTES[dtype]
-    return ModelMemory(
-        entry.params_b * 1e9 * b / GIB, f"params_b {entry.params_b} x {b} B ({dtype}) from configs/models.yaml"
-    )
+    where = "configs/models.yaml" if listed is not None else f"its safetensors headers ({entry.description})"
+    return ModelMemory(entry.params_b * 1e9 * b / GIB, f"params_b {entry.params_b:g} x {b} B ({dtype}) from {where}")
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from harness.core.argtypes import non_negative_int, positive_int
@@ -14,7 +16,7 @@ from harness.core.files import OVERWRITE_FLAG, claim_run_dir
 from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import versions_from
 from harness.gpu.detect import count_gpus, default_device
-from harness.run.config import E2EConfig
+from harness.run.config import UPSTREAM_ENV, E2EConfig, env_defaults
 from harness.workload.load import LoadSettings
 
 
@@ -88,12 +90,29 @@ def main(a: argparse.Namespace) -> int:
     return run_matrix_main(a, plans, models, device)
 
 
+def base_config(
+    device: str, load_requests: int | None = None, fresh_baseline: bool = False, env: Mapping[str, str] | None = None
+) -> E2EConfig:
+    """What every pair of a matrix run shares (``config_for`` adds the pair's own): the load phase, the baseline cache
+    and, on GPU, GPU_MEMORY_UTILIZATION read as e2e reads it (ConfigError naming the variable), so a night that plans
+    with it runs with it. The nightly's dry run builds its server lines from this config too."""
+    var = UPSTREAM_ENV["gpu_memory_utilization"]
+    raw = (os.environ if env is None else env).get(var, "") if device == "gpu" else ""
+    return E2EConfig(
+        device=device,
+        fresh_baseline=fresh_baseline,
+        load=LoadSettings() if load_requests is None else LoadSettings(requests=load_requests),
+        gpu_memory_utilization=env_defaults({var: raw}).get("gpu_memory_utilization"),  # type: ignore[arg-type]
+    )
+
+
 def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: str) -> int:
     from harness.envs.vllm_env import EnvSetupFailed, ensure_env
     from harness.matrix.run import new_matrix_dir, run_matrix, summary
 
     catch_interrupts()
     try:
+        base = base_config(device, a.load_requests, a.fresh_baseline)
         if a.run_dir is not None:  # refused (or emptied, with the flag) before anything is installed or started
             claim_run_dir(Path(a.run_dir), a.overwrite_run_dir)
     except ConfigError as e:
@@ -106,11 +125,6 @@ def run_matrix_main(a: argparse.Namespace, plans: dict, models: dict, device: st
         print(f"error: {e}", file=sys.stderr)
         return 1
     pythons.update({v: "-" for v in plans if v not in pythons})
-    base = E2EConfig(
-        device=device,
-        fresh_baseline=a.fresh_baseline,
-        load=LoadSettings() if a.load_requests is None else LoadSettings(requests=a.load_requests),
-    )
     run_dir = a.run_dir or new_matrix_dir(base.runs_root)
     print(f"matrix folder: {run_dir}", flush=True)
     try:

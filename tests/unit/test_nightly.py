@@ -277,6 +277,65 @@ def test_ci_workflow_parses_and_runs_make_nightly():
     assert any("junit.xml" in s["with"]["path"] for s in uploads) and all(s.get("if") == "always()" for s in uploads)
 
 
+def test_the_ci_job_holds_a_worst_case_night_and_publishes_its_junit_as_a_test_report():
+    """Issue 35 item 7: the run had 600 min while one version's step timeouts added up to 980 (now 1140; 1261 with
+    each step's stop grace and GPU release wait), and the JUnit file was uploaded but never published as a report."""
+    wf = yaml.safe_load((REPO_ROOT / "ci" / "nightly-gpu.yml").read_text())
+    job = wf["jobs"]["nightly"]
+    steps = job["steps"]
+    run = next(s for s in steps if s.get("run", "").strip().startswith("make nightly") and "DRY_RUN" not in s["run"])
+    assert "NIGHTLY_ARGS" not in run["run"] and "VLLM_VERSION" not in run["run"]  # the default plan, one version
+    worst = max(nightly.worst_case_s(build_steps(uniform_gpus(8, mem), PY, Path("/runs/n"))) for mem in (40.0, 80.0))
+    assert worst >= sum(s.timeout_s for s in build_steps(uniform_gpus(8, 80.0), PY, Path("/runs/n"))
+                        if s.skip_reason is None) > 600 * 60
+    assert run["timeout-minutes"] * 60 >= worst
+    assert all("timeout-minutes" in s for s in steps)
+    assert job["timeout-minutes"] >= sum(s["timeout-minutes"] for s in steps)
+    # several versions: one job each, so a job holds one version's night
+    assert job["env"]["VLLM_VERSION"] == "${{ matrix.vllm_version }}" and "vllm_version" in job["strategy"]["matrix"]
+    assert job["strategy"]["fail-fast"] is False
+    published = [s for s in steps if str(s.get("uses", "")).startswith(("mikepenz/action-junit-report@",
+                                                                         "dorny/test-reporter@"))]
+    assert len(published) == 1 and published[0]["if"] == "always()"
+    assert published[0]["with"]["report_paths"] == "${{ env.RUN_DIR }}/junit.xml"
+    assert wf["permissions"]["checks"] == "write"
+
+
+@pytest.mark.parametrize("given, versions", [("", [""]), ("0.21.0, 0.32.0", ["0.21.0", "0.32.0"]),
+                                             ("0.32.0,", ["0.32.0"])])
+def test_the_ci_versions_job_gives_one_nightly_job_per_version(tmp_path, given, versions):
+    import json
+    import subprocess
+
+    wf = yaml.safe_load((REPO_ROOT / "ci" / "nightly-gpu.yml").read_text())
+    split = wf["jobs"]["versions"]["steps"][0]
+    out = tmp_path / "github_output"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "VERSIONS": given, "GITHUB_OUTPUT": str(out)}
+    subprocess.run(["bash", "-ec", split["run"]], env=env, check=True, timeout=60)
+    key, value = out.read_text().strip().split("=", 1)
+    assert key == "list" and json.loads(value) == versions
+    assert wf["jobs"]["nightly"]["strategy"]["matrix"]["vllm_version"] == "${{ fromJSON(needs.versions.outputs.list) }}"
+
+
+def test_the_dry_run_says_the_worst_case(steps):
+    text = render_dry_run(steps, Hardware(uniform_gpus(8, 80.0), "assumed"))
+    assert f"worst case: {nightly.worst_case_s(steps) / 60:.0f} min (" in text.splitlines()[2]
+    gpu = next(s for s in steps if s.gpu_plan is not None and s.skip_reason is None)
+    assert nightly.worst_case_s([gpu]) == gpu.timeout_s + nightly.STOP_GRACE_S + nightly.RELEASE_TIMEOUT_S
+    skipped = next(s for s in steps if s.skip_reason is not None)
+    assert nightly.worst_case_s([skipped]) == 0
+
+
+def test_only_that_matches_no_step_is_refused(capsys, monkeypatch, tmp_path):
+    """Issue 36 item 9: `nightly --dry-run --only nope` exited 0 with nothing selected (a night that runs nothing
+    passes)."""
+    rc, out, err = dry_run(capsys, monkeypatch, tmp_path, "8x80", "--only", "accuracy/*,nope")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: --only nope matches no step of this night")
+    rc, out, _ = dry_run(capsys, monkeypatch, tmp_path, "8x80", "--only", "accuracy/*")
+    assert rc == 0 and "[to run]" in step_block(out, "accuracy/qwen3-0.6b-p2-d4")
+
+
 def test_makefile_has_a_nightly_target_with_dry_run():
     text = (REPO_ROOT / "Makefile").read_text()
     assert "\nnightly:" in text and "--dry-run" in text and "DRY_RUN" in text
@@ -574,3 +633,92 @@ def test_the_history_step_is_skipped_when_no_gqa_matrix_step_ran(tmp_path):
     with open("/dev/null", "w") as out:
         run_steps(steps, tmp_path / "b", runner=runner, out=out)
     assert ran == ["matrix/p2-d8", "edge/p1-d2", "history"]
+
+
+# Issue 35 item 6: the dry run's server lines are the lines that run. They were built apart from the run and left out
+# the KV pool (--num-gpu-blocks-override) and request logging, and showed another version's servers with the
+# night's interpreter instead of that version's environment.
+
+def run_as_the_cli(monkeypatch, argv) -> tuple[object, bool]:
+    """The config and baseline order a step's own `python -m harness ...` hands PDRun (nothing installed: ensure_env
+    answers with the environment's interpreter; nothing run)."""
+    from harness.envs.vllm_env import env_dir
+
+    got = {}
+
+    class NoRun:
+        def __init__(self, cfg, attach=None, baseline_last=False, baseline_cache=None):
+            got.update(cfg=cfg, baseline_last=baseline_last)
+            self.run_dir = cfg.run_dir
+
+        def run(self):
+            return {"verdict": "pass", "checks": []}
+
+    monkeypatch.setattr("harness.envs.vllm_env.ensure_env",
+                        lambda device, version, *a, **k: env_dir(device, version) / "bin" / "python")
+    monkeypatch.setattr("harness.run.pipeline.PDRun", NoRun)
+    monkeypatch.setattr("harness.cli.catch_interrupts", lambda: None)
+    monkeypatch.setattr("harness.matrix.cli.catch_interrupts", lambda: None)
+    monkeypatch.setattr("harness.run.report.print_summary", lambda *a, **k: None)
+    monkeypatch.setattr("harness.cli._preflight", lambda *a: None)  # refusals only: no model files or NVML here
+    main(list(argv[3:]))
+    return got["cfg"], got["baseline_last"]
+
+
+def real_run_servers(cfg, baseline_last: bool) -> dict[str, str]:
+    """What that run launches, built as run/pipeline.py builds it: the model and its heads, the GPU plan from NVML (8 x
+    80 GiB), the phases' servers in the run's order (run/pd.py local_servers and the proxy, the baseline as
+    run/baseline.py makes it), ports from the dry run's placeholder allocator."""
+    from harness.gpu.run import GpuRun
+    from harness.models.heads import model_heads
+    from harness.run.context import RunContext
+    from harness.run.launch import resolve_model
+    from harness.run.pd import local_servers
+    from harness.run.report import Report
+    from harness.workload.client import GenerationSettings
+    from tests.unit.gpu.fake_nvml import FakeNvml, gpus
+
+    model, served = resolve_model(cfg)
+    ctx = RunContext(cfg, cfg.run_dir, Report(config={}), [], GenerationSettings(), model, served)
+    ctx.report.config["model_heads"] = model_heads(model)
+    ctx.gpu = GpuRun(cfg.tp_p, cfg.tp_d, model, nvml=FakeNvml([gpus(8)]),
+                     gpu_memory_utilization=cfg.gpu_memory_utilization, env={})
+    alloc, (bs_p, bs_d) = nightly.FakePorts(), cfg.block_sizes()
+    for phase in ("pd", "baseline") if baseline_last else ("baseline", "pd"):
+        if phase == "baseline":
+            ctx.server(alloc, "baseline", cfg.tp_d, bs_d, None)
+            continue
+        servers = local_servers(ctx, alloc, (bs_p, bs_d), [None, None])
+        ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
+    return {(k if k == "proxy" else f"{k}0"): v for k, v in ctx.report.commands.items()}
+
+
+@pytest.mark.parametrize("sid", [f"{TINY_P2_D8}@0.21.0", f"{TINY_P2_D8}@0.32.0", "edge/gpu-bs32-qwen25-3b-p1-d4@0.21.0",
+                                 "edge/gpu-nhd-permute-qwen25-3b-p2-d4@0.32.0", "accuracy/qwen3-0.6b-p2-d4@0.21.0",
+                                 "accuracy/tinyllama-1.1b-chat-p2-d8@0.32.0"])
+def test_dry_run_server_lines_are_the_lines_the_steps_run_builds(monkeypatch, tmp_path, sid):
+    from harness.envs.vllm_env import env_dir
+
+    monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.4")  # read by the night and by each step's run
+    steps = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path, ["0.21.0", "0.32.0"], util=0.4)}
+    step = steps[sid]
+    cfg, baseline_last = run_as_the_cli(monkeypatch, step.argv)
+    assert dict(step.servers) == real_run_servers(cfg, baseline_last)
+    assert [name for name, _ in step.servers] == list(real_run_servers(cfg, baseline_last))  # and in its order
+    python = str(env_dir("gpu", step.version) / "bin" / "python")
+    for name, line in step.servers:
+        assert line.split(" -m vllm.")[0].endswith(python) or line.startswith(f"{python} "), (name, python)
+        if name != "proxy":
+            assert "--gpu-memory-utilization 0.4 " in line and "--num-gpu-blocks-override " in line
+    assert "--enable-log-requests" in dict(step.servers)["decode0"]  # the load phase's aborts are logged
+
+
+def test_a_matrix_run_takes_the_gpu_memory_utilization_the_night_plans_with(monkeypatch):
+    from harness.matrix.cli import base_config
+
+    monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.4")
+    assert base_config("gpu").gpu_memory_utilization == 0.4
+    assert base_config("cpu").gpu_memory_utilization is None  # a CPU matrix is left as it was
+    monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "2")
+    with pytest.raises(nightly.ConfigError, match="GPU_MEMORY_UTILIZATION='2' must be in"):
+        base_config("gpu")
