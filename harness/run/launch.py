@@ -20,6 +20,7 @@ from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
 from harness.gpu.simulate import SIMULATED_ENV, simulated_box
 from harness.hosts.placement import LOCAL, RAY_STOP_GRACE_S, Host
 from harness.run.config import E2EConfig
+from harness.serve.axes import MODEL_PLACEHOLDER
 from harness.serve.ports import PortAllocator, Ports, ServerPorts, server_ports
 from harness.serve.procs import ManagedProcess, ProcessSpec
 from harness.serve.vllm_cmd import API_SERVER_MODULE, FATAL_LOG_PATTERNS, Command, ServerSpec, build_server_command
@@ -64,6 +65,13 @@ def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
         return str(path), "tiny-llama"
     p = Path(cfg.model)
     return (str(p.resolve()), p.name) if p.exists() else (cfg.model, cfg.model)
+
+
+def speculative_for(config: str | None, model: str) -> str | None:
+    """The speculative config a server gets: ``{model}`` stands for the served model's path (a draft that equals the
+    target: greedy acceptance near 100 %, so any drop is P/D's), which a matrix entry cannot name before it is
+    built."""
+    return None if config is None else config.replace(MODEL_PLACEHOLDER, model)
 
 
 def make_server(
@@ -156,7 +164,7 @@ def _spec(
         kv_cache_dtype=cfg.axes.kv_cache_dtype,
         async_scheduling=cfg.axes.async_scheduling,
         attention_backend=cfg.axes.attention_backend,
-        speculative_config=cfg.axes.speculative_config,
+        speculative_config=speculative_for(cfg.axes.speculative_config, model),
         max_num_batched_tokens=cfg.axes.max_num_batched_tokens_p if role == "prefill" else None,
         kv_buffer_device=cfg.axes.kv_buffer_device,
         prefix_caching=role == "decode" and cfg.axes.prefix_caching_d,

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 # What vLLM accepts for --kv-cache-dtype (a value outside it is a config error here, not a server crash).
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_BUFFER_DEVICES = ("cpu", "cuda", "xpu")
+MODEL_PLACEHOLDER = "{model}"  # in speculative_config: the run's own model (the draft equals the target)
 
 
 @dataclass(frozen=True)

@@ -61,3 +61,11 @@ def test_a_matrix_entry_takes_the_axes_and_refuses_a_config_without_a_method(tmp
     bad.write_text(head + "    axes: {speculative_config: '{\"k\": 1}'}\n" + tail)
     with pytest.raises(ConfigError, match="method"):
         load_matrix(bad)
+
+
+def test_model_in_a_speculative_config_is_the_runs_own_model(tmp_path):
+    draft = '{"method":"draft_model","model":"{model}","num_speculative_tokens":2}'
+    cfg = E2EConfig(python="python3", axes=ServerAxes(speculative_config=draft))
+    assert value(argv_of(cfg, "decode", tmp_path), "--speculative-config") == (
+        '{"method":"draft_model","model":"/m","num_speculative_tokens":2}'
+    )
