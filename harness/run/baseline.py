@@ -12,7 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import requests
+
 from harness.accuracy.lm_eval import EvalRun
+from harness.checks.spec_decode import Acceptance, acceptance
 from harness.core import progress
 from harness.run import baseline_cache as disk
 from harness.run.context import RunContext
@@ -22,6 +25,7 @@ from harness.run.prefix import baseline_prefix
 from harness.run.simulated import simulated
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
+from harness.serve.prometheus import Sample, parse_metrics
 from harness.serve.servers import AttachedServers
 from harness.workload.client import CompletionRun, run_completions
 from harness.workload.load_client import LoadRun
@@ -34,6 +38,9 @@ class BaselineResult:
     load: LoadRun | None = None  # the load phase's prompts, at the same concurrency, without the cancelled ones
     prefix: CompletionRun | None = None  # the prefix-cache scenarios' prompts, one at a time (D's prefix cache on)
     origin: dict[str, Any] | None = None  # which run computed these answers and when (for a report that reuses them)
+    # speculative decoding: the baseline's acceptance over the sequential prompts (None: not measured, and why)
+    acceptance: Acceptance | None = None
+    acceptance_note: str | None = None
 
 
 @dataclass
@@ -186,6 +193,10 @@ def _lookup(ctx: RunContext, server_id: dict[str, Any], block_size: int | None) 
         return _DiskLookup(
             info={"used": False, "key": None, "reason": f"{disk.ENV_DISABLE}={os.environ.get(disk.ENV_DISABLE)}"}
         )
+    if cfg.axes.speculative_config is not None:  # the entry holds answers, not the acceptance the check compares
+        return _DiskLookup(
+            info={"used": False, "key": None, "reason": "speculative decoding: the baseline's acceptance is measured"}
+        )
     if cfg.device != "cpu":
         return _DiskLookup(
             info={
@@ -271,7 +282,10 @@ def _launched(ctx: RunContext, base: Server, t0: float) -> BaselineResult:
         ready = start_all([base.proc], stack, ctx.cfg.ready_timeout_s)
         ctx.report.timings_s["baseline_launch_to_ready"] = ready["baseline"]
         t1 = time.monotonic()
+        before = _spec_metrics(ctx, base.url)
         result = BaselineResult(run_completions(base.url, ctx.served_name, ctx.prompts, ctx.gen, "baseline-"))
+        if before is not None:
+            result.acceptance, result.acceptance_note = _acceptance(base.url, before)
         ctx.timed("baseline_requests", t1)
         result.load = baseline_load(ctx, base.url)
         result.prefix = baseline_prefix(ctx, base.url)
@@ -284,6 +298,31 @@ def _launched(ctx: RunContext, base: Server, t0: float) -> BaselineResult:
     ctx.timed("baseline_phase", t0)
     ctx.leftovers += base.proc.leftover_pids()
     return result
+
+
+def _spec_metrics(ctx: RunContext, url: str) -> list[Sample] | None:
+    """The baseline's /metrics before its prompts, when the run decodes speculatively (None: it does not, or unread)."""
+    if ctx.cfg.axes.speculative_config is None or simulated(ctx):
+        return None
+    try:
+        return _read_metrics(url)
+    except requests.RequestException:
+        return []
+
+
+def _read_metrics(url: str) -> list[Sample]:
+    r = requests.get(f"{url}/metrics", timeout=30)
+    r.raise_for_status()
+    return parse_metrics(r.text)
+
+
+def _acceptance(url: str, before: list[Sample]) -> tuple[Acceptance | None, str | None]:
+    try:
+        after = _read_metrics(url)
+    except requests.RequestException as e:
+        return None, f"the baseline's /metrics could not be read: {type(e).__name__}"
+    got = acceptance(before, after)
+    return got, None if got is not None else "the baseline exports no spec-decode counters"
 
 
 def _attached(ctx: RunContext, url: str, t0: float) -> BaselineResult:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from harness.accuracy.checks import accuracy_checks
-from harness.checks import kv_digest, transfer
+from harness.checks import kv_digest, spec_decode, transfer
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
 from harness.checks.leak import check_no_leak
@@ -54,6 +54,7 @@ def evaluate(ctx: RunContext, baseline: BaselineResult | None, pd: PDResult) -> 
     checks += transfer_checks(ctx, pd, n)
     checks += digest_checks(ctx, pd)
     checks += server_checks(ctx, pd)
+    checks += spec_decode_checks(ctx, baseline, pd)
     compared = [result]
     if pd.load is not None and baseline.load is not None:
         load_checks, load_cmp = evaluate_load(ctx, baseline, pd)
@@ -111,6 +112,29 @@ def evaluate_digest_only(ctx: RunContext, pd: PDResult) -> None:
 
 
 COMPARED = ("outputs_match_baseline", "logprobs_match_baseline")  # what only a baseline can judge
+
+
+def spec_decode_checks(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> list[Check]:
+    """With speculative decoding: D's acceptance against the baseline's (checks/spec_decode.py), or why not."""
+    if ctx.cfg.axes.speculative_config is None:
+        return []
+    got: Check | str
+    if baseline.acceptance is None:
+        got = baseline.acceptance_note or (
+            "the baseline's acceptance was not measured (its answers came from another run, or from a server started "
+            "elsewhere)"
+        )
+    else:
+        pd_acceptance = spec_decode.acceptance(pd.metrics_before, pd.metrics_after)
+        got = (
+            "D exports no spec-decode counters"
+            if pd_acceptance is None
+            else spec_decode.acceptance_check(pd_acceptance, baseline.acceptance)
+        )
+    if isinstance(got, Check):
+        return [got]
+    ctx.report.skipped_checks.append({"name": spec_decode.CHECK_NAME, "reason": got})
+    return []
 
 
 def closing_checks(ctx: RunContext, pd: PDResult) -> list[Check]:

@@ -1,0 +1,70 @@
+"""Speculative decoding through P/D: D's acceptance against the baseline's on the same prompts (pure).
+
+Greedy speculative decoding keeps the target's tokens whatever the draft proposes, so outputs cannot show a draft
+that lost its KV on the way from P to D; its acceptance can: fewer accepted draft tokens per draft on D than on a
+baseline that decodes the same prompts the same way is the symptom of draft KV that did not travel. vLLM counts
+drafts, draft tokens and accepted tokens on /metrics (the same counters upstream's P/D spec-decode test reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from harness.checks.check import Check
+from harness.serve.prometheus import Sample, metric_sum
+
+CHECK_NAME = "spec_decode_acceptance_matches_baseline"
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+# Upstream's acceptance test allows 5 % between P/D and its reference (mean acceptance length).
+TOLERANCE = 0.05
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    drafts: float
+    draft_tokens: float
+    accepted: float
+
+    @property
+    def mean_length(self) -> float | None:
+        """Tokens per verification step, the drafted ones accepted plus the target's own (None: nothing drafted)."""
+        return 1.0 + self.accepted / self.drafts if self.drafts else None
+
+    def text(self) -> str:
+        rate = f"{self.accepted / self.draft_tokens:.1%}" if self.draft_tokens else "n/a"
+        mean = self.mean_length
+        return (
+            f"{self.drafts:g} drafts, {self.accepted:g} of {self.draft_tokens:g} draft tokens accepted ({rate}), "
+            f"mean acceptance length {mean:.3f}"
+            if mean is not None
+            else "no draft"
+        )
+
+
+def acceptance(before: Sequence[Sample], after: Sequence[Sample]) -> Acceptance | None:
+    """The counters' growth between two /metrics reads (None: the server exports no spec-decode counters)."""
+    values = []
+    for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED):
+        a = metric_sum(after, name)
+        if a is None:
+            return None
+        values.append(a - (metric_sum(before, name) or 0.0))
+    return Acceptance(*values)
+
+
+def acceptance_check(pd: Acceptance, baseline: Acceptance, tolerance: float = TOLERANCE) -> Check | str:
+    """The check, or why it cannot be judged (a reason for the report's skipped checks)."""
+    if baseline.mean_length is None:
+        return "the baseline drafted nothing on these prompts: there is no acceptance to compare"
+    if pd.mean_length is None:
+        return Check(CHECK_NAME, False, f"D drafted nothing while the baseline did: baseline {baseline.text()}")
+    rel = abs(pd.mean_length - baseline.mean_length) / baseline.mean_length
+    return Check(
+        CHECK_NAME,
+        rel <= tolerance,
+        f"D {pd.text()}; baseline {baseline.text()}; mean acceptance length differs by {rel:.1%} "
+        f"(tolerance {tolerance:.0%})",
+    )
