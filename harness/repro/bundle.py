@@ -1,8 +1,8 @@
 """A repro bundle from a run folder: repro.sh, build_model.py, repro_client.py, requirements.lock, ISSUE.md.
 
 Everything is read from the run's report.json and logs (and from its environment, while it still exists,
-for the exact package versions). The bundle never imports this project: the model recipe, the client and
-the CPU-tuning hook are copied in as text.
+for the exact package versions). The bundle never imports this project: the model recipe, the client, the
+comparison rules and the servers' hooks (CPU tuning, KV digest: digest.py) are copied in as text.
 """
 
 from __future__ import annotations
@@ -22,26 +22,30 @@ from harness.core.errors import ConfigError
 from harness.core.notrack import NO_TRACK_ENV
 from harness.core.paths import REPO_ROOT, VENVS_DIR
 from harness.core.safe import comment, distribution, load_json_object, shell_word, shown, version
+from harness.repro import digest
 from harness.repro.builder import builder_script, tiny_spec, weights_sha256
 from harness.repro.issue import issue_markdown
 from harness.repro.replayed import COMPARED_CLASSES, Replayed, ReplayRule, replayed, rule_of
 from harness.serve.ports import INTERNAL_PORTS_BASE
-from harness.serve.vllm_cmd import TUNING_DIR
+from harness.serve.vllm_cmd import INJECT_DIR, TUNING_DIR
 
 CLIENT = Path(__file__).with_name("client_template.py")
 HARNESS_DIR = Path(__file__).resolve().parents[1]
 # The comparison rule a bundle applies is the harness's own, copied (stdlib only); compare.py's one import of the
-# project is pointed at the copy beside it.
-RULE_FILES = {
-    "compare.py": HARNESS_DIR / "checks" / "compare.py",
-    "completion.py": HARNESS_DIR / "workload" / "completion.py",
+# project is pointed at the copy beside it. {file in rule/: (source, (import, replacement) or None)}.
+RULE_FILES: dict[str, tuple[Path, tuple[str, str] | None]] = {
+    "compare.py": (
+        HARNESS_DIR / "checks" / "compare.py",
+        ("from harness.workload.completion import Completion", "from completion import Completion"),
+    ),
+    "completion.py": (HARNESS_DIR / "workload" / "completion.py", None),
 }
-RULE_IMPORT = ("from harness.workload.completion import Completion", "from completion import Completion")
+_PROJECT_IMPORT = re.compile(r"^\s*(?:from|import)\s+harness\b", re.MULTILINE)
 DEFAULT_SIGNATURE = "assert-45330"  # the harness's subject: what a run without a failure of its own is checked for
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _VLLM_MODULE = re.compile(r"vllm(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 # Variables that make a program (or the loader, or a shell it starts) run code of their choosing: never replayed from a
-# report (the CPU tuning's PYTHONPATH is the bundle's own copy, "$HERE/cpu_tuning").
+# report (a PYTHONPATH of the harness's hooks is rebuilt from the bundle's own copies, "$HERE/hooks:$HERE/cpu_tuning").
 CODE_LOADING_ENV = re.compile(
     r"LD_\w*|DYLD_\w*|PYTHON(?:PATH|HOME|STARTUP|USERBASE|EXECUTABLE|BREAKPOINT|INSPECT|PLATLIBDIR)|PATH|BASH_ENV|ENV"
     r"|BASH_FUNC_\w*|PERL5(?:OPT|LIB)|GCONV_PATH|NODE_OPTIONS"
@@ -116,7 +120,7 @@ def split_command(shell: str, role: str) -> ServerCommand:
         k, v = words.pop(0).split("=", 1)
         env[k] = v
     for k, v in env.items():
-        if CODE_LOADING_ENV.fullmatch(k) and not (k == "PYTHONPATH" and str(TUNING_DIR) in v):
+        if CODE_LOADING_ENV.fullmatch(k) and not (k == "PYTHONPATH" and harness_path(v)):
             raise ConfigError(
                 f"the report's {role} command sets {k} (a variable that makes a process load other code): not replayed"
             )
@@ -127,6 +131,12 @@ def split_command(shell: str, role: str) -> ServerCommand:
             "expected: <python> -m vllm.<module> ...): not replayed"
         )
     return ServerCommand(role, env, words)
+
+
+def harness_path(value: str) -> bool:
+    """Whether a PYTHONPATH is the harness's hooks' (CPU tuning, KV digest): never replayed as is, but rebuilt from the
+    bundle's copies."""
+    return any(str(d) in value for d in (TUNING_DIR, INJECT_DIR))
 
 
 def load_report(run_dir: Path) -> dict:
@@ -236,20 +246,26 @@ def _q(value: str, subs: dict[str, str]) -> str:
     return shlex.quote(value)
 
 
-def server_lines(cmd: ServerCommand, prefix: str, model: str | None) -> list[str]:
-    """Bash arrays ``<prefix>_ENV`` and ``<prefix>_CMD`` for one server, ports and paths as variables."""
+def server_lines(cmd: ServerCommand, prefix: str, model: str | None, digests: bool = False) -> list[str]:
+    """Bash arrays ``<prefix>_ENV`` and ``<prefix>_CMD`` for one server, ports and paths as variables. ``digests``: P
+    or D, which digest their KV into the replay's folder (the run's folder is not replayed)."""
     env_words = []
     for k, v in sorted(cmd.env.items()):
         if k == "VLLM_PORT":
             env_words.append(f'"VLLM_PORT=${prefix}_VLLM_PORT"')
         elif k == "VLLM_NIXL_SIDE_CHANNEL_PORT":
             env_words.append(f'"VLLM_NIXL_SIDE_CHANNEL_PORT=${prefix}_SIDE_PORT"')
-        elif k == "PYTHONPATH" and str(TUNING_DIR) in v:
-            env_words.append('"PYTHONPATH=$HERE/cpu_tuning"')
-        elif k.startswith("PD_HARNESS_KV_DIGEST"):
-            continue  # the run's digest folder: the replay's servers run without the harness's hooks
+        elif k == "PYTHONPATH" or k.startswith("PD_HARNESS_KV_DIGEST"):
+            continue  # the harness's paths: rebuilt below from the bundle's copies
         else:
             env_words.append(shlex.quote(f"{k}={v}"))
+    # the hooks first: their sitecustomize.py runs the CPU tuning's after it, as in the run
+    path = [f"$HERE/{digest.HOOKS}"] if digests else []
+    path += ["$HERE/cpu_tuning"] if str(TUNING_DIR) in cmd.env.get("PYTHONPATH", "") else []
+    if path:
+        env_words.append(f'"PYTHONPATH={":".join(path)}"')
+    if digests:
+        env_words += digest.env_words(cmd.role)
     argv = list(cmd.argv)
     subs = {argv[0]: "$VENV_PY"}
     words = []
@@ -309,14 +325,17 @@ def replay_requests(report: dict, run_dir: Path, served_name: str, rule: ReplayR
     return [{"id": r.prompt_id, "why": r.why, "body": gen.body(served_name, r.prompt)} for r in picked]
 
 
-def write_rule(out: Path) -> None:
+def write_rule(out: Path, files: dict[str, tuple[Path, tuple[str, str] | None]]) -> None:
+    """The harness's own code into ``rule/``, each import of the project pointed at a copy beside it."""
     (out / "rule").mkdir(exist_ok=True)
-    for name, src in RULE_FILES.items():
+    for name, (src, rewrite) in files.items():
         text = src.read_text()
-        if name == "compare.py":
-            if RULE_IMPORT[0] not in text:
-                raise RuntimeError(f"{src} no longer imports {RULE_IMPORT[0]!r}: update RULE_IMPORT")
-            text = text.replace(RULE_IMPORT[0], RULE_IMPORT[1])
+        if rewrite is not None:
+            if rewrite[0] not in text:
+                raise RuntimeError(f"{src} no longer imports {rewrite[0]!r}: update its entry in the bundle's files")
+            text = text.replace(*rewrite)
+        if _PROJECT_IMPORT.search(text):  # a new import of the project: the copy would not run without the harness
+            raise RuntimeError(f"{src} imports the harness: copy what it imports into the bundle, and rewrite it")
         (out / "rule" / name).write_text(text)
 
 
@@ -373,11 +392,13 @@ def _write_bundle(run_dir: Path, report: dict, out: Path | None, signature: str 
     if cls in COMPARED_CLASSES:
         base, rule = baseline_command(report), rule_of(report)
         requests: list[dict] = replay_requests(report, run_dir, served, rule)
-        write_rule(out)
+        write_rule(out, RULE_FILES)
     else:
         requests = request_bodies(report, served)
     (out / "requests.json").write_text(json.dumps(requests, indent=1) + "\n")
     copy_digests(run_dir, out, [str(r.get("id")) for r in requests if r.get("id")])
+    write_rule(out, digest.COMPARER_FILES)
+    digest.write_hooks(out, digest.faulted([pre.env, dec.env]))
     shutil.copy(CLIENT, out / "repro_client.py")
     tuned = any(str(TUNING_DIR) in c.env.get("PYTHONPATH", "") for c in (pre, dec) + ((base,) if base else ()))
     if tuned:
@@ -452,6 +473,10 @@ class Script:
     def compared(self) -> bool:
         return self.base is not None
 
+    @property
+    def vllm(self) -> str:
+        return str((self.report.get("versions") or {}).get("vllm") or "?")
+
 
 def repro_script(b: Script) -> str:
     parts = [_header(b), _install(b), _model(b), _servers(b), _compare_steps(b) if b.compared else _log_steps(b)]
@@ -497,7 +522,8 @@ def _header(b: Script) -> list[str]:
         + (", B_PORT, B_SIDE_PORT, B_VLLM_PORT" if b.compared else ""),
         "# (default: free ones); P_BLOCK_SIZE, D_BLOCK_SIZE"
         + (", B_BLOCK_SIZE" if b.compared else "")
-        + " (default: the run's; a control such as D_BLOCK_SIZE=<P's> replays at equal block sizes).",
+        + " (default: the run's; a control such as D_BLOCK_SIZE=<P's> replays at equal block sizes);",
+        "# REPRO_KV_DIGEST=0 (P and D do not digest their KV; by default the KV digest is printed after the verdict).",
         "set -euo pipefail",
         "# Nothing leaves the machine: usage reporting off in everything this script starts "
         "(pip, the model build, servers).",
@@ -600,8 +626,9 @@ def _servers(b: Script) -> list[str]:
         "}",
         "trap cleanup EXIT",
         "trap 'exit 130' INT TERM",
-        *server_lines(b.pre, "P", model),
-        *server_lines(b.dec, "D", model),
+        *digest.setup_lines(),
+        *server_lines(b.pre, "P", model, digests=True),
+        *server_lines(b.dec, "D", model, digests=True),
         *(server_lines(b.base, "B", model) if b.base is not None else []),
         "",
     ]
@@ -609,6 +636,7 @@ def _servers(b: Script) -> list[str]:
 
 def _start_pd() -> list[str]:
     return [
+        *digest.clear_lines(),
         'echo "repro: starting P on 127.0.0.1:$P_PORT and D on 127.0.0.1:$D_PORT (logs in $LOGS)"',
         "set -m  # background jobs get process groups of their own (in this session, like the harness's servers)",
         'env "${P_ENV[@]}" "${P_CMD[@]}" > "$LOGS/prefill.log" 2>&1 &',
@@ -640,6 +668,7 @@ def _log_steps(b: Script) -> list[str]:
         '"$VENV_PY" "$HERE/repro_client.py" verdict "$PATTERN" "$LOGS/decode.log" "$LOGS/prefill.log" '
         '--answers "$WORK/answers.json"',
         "rc=$?",
+        *digest.step_lines(b.vllm),
         "exit $rc",
         "",
     ]
@@ -678,6 +707,7 @@ def _compare_steps(b: Script) -> list[str]:
         f'"$VENV_PY" "$HERE/repro_client.py" compare "$WORK/baseline.json" "$WORK/answers.json" --cls {b.cls} '
         f"--threshold {b.rule.threshold!r} --top-k {b.rule.top_k}",
         "rc=$?",
+        *digest.step_lines(b.vllm),
         "exit $rc",
         "",
     ]

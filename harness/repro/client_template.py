@@ -8,9 +8,13 @@ baseline URL FILE         each request of FILE to a plain server, text prompts f
                           /tokenize (--ids-out: the requests as sent, for P and D)
 compare BASE ANSWERS      D's answers against the plain server's with the run's rule (rule/compare.py, copied
                           from the harness): REPRODUCED / NOT REPRODUCED / INCONCLUSIVE
+digest DIR                the replay's KV digest records compared (rule/kv_digest.py, copied from the harness; needs
+                          numpy): pass / FAIL with where D first differs / skipped with why; with --run, the run's
+                          records too, and whether the replay differs where the run did
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -21,6 +25,8 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
+from typing import Any
 
 PREFILL_KV_PARAMS = {
     "do_remote_decode": True,
@@ -189,7 +195,7 @@ def send(p_url, d_url, path, timeout, out):
         t0 = time.time()
         status, text = post(p_url + "/v1/completions", p_body, rid, timeout)
         print(f"  request {i}: P answered HTTP {status} in {time.time() - t0:.2f} s")
-        r = {"request": i, "id": pid, "prefill_status": status, "decode_status": None, "decode_text": None}
+        r = {"request": i, "id": pid, "rid": rid, "prefill_status": status, "decode_status": None, "decode_text": None}
         kv = None
         if status == 200:
             kv = json.loads(text).get("kv_transfer_params")
@@ -308,6 +314,126 @@ def compare(base_path, answers_path, cls, threshold, top_k):
     return 1
 
 
+@dataclasses.dataclass
+class Digested:
+    """One folder of KV digest records compared by the harness's check, or why it was not."""
+
+    marks: dict[str, str]  # a part of a request id -> the prompt id it stands for
+    records: list[Any] = dataclasses.field(default_factory=list)
+    skipped: str = ""
+    comparison: Any = None  # kv_digest.DigestComparison
+    check: Any = None  # check.Check
+
+    def prompt(self, request_id: str) -> str | None:
+        return next((p for m, p in self.marks.items() if m in request_id), None)
+
+
+def digested(kv: Any, folder: str, marks: dict[str, str], why_none: str) -> Digested:
+    records, unavailable = kv.load(Path(folder))
+    d = Digested(marks, records)
+    if unavailable:  # a rank that could not digest: skipped, never passed (the run's words)
+        d.skipped = "the hook could not digest on this vLLM: " + "; ".join(unavailable)
+    elif not records:
+        d.skipped = why_none
+    else:
+        d.comparison = kv.compare(records)
+        d.check = kv.check(d.comparison)
+    return d
+
+
+def show_digest(kv: Any, label: str, d: Digested) -> None:
+    """One line as the run's kv_digest_match words it; on a mismatch, its location line with the prompt."""
+    if d.check is None:
+        print(f"KV digest ({label}): skipped: {d.skipped}")
+        return
+    print(f"KV digest ({label}): {'pass' if d.check.passed else 'FAIL'}: {d.check.detail}")
+    line = kv.location_line(d.check)
+    if line:
+        pid = d.prompt(d.comparison.first.request_id)
+        print(f"  {line}" + (f" (prompt {pid})" if pid else ""))
+
+
+def differs_at(kv: Any, records: list[Any], request_ids: set[str], key: Any) -> bool | None:
+    """Whether D's digest at ``key``'s layer, part, head and position (in one of ``request_ids``) differs from P's;
+    None where no D record holds or needs that place."""
+    import numpy as np
+
+    for r in records:
+        if r.side != "decode" or r.request_id not in request_ids:
+            continue
+        if key.layer not in r.layers or key.part not in r.parts or key.head not in r.heads:
+            continue
+        at = np.nonzero(r.positions == key.position)[0][:1]
+        if not len(at):
+            if r.left_out <= key.position < r.num_tokens:
+                return True  # needed and not received, as the check counts it
+            continue
+        li, si, hi = r.layers.index(key.layer), r.parts.index(key.part), r.heads.index(key.head)
+        one = dataclasses.replace(  # that one digest of D's, against all of P's for the request
+            r,
+            layers=(key.layer,),
+            parts=(key.part,),
+            heads=(key.head,),
+            positions=r.positions[at],
+            digest=r.digest[li : li + 1, si : si + 1, hi : hi + 1][..., at],
+            num_tokens=0,
+        )
+        peers = [p for p in records if p.side == "prefill" and p.request_id == r.request_id]
+        return bool(kv.compare([*peers, one]).differ)
+    return None
+
+
+def same_place(kv: Any, run: Digested, replay: Digested) -> str:
+    """Whether the replay differs where the run's records first did, in words."""
+    if run.check is None or replay.check is None:
+        return f"not compared with the run's: the {'run' if run.check is None else 'replay'} was not digested"
+    if run.check.passed:
+        mine = "so do the replay's" if replay.check.passed else "the replay's do not"
+        return f"the run's records of these prompts match P's; {mine}"
+    k = run.comparison.first
+    if k is None:
+        return f"the run's records name no differing place ({run.check.detail}): not compared"
+    pid = run.prompt(k.request_id)
+    where = f"prompt {pid or '?'}, {k.layer} {k.part}, head {k.head}, position {k.position}"
+    rids = {r.request_id for r in replay.records if pid is not None and replay.prompt(r.request_id) == pid}
+    at = differs_at(kv, replay.records, rids, k)
+    if at is None:
+        return f"the replay holds no digest where the run first differed ({where}): not compared"
+    if at:
+        return f"the replay differs at the same place as the run ({where})"
+    return f"the replay does not differ where the run first did ({where})" + (
+        "" if replay.check.passed else "; it differs elsewhere"
+    )
+
+
+def digest(replay_dir, run_dir, answers_path, vllm):
+    """The replay's KV digest, as the run's check words it; with the run's records (the bundle's kv_digest/), theirs
+    and whether the replay differs where the run first did. Informational: repro.sh's exit code is the verdict's."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "rule"))
+    try:
+        import kv_digest as kv  # the harness's own check, copied into the bundle
+    except ImportError as e:  # numpy is not in this interpreter
+        print(f"KV digest (replay): skipped: the comparer cannot run here ({e})")
+        return 0
+    try:
+        with open(answers_path) as f:
+            answers = json.load(f)
+    except (OSError, ValueError):
+        answers = []
+    none = (
+        f"no server wrote a digest record: the hook knows no NIXL worker in vLLM {vllm} to patch"
+        if any(a.get("prefill_status") == 200 for a in answers)
+        else "no request was prefilled by P: nothing was digested"
+    )
+    replay = digested(kv, replay_dir, {a["rid"]: a["id"] for a in answers if a.get("rid")}, none)
+    show_digest(kv, "replay", replay)
+    if os.path.isdir(run_dir):  # the run's records of the replayed prompts: P's request id holds "-pd-<prompt id>-"
+        run = digested(kv, run_dir, {f"-pd-{a['id']}-": a["id"] for a in answers}, "none of these prompts")
+        show_digest(kv, "the run's records", run)
+        print("KV digest: " + same_place(kv, run, replay))
+    return 0
+
+
 def main(argv):
     ap = argparse.ArgumentParser(prog="repro_client.py")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -342,11 +468,18 @@ def main(argv):
     c.add_argument("--cls", required=True)
     c.add_argument("--threshold", type=float, required=True)
     c.add_argument("--top-k", type=int, required=True)
+    g = sub.add_parser("digest")
+    g.add_argument("records")
+    g.add_argument("--run", default="")
+    g.add_argument("--answers", required=True)
+    g.add_argument("--vllm", default="?")
     a = ap.parse_args(argv)
     if a.cmd == "baseline":
         return baseline(a.url, a.requests, a.timeout, a.out, a.ids_out)
     if a.cmd == "compare":
         return compare(a.base, a.answers, a.cls, a.threshold, a.top_k)
+    if a.cmd == "digest":
+        return digest(a.records, a.run, a.answers, a.vllm)
     if a.cmd == "ports":
         return ports(a.sizes)
     if a.cmd == "wait":

@@ -369,7 +369,10 @@ def closing_section(report: dict, run_dir: Path, replays: bool) -> list[str]:
             if replays
             else "`repro.sh` in this folder replays it without the harness and prints REPRODUCED with the matching "
             "log line, or NOT REPRODUCED."
-        ),
+        )
+        + " Beside that verdict it prints the KV digest of its own P and D (`KV digest (replay): pass | FAIL | "
+        "skipped ...`: D's received KV against P's, byte for byte, by the harness's check) and, where the bundle "
+        "carries the run's digest records of these prompts, whether the replay differs where the run did.",
         "",
     ]
 

@@ -54,14 +54,16 @@ def test_the_bundle_stands_alone_and_replays_the_run_commands(tmp_path):
     run = fake_run(tmp_path, sys.executable, failed=True)
     out = write_bundle(run, tmp_path / "bundle")
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["ISSUE.md", "build_model.py", "cpu_tuning", "repro.sh", "repro_client.py", "requests.json", "requirements.lock"]
-    for f in ("repro.sh", "build_model.py", "repro_client.py"):
+    assert names == ["ISSUE.md", "build_model.py", "cpu_tuning", "hooks", "repro.sh", "repro_client.py",
+                     "requests.json", "requirements.lock", "rule"]
+    for f in ("repro.sh", "build_model.py", "repro_client.py", *(str(p.relative_to(out)) for p in out.glob("*/*.py"))):
         text = (out / f).read_text()
         assert "import harness" not in text and "from harness" not in text, f
     sh = (out / "repro.sh").read_text()
     assert subprocess.run(["bash", "-n", str(out / "repro.sh")]).returncode == 0
     # the run's exact flags, with ports, interpreter, model and the tuning hook as variables
-    assert '"VLLM_PORT=$P_VLLM_PORT"' in sh and '"VLLM_NIXL_SIDE_CHANNEL_PORT=$D_SIDE_PORT"' in sh and '"PYTHONPATH=$HERE/cpu_tuning"' in sh
+    assert '"VLLM_PORT=$P_VLLM_PORT"' in sh and '"VLLM_NIXL_SIDE_CHANNEL_PORT=$D_SIDE_PORT"' in sh
+    assert '"PYTHONPATH=$HERE/hooks:$HERE/cpu_tuning"' in sh
     assert '--port "$D_PORT"' in sh and '--model "$MODEL_DIR"' in sh and '"$VENV_PY" -m vllm.entrypoints.openai.api_server' in sh
     assert "'VLLM_CPU_OMP_THREADS_BIND=0|1'" in sh and "--tensor-parallel-size 2" in sh and "kv_consumer" in sh
     assert "21000" not in sh and "22000" not in sh and str(run) not in sh
@@ -141,7 +143,11 @@ def test_repro_sh_against_stand_in_servers(tmp_path, asserts):
     # each server got its own free ports (not the run's), bound to 127.0.0.1, and the run's other settings
     p, d = (next(s for s in servers if s["role"] == r) for r in ("producer", "consumer"))
     assert p["argv"][p["argv"].index("--port") + 1] != "21000" and p["argv"][p["argv"].index("--host") + 1] == "127.0.0.1"
-    assert d["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and d["env"]["PYTHONPATH"] == str(out / "cpu_tuning")
+    assert d["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1" and d["env"]["PYTHONPATH"] == f"{out}/hooks:{out}/cpu_tuning"
+    # the replay digested its own KV: D answered (the comparer's pass line), or asserted (no record of D's)
+    said = "KV digest (replay): FAIL: no request's KV was both digested on P and received on D" if asserts else (
+        "KV digest (replay): pass: 1 requests, 1 layers, 2 heads, 3 positions compared (12 digests), 0 left out")
+    assert said in cp.stdout, cp.stdout
     assert p["env"]["VLLM_PORT"] != d["env"]["VLLM_PORT"]
     # repro.sh stopped what it started, children included
     assert group_alive([s["pid"] for s in servers] + [s["child"] for s in servers]) == []
@@ -205,7 +211,8 @@ def wrong_answer_run(tmp_path: Path, python: str, cls: str) -> Path:
 def test_a_wrong_answer_bundle_replays_the_failing_requests_against_a_plain_server(tmp_path):
     run = wrong_answer_run(tmp_path, sys.executable, "output-mismatch")
     out = write_bundle(run, tmp_path / "bundle")
-    assert sorted(p.name for p in (out / "rule").iterdir()) == ["compare.py", "completion.py"]
+    rule = ["check.py", "compare.py", "completion.py", "kv_digest.py"]  # the output rule and the KV digest's check
+    assert sorted(p.name for p in (out / "rule").iterdir()) == rule
     assert "from harness" not in (out / "rule" / "compare.py").read_text()
     reqs = json.loads((out / "requests.json").read_text())
     # the token mismatch first, then by Δlogprob; the passing prompt is not sent
@@ -251,6 +258,7 @@ def test_a_wrong_answer_bundle_against_stand_in_servers(tmp_path, cls, wrong, sp
     controls = [ln for ln in cp.stdout.splitlines() if ln.startswith("  no-P/D control, ")]
     ctl = "FAILS: decode step" if split == "1" else "passes: decode step"
     assert len(controls) == (3 if cls == "output-mismatch" else 2) and all(ctl in ln for ln in controls), cp.stdout
+    assert f"KV digest (replay): pass: {len(controls)} requests, 1 layers, 2 heads" in cp.stdout, cp.stdout  # + verdict
     sent = {r["id"]: r["body"]["prompt"] for r in json.loads((work / "repro-work" / "sent.json").read_text())}
     assert sent["p05-w13"] == [1, 1, 1, 1] and sent["load007-t31"] == [1, 5, 9]  # text through the plain /tokenize
     assert group_alive([s["pid"] for s in servers] + [s["child"] for s in servers]) == []
@@ -284,7 +292,7 @@ def test_issue_text_carries_the_kv_digest_location_when_it_failed(tmp_path):
     assert "- what D held instead, by kind: K/V swapped 9" in md
     plain = (write_bundle(wrong_answer_run(tmp_path / "b", sys.executable, "output-mismatch"), tmp_path / "b2")
              / "ISSUE.md").read_text()
-    assert "KV digest" not in plain
+    assert "- KV digest" not in plain and "what D held instead" not in plain  # the run's digest passed or was not made
 
 
 def test_the_bundle_carries_the_digest_records_of_the_replayed_requests_only(tmp_path):

