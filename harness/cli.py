@@ -28,7 +28,7 @@ from harness.workload.load import LoadSettings
 SUBCOMMAND_MODULES = {
     "plan": "harness.gpu.cli",
     "bench": "harness.bench.cli",
-    "nightly": "harness.nightly",
+    "nightly": "harness.nightly.cli",
     "matrix": "harness.matrix.cli",
     "envs": "harness.envs.envs_cli",
     "bisect": "harness.releases.bisect_cli",

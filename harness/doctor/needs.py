@@ -1,5 +1,5 @@
 """What the night needs of a box: its accuracy runs, the models its steps serve, the GPUs it wants (pure apart from
-reading the configs). harness/nightly.py builds its steps from the same runs and hands step 0 its exact list."""
+reading the configs). harness/nightly/ builds its steps from the same runs and hands step 0 its exact list."""
 
 from __future__ import annotations
 

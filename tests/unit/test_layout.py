@@ -8,9 +8,14 @@ from pathlib import Path
 
 HARNESS = Path(__file__).resolve().parents[2] / "harness"
 # Lowest first. A module of a package may import from its own package and from packages listed before it.
-# Modules directly under harness/ (cli, nightly, __main__) sit above every package.
+# Modules directly under harness/ (cli, __main__) sit above every package.
 LAYERS = ["core", "hosts", "tasks", "workload", "models", "envs", "wheelhouse", "serve", "proxy", "checks", "upstream",
-          "accuracy", "gpu", "run", "matrix", "releases", "cluster", "repro", "shrink", "bench", "calibrate", "doctor"]
+          "accuracy", "gpu", "run", "matrix", "releases", "cluster", "repro", "shrink", "bench", "calibrate", "doctor",
+          "nightly"]
+# Upward imports known and waiting on a move, each with why. The nightly builds an accuracy step's config with the e2e
+# command's own parser (harness/cli.py build_parser, config_from_args), so its dry run prints the lines that run; the
+# entry goes when that parser moves into a package (issue 40).
+KNOWN_UPWARD = {"harness.nightly.servers -> harness.cli"}
 
 
 def modules() -> dict[str, Path]:
@@ -52,7 +57,8 @@ def test_every_package_has_a_layer():
 
 
 def upward_imports(g: dict[str, set[str]]) -> list[str]:
-    """Every import of a package module that points to a package above it (or to a module directly under harness/)."""
+    """Every import of a package module that points to a package above it (or to a module directly under harness/),
+    except those of KNOWN_UPWARD."""
     up = []
     for m, deps in g.items():
         pm = package(m)
@@ -60,7 +66,7 @@ def upward_imports(g: dict[str, set[str]]) -> list[str]:
             continue
         for d in deps:
             pd = package(d)
-            if pd is None or LAYERS.index(pd) > LAYERS.index(pm):
+            if (pd is None or LAYERS.index(pd) > LAYERS.index(pm)) and f"{m} -> {d}" not in KNOWN_UPWARD:
                 up.append(f"{m} -> {d}")
     return sorted(up)
 
@@ -87,6 +93,13 @@ def find_cycles(g: dict[str, set[str]]) -> list[str]:
 def test_no_package_imports_a_package_above_it():
     up = upward_imports(graph())
     assert not up, "imports pointing up: " + ", ".join(up)
+
+
+def test_every_known_upward_import_is_still_made():
+    """An entry of KNOWN_UPWARD whose import is gone is stale: it would let that import come back unnoticed."""
+    g = graph()
+    stale = [e for e in sorted(KNOWN_UPWARD) if e.split(" -> ")[1] not in g.get(e.split(" -> ")[0], set())]
+    assert not stale, "KNOWN_UPWARD entries no module makes (remove them): " + ", ".join(stale)
 
 
 def test_no_import_cycles():

@@ -7,6 +7,7 @@ import yaml
 
 from harness import nightly
 from harness.cli import main
+from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
 from harness.envs.vllm_env import pinned
 from harness.gpu.plan import render_plan, uniform_gpus
@@ -720,5 +721,5 @@ def test_a_matrix_run_takes_the_gpu_memory_utilization_the_night_plans_with(monk
     assert base_config("gpu").gpu_memory_utilization == 0.4
     assert base_config("cpu").gpu_memory_utilization is None  # a CPU matrix is left as it was
     monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "2")
-    with pytest.raises(nightly.ConfigError, match="GPU_MEMORY_UTILIZATION='2' must be in"):
+    with pytest.raises(ConfigError, match="GPU_MEMORY_UTILIZATION='2' must be in"):
         base_config("gpu")
