@@ -38,6 +38,7 @@ SUBCOMMAND_MODULES = {
     "wheelhouse": "harness.wheelhouse.cli",
     "calibrate": "harness.calibrate.cli",
     "doctor": "harness.doctor.cli",
+    "explore": "harness.explore.cli",
 }
 
 

@@ -11,7 +11,7 @@ HARNESS = Path(__file__).resolve().parents[2] / "harness"
 # Modules directly under harness/ (cli, __main__) sit above every package.
 LAYERS = ["core", "hosts", "tasks", "workload", "models", "envs", "wheelhouse", "serve", "proxy", "checks", "upstream",
           "accuracy", "gpu", "run", "matrix", "releases", "cluster", "repro", "shrink", "bench", "calibrate", "doctor",
-          "nightly"]
+          "explore", "nightly"]
 # Upward imports known and waiting on a move, each with why. The nightly builds an accuracy step's config with the e2e
 # command's own parser (harness/cli.py build_parser, config_from_args), so its dry run prints the lines that run; the
 # entry goes when that parser moves into a package (issue 40).

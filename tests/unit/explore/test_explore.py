@@ -1,0 +1,114 @@
+"""explore with a fake oracle instead of vLLM: the sampler (deterministic, covering, within vLLM's block rule,
+favouring TP boundaries), the signature dedupe, the skip logic, resume, and a planted failure that one axis value
+triggers found, deduplicated across samples and narrowed to that value."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import pytest
+
+from harness.core.errors import ConfigError
+from harness.explore.cli import Explore, Ran, explore
+from harness.explore.results import Results, findings, render
+from harness.explore.sample import Sampler
+from harness.explore.space import Space, load_space
+from harness.matrix.config import EDGE_YAML, load_matrix
+
+SPACE = {
+    "models": [{"id": "tiny-llama", "kv_heads": [1, 2]}],
+    "axes": {
+        "tp_p": {"values": [1, 2]},
+        "tp_d": {"values": [1, 2, 4]},
+        "block_size_p": {"values": [16, 32]},
+        "block_size_d": {"values": [16, 32, 64]},
+        "max_num_batched_tokens_p": {"values": [None, 64]},
+        "prefix_caching_d": {"values": [False, True]},
+    },
+}
+
+
+def space(**over) -> Space:
+    return Space.model_validate({**SPACE, **over})
+
+
+def test_the_shipped_space_is_valid():
+    assert load_space().models
+
+
+def test_a_seed_draws_the_same_samples_and_another_seed_others():
+    ids = [[Sampler(space(), seed).draw().id for _ in range(10)] for seed in (1, 1, 2)]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+def test_draws_cover_every_value_keep_p_blocks_dividing_d_blocks_and_favour_tp_boundaries():
+    sampler = Sampler(space(), 3)
+    draws = [sampler.draw() for _ in range(300)]
+    for axis, choice in SPACE["axes"].items():
+        assert {s.values[axis] for s in draws} == set(choice["values"]), axis
+    assert all(s.values["block_size_d"] % s.values["block_size_p"] == 0 for s in draws)
+    tp_d = Counter(s.values["tp_d"] for s in draws)
+    assert tp_d[4] < tp_d[1] and tp_d[4] < tp_d[2]  # 1 and 2 are K or 2K of K in {1, 2}; 4 is neither
+
+
+def test_a_space_with_an_unknown_axis_is_refused():
+    with pytest.raises(ValueError, match="unknown axis"):
+        space(axes={"tp_q": {"values": [1]}})
+
+
+class PlantedFault:
+    """The fake oracle: every sample with P's chunked prefill (max_num_batched_tokens_p 64) fails the KV digest."""
+
+    def __init__(self):
+        self.ran: list[str] = []
+
+    def __call__(self, p, version):
+        self.ran.append(p.id)
+        if p.settings.get("max_num_batched_tokens_p") == 64:
+            checks = [{"name": "kv_digest_match", "passed": False}, {"name": "outputs_match_baseline", "passed": True}]
+            return Ran("kv-digest-mismatch", {"verdict": "fail", "checks": checks}, f"/runs/{p.id}")
+        return Ran("ok", {"verdict": "pass", "checks": []}, f"/runs/{p.id}")
+
+
+def new_explore(tmp_path, oracle, sp: Space | None = None, seed: int = 5, resume: bool = False) -> Explore:
+    edge, models = load_matrix(EDGE_YAML)
+    results = Results.open(tmp_path / "explore.json", seed, "0.32.0", resume)
+    return Explore(sp or space(), edge, models, "0.32.0", results, oracle, out=io.StringIO())
+
+
+def test_a_planted_failure_is_found_once_counted_and_narrowed_to_its_axis_value(tmp_path):
+    oracle = PlantedFault()
+    ex = new_explore(tmp_path, oracle)
+    assert explore(ex, Sampler(ex.space, 5), runs=24, hours=None) == 24
+    rows = findings(ex.results)
+    assert len(rows) == 1  # one signature, however many samples hit it
+    f = rows[0]
+    hit = [r for r in ex.results.samples if r.status == "ran" and r.sample["values"]["max_num_batched_tokens_p"] == 64]
+    assert f["verdict"] == "new" and f["count"] == len(hit) >= 2
+    assert f["signature"] == "kv-digest-mismatch (kv_digest_match)"
+    assert f["matters"] == {"max_num_batched_tokens_p": "64"}
+    page = render(ex.results, ex.space)
+    assert "**new** `kv-digest-mismatch (kv_digest_match)`" in page and "max_num_batched_tokens_p=64" in page
+    assert (tmp_path / "explore.json").exists()
+
+
+def test_what_vllm_refuses_is_skipped_with_its_reason_and_never_run(tmp_path):
+    oracle = PlantedFault()
+    sp = space(axes={**SPACE["axes"], "tp_d": {"values": [8]}})  # 8 ranks over 4 attention heads: not a model
+    ex = new_explore(tmp_path, oracle, sp)
+    assert explore(ex, Sampler(sp, 1), runs=3, hours=None) == 0  # the space holds nothing vLLM runs: it ends
+    assert oracle.ran == []
+    assert ex.results.samples and all(r.status == "skipped" and r.why for r in ex.results.samples)
+
+
+def test_a_resumed_explore_runs_none_of_the_samples_it_has(tmp_path):
+    first = PlantedFault()
+    explore(new_explore(tmp_path, first), Sampler(space(), 5), runs=4, hours=None)
+    again = PlantedFault()
+    ex = new_explore(tmp_path, again, resume=True)
+    explore(ex, Sampler(space(), 5, covered=ex.results.covered()), runs=4, hours=None)
+    assert not set(first.ran) & set(again.ran) and len(again.ran) == 4
+    assert len({r.sample["id"] for r in ex.results.samples}) == len(ex.results.samples) >= 8
+    with pytest.raises(ConfigError, match="seed"):
+        Results.open(tmp_path / "explore.json", 6, "0.32.0", resume=True)
