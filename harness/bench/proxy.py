@@ -386,8 +386,11 @@ def run_async(coro):
         import uvloop
     except ImportError:
         return asyncio.run(coro), "asyncio"
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(coro), "uvloop"
+    loop = uvloop.new_event_loop()  # not asyncio.Runner: the project supports Python 3.10
+    try:
+        return loop.run_until_complete(coro), "uvloop"
+    finally:
+        loop.close()
 
 
 # -- processes --------------------------------------------------------------------------------

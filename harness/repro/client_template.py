@@ -49,7 +49,8 @@ def bindable(port):
 
 
 def ports(sizes):
-    taken, out = set(), []
+    taken: set[int] = set()
+    out = []
     rng = random.Random()
     for size in sizes:
         for _ in range(2000):

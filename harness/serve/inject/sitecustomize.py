@@ -83,6 +83,8 @@ def _chain():
         candidate = os.path.join(entry, "sitecustomize.py")
         if entry != _HERE and os.path.isfile(candidate):
             spec = importlib.util.spec_from_file_location("_pd_harness_next_sitecustomize", candidate)
+            if spec is None or spec.loader is None:
+                continue
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             return
