@@ -21,4 +21,4 @@ def test_the_console_script_and_the_dependencies_point_at_what_exists():
 
 def test_pytest_markers_live_in_pyproject():
     markers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["markers"]
-    assert {m.split(":")[0].split("(")[0] for m in markers} == {"vllm", "gpu", "cpu_e2e", "slow", "full"}
+    assert {m.split(":")[0].split("(")[0] for m in markers} == {"vllm", "gpu", "slow", "full"}
