@@ -11,3 +11,10 @@ CACHE_ROOT = Path(os.environ.get("PD_HARNESS_CACHE_DIR") or REPO_ROOT / ".cache"
 RUNS_ROOT = REPO_ROOT / "runs"
 VENVS_DIR = REPO_ROOT / ".venvs"
 CONFIGS_DIR = REPO_ROOT / "configs"
+
+
+def results_root() -> Path:
+    """Where measured results are kept across runs and nights: the results store (harness/releases/store.py) and the
+    calibrated logprob thresholds (harness/run/thresholds.py). PD_HARNESS_RESULTS_DIR moves it out of a checkout (CI
+    wipes the checkout's .cache/ each night)."""
+    return Path(os.environ.get("PD_HARNESS_RESULTS_DIR") or CACHE_ROOT / "results")

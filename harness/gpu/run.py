@@ -74,6 +74,7 @@ class GpuRun:
         except PlanError as e:
             raise ConfigError(f"no GPU placement for {what}: {e}") from None
         self.simulated = d.simulated  # the PD_HARNESS_SIMULATED_GPUS value when the box is simulated
+        self.driver = d.driver  # NVML's driver version (None: not read): part of a calibration's key
         self.plan = replace(self.plan, simulated=d.simulated)
         self._free_before: dict[str, dict[int, float]] = {}
         self.checks: list[Check] = []  # the NVML checks made so far, in order (all passed: a failure raises)

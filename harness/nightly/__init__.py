@@ -5,6 +5,9 @@ Steps, each through an existing entry point with its own timeout and one JUnit t
                       its lines printed as one screen (skipped on a simulated box)
   prefetch/<repo>     each model, and GSM8K, into the HF cache (servers run with HF_HUB_OFFLINE=1): one step each, so
                       a gated or missing model fails its own step only; the steps that need it are skipped, saying so
+  calibrate/<run>     `python -m harness calibrate --store` when the box (GPU model, driver, vLLM, model) has no
+                      calibrated logprob threshold yet (harness/run/thresholds.py), else skipped naming it; its failure
+                      stops nothing: the later runs use the default threshold, and say so
   matrix/<id>         every GPU entry of configs/gqa_replication.yaml: `python -m harness matrix FILE --only <id>`
   edge/<id>           every GPU entry of configs/edge_cases.yaml (GPU-only axes: host buffer, fp8 KV, backends, ...)
   accuracy/<model>    real gsm8k through P/D against the baseline: `python -m harness e2e --accuracy`
@@ -63,11 +66,14 @@ from harness.nightly.steps import (
     ACCURACY_CHECKS,
     ACCURACY_RUNS,
     ACCURACY_TASK,
+    CALIBRATE_FALLBACK,
+    CALIBRATE_RUN,
     E2E_CHECKS,
     PREFETCH_IGNORE,
     TIMEOUTS_S,
     Night,
     build_steps,
+    calibrate_step,
     doctor_step,
     history_step,
     prefetch_id,
@@ -79,6 +85,8 @@ __all__ = [
     "ACCURACY_CHECKS",
     "ACCURACY_RUNS",
     "ACCURACY_TASK",
+    "CALIBRATE_FALLBACK",
+    "CALIBRATE_RUN",
     "DEFAULT_GPUS",
     "DEFAULT_GPU_MEM_GIB",
     "E2E_CHECKS",
@@ -100,6 +108,7 @@ __all__ = [
     "StepResult",
     "add_parser",
     "build_steps",
+    "calibrate_step",
     "choose_hardware",
     "doctor_step",
     "e2e_config",

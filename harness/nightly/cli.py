@@ -16,6 +16,7 @@ from harness.nightly.execute import WORST_CASE_NOTE, nvml_guard, run_steps, wors
 from harness.nightly.hardware import DEFAULT_GPU_MEM_GIB, DEFAULT_GPUS, choose_hardware, given_util
 from harness.nightly.simulated import SIM_REASON
 from harness.nightly.steps import build_steps, scale_timeouts, select_steps
+from harness.run.thresholds import ThresholdStore
 
 
 def add_parser(sub) -> None:
@@ -75,7 +76,15 @@ def main(a: argparse.Namespace) -> int:
         util = given_util(os.environ)
         hw = choose_hardware(discover(), a.gpus, a.gpu_mem_gib, a.dry_run)
         steps = build_steps(
-            hw.gpus, a.python, run_dir, versions, util=util, simulated=hw.simulated, load_requests=a.load_requests
+            hw.gpus,
+            a.python,
+            run_dir,
+            versions,
+            util=util,
+            simulated=hw.simulated,
+            load_requests=a.load_requests,
+            driver=hw.driver,
+            thresholds=ThresholdStore(),
         )
         steps = select_steps(steps, [p.strip() for p in (a.only or "").split(",") if p.strip()])
     except (ConfigError, ValueError) as e:

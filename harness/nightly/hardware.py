@@ -25,6 +25,7 @@ class Hardware:
     source: str  # one line
     assumed: bool = False  # not (all) read from NVML: a dry run's assumption or a flag's
     simulated: str | None = None  # read from a simulated box (PD_HARNESS_SIMULATED_GPUS's value)
+    driver: str | None = None  # NVML's driver version (None: not read): part of the box's calibration key
 
 
 def choose_hardware(d: Discovery, count: int | None, mem_gib: float | None, dry_run: bool) -> Hardware:
@@ -51,6 +52,7 @@ def choose_hardware(d: Discovery, count: int | None, mem_gib: float | None, dry_
             f"{count} x {mem:g} GiB assumed (--gpus {count}); {d.describe()}",
             assumed=True,
             simulated=sim,
+            driver=d.driver,
         )
     if mem_gib is not None and not dry_run:
         # The steps' own runs plan with NVML's memory; a night planned otherwise would check the wrong shares.
@@ -65,8 +67,9 @@ def choose_hardware(d: Discovery, count: int | None, mem_gib: float | None, dry_
             f"{how}; planned as {mem_gib:g} GiB each (--gpu-mem-gib)",
             assumed=True,
             simulated=sim,
+            driver=d.driver,
         )
-    return Hardware(chosen, how, simulated=sim)
+    return Hardware(chosen, how, simulated=sim, driver=d.driver)
 
 
 def given_util(env: Mapping[str, str]) -> float | None:

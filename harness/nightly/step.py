@@ -11,7 +11,7 @@ from harness.gpu.plan import GpuPlan
 @dataclass(frozen=True)
 class Step:
     id: str
-    kind: str  # doctor / prefetch / matrix / accuracy / history
+    kind: str  # doctor / prefetch / calibrate / matrix / accuracy / history
     argv: tuple[str, ...]
     timeout_s: float
     checks: tuple[str, ...]

@@ -1,5 +1,6 @@
-"""The night's steps, planned: doctor, prefetch per repo, each GPU matrix and edge entry, accuracy per model, history,
-per vLLM version, each with its GPU plan (or why it is skipped); --only and --timeout-scale over them."""
+"""The night's steps, planned: doctor, prefetch per repo, per vLLM version the calibration (when the box has none) and
+each GPU matrix and edge entry and accuracy per model, history, each with its GPU plan (or why it is skipped); --only
+and --timeout-scale over them."""
 
 from __future__ import annotations
 
@@ -16,10 +17,25 @@ from harness.nightly.hardware import UTIL_ENV
 from harness.nightly.servers import e2e_config, server_lines, serving_python
 from harness.nightly.simulated import SIM_REASON
 from harness.nightly.step import Step
+from harness.run.config import GPU_DEFAULT_MODEL
+from harness.run.thresholds import ThresholdKey, ThresholdStore, threshold_key
 
 # Per-step timeouts (s). A matrix pair starts up to three servers (10 min ready timeout each) and
 # sends 18 prompts; an accuracy run adds full GSM8K (1319 questions) twice, baseline and P/D.
-TIMEOUTS_S = {"doctor": 10 * 60, "prefetch": 30 * 60, "matrix": 40 * 60, "accuracy": 90 * 60, "history": 10 * 60}
+# A calibration is two e2e runs (a correct one, one with a decode-KV fault): up to six server starts, 1.5 pairs.
+TIMEOUTS_S = {
+    "doctor": 10 * 60,
+    "prefetch": 30 * 60,
+    "calibrate": 60 * 60,
+    "matrix": 40 * 60,
+    "accuracy": 90 * 60,
+    "history": 10 * 60,
+}
+CALIBRATE_RUN_TIMEOUT_S = 30 * 60  # each of its runs (calibrate --timeout)
+# What the night calibrates: the GPU default model, which its matrix and accuracy steps serve too, at P1->D2 (P and
+# the baseline at different TPs: the rounding noise most of the night's pairs show).
+CALIBRATE_RUN = (GPU_DEFAULT_MODEL, 1, 2)
+CALIBRATE_FALLBACK = "the night goes on: later runs use the default logprob threshold (their reports say so)"
 # (hub id, P TP, D TP), in harness/doctor/needs.py, which checks what they need of the box
 ACCURACY_RUNS = NIGHT_ACCURACY_RUNS
 ACCURACY_TASK = HUB_TASK
@@ -61,6 +77,8 @@ class Night:
     hub_models: list[str] = field(default_factory=list)  # what the prefetch downloads, shared across versions
     simulated: str | None = None  # a simulated box: its steps' servers are stand-ins
     load_requests: int | None = None  # each run's load phase (--load-requests); None: the runs' default
+    driver: str | None = None  # NVML's driver version: with the GPUs' model names, the box's calibration key
+    thresholds: ThresholdStore | None = None  # the calibrated thresholds (None: not read, every calibration planned)
 
     def sid(self, kind: str, name: str) -> str:
         return f"{kind}/{name}" + (f"@{self.version}" if self.tagged else "")
@@ -114,18 +132,32 @@ def build_steps(
     util: float | None = None,
     simulated: str | None = None,
     load_requests: int | None = None,
+    driver: str | None = None,
+    thresholds: ThresholdStore | None = None,
 ) -> list[Step]:
     """Every step of the nightly run on ``gpus`` (physical ids, memory, names), for each of ``versions`` (none: the
-    pinned one); pure apart from reading the configs. ``util``: GPU_MEMORY_UTILIZATION given by hand; ``simulated``:
-    the simulated box the GPUs are on (nothing to prefetch, the history kept in the night's folder);
-    ``load_requests``: each run's load phase (None: the runs' default)."""
+    pinned one); pure apart from reading the configs and ``thresholds``. ``util``: GPU_MEMORY_UTILIZATION given by
+    hand; ``simulated``: the simulated box the GPUs are on (nothing to prefetch, the history kept in the night's
+    folder); ``load_requests``: each run's load phase (None: the runs' default); ``driver`` and ``thresholds``: NVML's
+    driver version and the calibrated thresholds, which decide whether a version's calibrate step runs."""
     steps: list[Step] = []
     hub_models: list[str] = []
     matrix_ids: list[str] = []
     for version in list(versions) if versions else [None]:
         night = Night(
-            tuple(gpus), python, run_dir, version, len(versions) > 1, util, hub_models, simulated, load_requests
+            tuple(gpus),
+            python,
+            run_dir,
+            version,
+            len(versions) > 1,
+            util,
+            hub_models,
+            simulated,
+            load_requests,
+            driver,
+            thresholds,
         )
+        steps.append(calibrate_step(night))
         steps += _matrix_steps(night, matrix_file, matrix_ids)
         steps += [_accuracy_step(night, *run) for run in ACCURACY_RUNS]
     history = history_step(python, run_dir, versions, matrix_ids)
@@ -164,7 +196,7 @@ def select_steps(steps: Sequence[Step], patterns: Sequence[str]) -> list[Step]:
     if unmatched:
         raise ConfigError(
             f"--only {','.join(unmatched)} matches no step of this night (ids as doctor, prefetch/<repo>, "
-            "matrix/<entry>, edge/<entry>, accuracy/<run>, history; --dry-run lists them)"
+            "calibrate/<run>, matrix/<entry>, edge/<entry>, accuracy/<run>, history; --dry-run lists them)"
         )
     return [
         s
@@ -243,6 +275,50 @@ def _accuracy_step(night: Night, hub_id: str, tp_p: int, tp_d: int) -> Step:
         night.env,
         night.version,
         needs=(prefetch_id(hub_id), prefetch_id(HUB_DATASET)) if skip is None else (),
+    )
+
+
+def calibrate_step(night: Night) -> Step:
+    """Before a version's matrix and accuracy steps: `python -m harness calibrate --store` (harness/calibrate/) when
+    the store has no threshold for the box's key (the night's GPU model and driver, the version's vLLM, the calibrated
+    model); skipped, naming the stored threshold, when it has one. Its failure stops nothing (run_steps)."""
+    from harness.envs.vllm_env import main_version
+    from harness.models.config import load_models
+
+    model, tp_p, tp_d = CALIBRATE_RUN
+    entry = load_models().find(model)
+    sid = night.sid("calibrate", f"{entry.id if entry else model.split('/')[-1].lower()}-p{tp_p}-d{tp_d}")
+    key = threshold_key((g.name for g in night.gpus), night.driver, night.version or main_version("gpu"), model)
+    gplan, skip = _plan(night, sid, tp_p, tp_d, model)
+    stored = None
+    if night.thresholds is not None and isinstance(key, ThresholdKey) and not night.simulated:
+        stored = night.thresholds.lookup(key)
+    if night.simulated:
+        skip = f"{SIM_REASON}: the stand-in servers' answers measure no box"
+    elif stored is not None:
+        skip = f"threshold {stored.threshold:.3g} already calibrated for {stored.key.describe()}: {stored.source}"
+    if skip is None and model not in night.hub_models:
+        night.hub_models.append(model)
+    why = f"not looked up ({key}; its runs read theirs)" if isinstance(key, str) else f"none for {key.describe()}"
+    about = (
+        f"a correct P{tp_p}->D{tp_d} run and a decode-KV-fault run place the logprob threshold; a stored one: {why}; "
+        f"if it fails, {CALIBRATE_FALLBACK}"
+    )
+    argv = (night.python, "-m", "harness", "calibrate", "--out", str(night.run_dir / sid), "--store", "--timeout")
+    e2e = ("--device", "gpu", "--model", model, "--tp-p", str(tp_p), "--tp-d", str(tp_d), *night.run_args)
+    return Step(
+        sid,
+        "calibrate",
+        (*argv, f"{CALIBRATE_RUN_TIMEOUT_S:g}", "--", *e2e),
+        TIMEOUTS_S["calibrate"],
+        ("calibrate exit code 0: a threshold between a correct run's noise and a KV fault's effect, kept for the box",),
+        tp_p + tp_d,
+        gplan,
+        skip_reason=skip,
+        note=about if stored is None else "the night's runs of the model use the stored threshold",
+        env=night.env,
+        version=night.version,
+        needs=(prefetch_id(model),) if skip is None else (),
     )
 
 

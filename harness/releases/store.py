@@ -12,13 +12,12 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
-from harness.core.paths import CACHE_ROOT, REPO_ROOT
+from harness.core.paths import REPO_ROOT, results_root
 from harness.core.safe import safe_name, under
 
 # The code a pair's outcome depends on: launching (serve), the workload, the checks, the run's phases,
@@ -51,7 +50,7 @@ def harness_revision(root: Path = REPO_ROOT) -> str:
 
 
 def default_store_dir() -> Path:
-    return Path(os.environ.get("PD_HARNESS_RESULTS_DIR") or CACHE_ROOT / "results")
+    return results_root()
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from harness.run.pd import local_servers, run_pd
 from harness.run.preflight import attached_baseline_gpu, preflight, require_model
 from harness.run.prompts_file import write_prompts
 from harness.run.report import Report, write_report
+from harness.run.thresholds import ThresholdStore, apply_threshold
 from harness.run.timing import breakdown
 from harness.run.versions import installed_versions
 from harness.serve.ports import PortAllocator
@@ -38,7 +39,8 @@ from harness.workload.token_text import divergence_spans, load_decoder
 
 class PDRun:
     """One run. ``baseline_last`` runs the baseline after P/D (and not at all when P/D fails);
-    ``baseline_cache`` shares baseline answers between runs of one matrix; ``attach`` uses servers started elsewhere."""
+    ``baseline_cache`` shares baseline answers between runs of one matrix; ``attach`` uses servers started elsewhere;
+    ``thresholds``: the calibrated logprob thresholds (default: the store beside the results store)."""
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class PDRun:
         baseline_last: bool = False,
         baseline_cache: dict[tuple, BaselineResult] | None = None,
         attach: Attach | None = None,
+        thresholds: ThresholdStore | None = None,
     ):
         cfg.validate()
         if attach is not None and not cfg.baseline:  # attached servers carry no digest hook of ours
@@ -55,6 +58,7 @@ class PDRun:
         # a network fault is meant to end the run in the P/D phase: a baseline first would be started for nothing
         self.baseline_last = baseline_last or cfg.net_fault != "none"
         self.baseline_cache = baseline_cache
+        self.thresholds = thresholds or ThresholdStore()
         self.run_dir = new_run_dir(cfg)
         self.ctx = RunContext(
             cfg,
@@ -190,6 +194,7 @@ class PDRun:
         ctx.accuracy = resolve_accuracy(cfg.accuracy, ctx.model, ctx.served_name) if cfg.accuracy is not None else None
         if ctx.accuracy is not None:
             config["accuracy"] = ctx.accuracy.to_dict()
+        self.cfg = ctx.cfg = apply_threshold(ctx, self.attach is not None, self.thresholds)
 
 
 def phase(name: str, fn, *args):

@@ -279,8 +279,9 @@ def test_ci_workflow_parses_and_runs_make_nightly():
 
 
 def test_the_ci_job_holds_a_worst_case_night_and_publishes_its_junit_as_a_test_report():
-    """Issue 35 item 7: the run had 600 min while one version's step timeouts added up to 980 (now 1140; 1261 with
-    each step's stop grace and GPU release wait), and the JUnit file was uploaded but never published as a report."""
+    """Issue 35 item 7: the run had 600 min while one version's step timeouts added up to 980 (now 1200 with a first
+    night's calibration; 1326 with each step's stop grace and GPU release wait), and the JUnit file was uploaded but
+    never published as a report."""
     wf = yaml.safe_load((REPO_ROOT / "ci" / "nightly-gpu.yml").read_text())
     job = wf["jobs"]["nightly"]
     steps = job["steps"]
@@ -723,3 +724,101 @@ def test_a_matrix_run_takes_the_gpu_memory_utilization_the_night_plans_with(monk
     monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "2")
     with pytest.raises(ConfigError, match="GPU_MEMORY_UTILIZATION='2' must be in"):
         base_config("gpu")
+
+
+# Issue 35, calibration on the night: the first night on a box (or a new GPU model, driver or vLLM) runs `calibrate`
+# and keeps its threshold (harness/run/thresholds.py); later nights skip it, naming the one they use.
+
+A100 = "NVIDIA A100-SXM4-80GB"
+CAL = "calibrate/tinyllama-1.1b-chat-p1-d2"
+
+
+def a100s(n: int = 8):
+    from dataclasses import replace
+
+    return tuple(replace(g, name=A100) for g in uniform_gpus(n, 80.0))
+
+
+def calibrated(store, version: str, driver: str = "550.54.15"):
+    from harness.run.thresholds import StoredThreshold, ThresholdKey
+
+    key = ThresholdKey(A100, driver, version, "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    store.put(StoredThreshold(key, 0.21, 0.03, 120, 1.02, 1.4, 118, "/runs/cal", "2026-12-08"))
+
+
+def test_each_version_without_a_calibration_plans_one_before_its_runs_and_one_with_is_skipped(tmp_path):
+    from harness.run.thresholds import ThresholdStore
+
+    store = ThresholdStore(tmp_path / "thresholds.json")
+    calibrated(store, "0.21.0")
+    steps = build_steps(a100s(), PY, tmp_path / "n", ["0.21.0", "0.32.0"], driver="550.54.15", thresholds=store)
+    ids = [s.id for s in steps]
+    by_id = {s.id: s for s in steps}
+    done, todo = by_id[f"{CAL}@0.21.0"], by_id[f"{CAL}@0.32.0"]
+    assert done.skip_reason == (f"threshold 0.21 already calibrated for {A100}, driver 550.54.15, vLLM 0.21.0, "
+                                "TinyLlama/TinyLlama-1.1B-Chat-v1.0: calibrated 2026-12-08 (/runs/cal)")
+    assert todo.skip_reason is None and todo.needs == ("prefetch/TinyLlama/TinyLlama-1.1B-Chat-v1.0",)
+    for version, cal in (("0.21.0", done), ("0.32.0", todo)):  # before the version's matrix and accuracy steps
+        own = [i for i in ids if i.endswith(f"@{version}") and i != cal.id]
+        assert ids.index(cal.id) < min(ids.index(i) for i in own)
+    argv = todo.argv
+    assert argv[:4] == (PY, "-m", "harness", "calibrate") and "--store" in argv[:argv.index("--")]
+    assert argv[argv.index("--out") + 1] == str(tmp_path / "n" / f"{CAL}@0.32.0")
+    e2e = argv[argv.index("--") + 1:]
+    assert e2e[e2e.index("--vllm-version") + 1] == "0.32.0" and e2e[e2e.index("--device") + 1] == "gpu"
+    assert todo.gpu_plan is not None and dict(todo.env)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
+    text = render_dry_run(steps, Hardware(a100s(), "NVML"))
+    assert "[SKIPPED: threshold 0.21 already calibrated for " in step_block(text, f"{CAL}@0.21.0")
+    assert "[to run]" in step_block(text, f"{CAL}@0.32.0").splitlines()[0]
+    assert f"none for {A100}, driver 550.54.15, vLLM 0.32.0" in step_block(text, f"{CAL}@0.32.0")
+    # a new driver is a new box: measured again
+    redo = {s.id: s for s in build_steps(a100s(), PY, tmp_path / "n", ["0.21.0"], driver="560.28.03",
+                                         thresholds=store)}
+    assert redo[CAL].skip_reason is None
+
+
+def test_the_night_reads_its_box_and_the_store_beside_the_results(capsys, monkeypatch, tmp_path):
+    from harness.envs.vllm_env import main_version
+    from harness.gpu import nvml
+    from harness.run.thresholds import ThresholdStore
+    from tests.unit.gpu.fake_nvml import FakeGpu, FakeNvml
+
+    real = nvml.discover
+    box = FakeNvml([[FakeGpu(name=A100) for _ in range(8)]], driver="550.54.15")
+    monkeypatch.setattr(nvml, "discover", lambda *a, **k: real(box, env={}))
+    monkeypatch.setenv("PD_HARNESS_RESULTS_DIR", str(tmp_path / "results"))
+    assert main(["nightly", "--dry-run", "--run-dir", str(tmp_path / "a")]) == 0
+    assert "[to run]" in step_block(capsys.readouterr().out, CAL).splitlines()[0]  # the first night on the box
+    calibrated(ThresholdStore(), main_version("gpu"))
+    assert main(["nightly", "--dry-run", "--run-dir", str(tmp_path / "b")]) == 0
+    assert "[SKIPPED: threshold 0.21 already calibrated for" in step_block(capsys.readouterr().out, CAL)
+    (tmp_path / "results" / "calibrated_thresholds.json").write_text("{broken")
+    assert main(["nightly", "--dry-run", "--run-dir", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "calibrated_thresholds.json: not a calibrated-thresholds file" in err and err.count("\n") == 1
+
+
+def test_a_simulated_night_calibrates_nothing(tmp_path):
+    from harness.run.thresholds import ThresholdStore
+
+    steps = {s.id: s for s in build_steps(a100s(), PY, tmp_path, simulated="8x80", driver="550.54.15",
+                                          thresholds=ThresholdStore(tmp_path / "none.json"))}
+    assert steps[CAL].skip_reason.startswith("simulated GPUs")
+
+
+def test_a_failed_calibration_stops_nothing_and_says_the_runs_use_the_default(tmp_path):
+    plan = object()
+    steps = [Step(CAL, "calibrate", ("x",), 10, ("c",), 3, plan),
+             Step("matrix/p1-d2", "matrix", ("x",), 10, ("c",), 3, plan),
+             Step("history", "history", ("x",), 10, ("c",))]
+    ran = []
+
+    def runner(step, log):
+        ran.append(step.id)
+        return StepResult(step, "failed" if step.kind == "calibrate" else "passed", 1.0, "exit code 1")
+
+    with open("/dev/null", "w") as out:
+        results = {r.step.id: r for r in run_steps(steps, tmp_path, runner=runner, out=out)}
+    assert ran == [CAL, "matrix/p1-d2", "history"]
+    assert results[CAL].status == "failed" and results[CAL].message == f"{nightly.CALIBRATE_FALLBACK}; exit code 1"
+    assert "later runs use the default logprob threshold" in nightly.CALIBRATE_FALLBACK
