@@ -40,8 +40,8 @@ lint: setup
 	@stamp="$$(sha256sum requirements/lint.txt | cut -d' ' -f1)"; \
 	  [ "$$(cat .venv/.lint-stamp 2>/dev/null)" = "$$stamp" ] || \
 	  { $(PY) -m pip install -q --disable-pip-version-check -r requirements/lint.txt && echo "$$stamp" > .venv/.lint-stamp; }
-	$(PY) -m ruff check harness
-	$(PY) -m ruff format --check harness
+	$(PY) -m ruff check harness tests toy_proxy_server.py
+	$(PY) -m ruff format --check harness tests toy_proxy_server.py
 	$(PY) -m mypy
 
 # Everything, the tests beyond CI's representative cut included (marked `full`: whole matrices, installs, faults).

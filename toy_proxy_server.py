@@ -1,6 +1,6 @@
 """P/D routing proxy for vLLM's NixlConnector (FastAPI + aiohttp).
 
-    python toy_proxy_server.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+python toy_proxy_server.py --port 8000 --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 """
 
 from __future__ import annotations
@@ -8,16 +8,26 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-
 from pathlib import Path
 
 from harness.core.argtypes import HarnessArgumentParser
-from harness.proxy.app import DEFAULT_MAX_BODY_BYTES, corrupt_block_ids, create_app, hold_until_released, wrong_engine_id
+from harness.proxy.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    corrupt_block_ids,
+    create_app,
+    hold_until_released,
+    wrong_engine_id,
+)
 
 # Fault injection for tests that must see the harness fail a run; "no-remote-decode" skips the transfer.
 # "hold-between-hops" holds a request after P's answer until the harness has put a network fault in place (--hold-dir).
-FAULTS = {"none": None, "corrupt-block-ids": corrupt_block_ids, "wrong-engine-id": wrong_engine_id,
-          "no-remote-decode": None, "hold-between-hops": None}
+FAULTS = {
+    "none": None,
+    "corrupt-block-ids": corrupt_block_ids,
+    "wrong-engine-id": wrong_engine_id,
+    "no-remote-decode": None,
+    "hold-between-hops": None,
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,10 +41,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"])
     ap.add_argument("--decoder-ports", nargs="+", type=int, default=[])
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per backend request")
-    ap.add_argument("--max-body-mib", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
-                    help="larger request bodies get 413 (default %(default)g MiB)")
+    ap.add_argument(
+        "--max-body-mib",
+        type=float,
+        default=DEFAULT_MAX_BODY_BYTES / 2**20,
+        help="larger request bodies get 413 (default %(default)g MiB)",
+    )
     ap.add_argument("--fault", choices=sorted(FAULTS), default="none", help="fault injection for tests")
-    ap.add_argument("--fault-every", type=int, default=1, metavar="N", help="apply the fault to every N-th request only (default 1: all)")
+    ap.add_argument(
+        "--fault-every",
+        type=int,
+        default=1,
+        metavar="N",
+        help="apply the fault to every N-th request only (default 1: all)",
+    )
     ap.add_argument("--hold-dir", type=Path, help="with --fault hold-between-hops: where held requests are marked")
     ap.add_argument("--log-level", default="info")
     args = ap.parse_args(argv)
@@ -58,7 +78,7 @@ def _urls(hosts: list[str], ports: list[int], what: str) -> list[str]:
         hosts = hosts * len(ports)
     if len(hosts) != len(ports):
         raise ValueError(f"{len(hosts)} {what} hosts but {len(ports)} ports")
-    return [f"http://{h}:{p}" for h, p in zip(hosts, ports)]
+    return [f"http://{h}:{p}" for h, p in zip(hosts, ports, strict=False)]
 
 
 def backend_urls(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -75,14 +95,25 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout
+    )
     prefill, decode = backend_urls(args)
-    app = create_app(prefill, decode, timeout_s=args.timeout, kv_params_hook=FAULTS[args.fault],
-                     max_body_bytes=int(args.max_body_mib * 2**20), skip_transfer=args.fault == "no-remote-decode",
-                     fault_every=args.fault_every,
-                     between_hops=hold_until_released(args.hold_dir) if args.hold_dir is not None else None)
-    # uvloop and httptools (pinned in requirements/harness.txt) when installed; uvicorn's pure-Python fallbacks otherwise.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, loop="auto", http="auto")
+    app = create_app(
+        prefill,
+        decode,
+        timeout_s=args.timeout,
+        kv_params_hook=FAULTS[args.fault],
+        max_body_bytes=int(args.max_body_mib * 2**20),
+        skip_transfer=args.fault == "no-remote-decode",
+        fault_every=args.fault_every,
+        between_hops=hold_until_released(args.hold_dir) if args.hold_dir is not None else None,
+    )
+    # uvloop and httptools (pinned in requirements/harness.txt) when installed; uvicorn's pure-Python fallbacks
+    # otherwise.
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False, loop="auto", http="auto"
+    )
 
 
 if __name__ == "__main__":

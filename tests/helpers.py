@@ -14,7 +14,6 @@ import psutil
 from harness.run.launch import RUN_TAG_ENV
 from harness.serve.ports import PortAllocator
 
-
 # `make test-full`: the tests beyond CI's representative cut (marked `full`, tests/conftest.py) run too.
 FULL = os.environ.get("PD_HARNESS_FULL") == "1"
 
@@ -46,8 +45,13 @@ def config_only_hf_cache(home: Path) -> Path:
         snap = repo / "snapshots" / "simulated"
         snap.mkdir(parents=True)
         hd = 64 if e.mla or not e.head_dim else e.head_dim
-        cfg = {"model_type": e.family or "llama", "num_attention_heads": e.attention_heads,
-               "num_key_value_heads": e.kv_heads, "hidden_size": e.attention_heads * hd, "head_dim": hd}
+        cfg = {
+            "model_type": e.family or "llama",
+            "num_attention_heads": e.attention_heads,
+            "num_key_value_heads": e.kv_heads,
+            "hidden_size": e.attention_heads * hd,
+            "head_dim": hd,
+        }
         if e.mla:
             cfg.update(kv_lora_rank=512, qk_rope_head_dim=64)
         (snap / "config.json").write_text(json.dumps(cfg))
@@ -58,8 +62,8 @@ def tiny_server_setup() -> tuple:
     """(config, tiny model path, block size, P's and D's CPU binding) for tests that start their own servers."""
     import sys
 
-    from harness.run.config import E2EConfig
     from harness.models.tiny import ensure_tiny_model
+    from harness.run.config import E2EConfig
     from harness.serve.vllm_cmd import plan_cpu_binding
 
     cfg = E2EConfig(python=sys.executable)

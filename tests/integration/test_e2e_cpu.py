@@ -11,13 +11,15 @@ import pytest
 
 from tests.helpers import processes_tagged
 
-# a hang fails this module's test, not all of CI: about 3x `make e2e ACCURACY=1` (190 s; 390 s when it trains the tiny model first)
+# a hang fails this module's test, not all of CI: about 3x `make e2e ACCURACY=1` (190 s; 390 s when it trains the
+# tiny model first)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
 
 @pytest.fixture(scope="module")
 def e2e(e2e_accuracy_run):
-    return e2e_accuracy_run  # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
+    # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
+    return e2e_accuracy_run
 
 
 def test_exit_code_and_verdict_pass(e2e):
@@ -40,8 +42,15 @@ def test_at_least_16_prompts_compared_from_one_token_to_many_blocks(e2e):
 def test_transfer_proven(e2e):
     _, _, report = e2e
     checks = {c["name"]: c for c in report["checks"]}
-    for name in ("prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
-                 "prompt_tokens_from_transfer", "transfer_plan_logged", "kv_load_failure_policy_fail", "no_kv_lease_expiry"):
+    for name in (
+        "prefill_returned_kv_transfer_params",
+        "nixl_transfers_counted",
+        "no_failed_transfers",
+        "prompt_tokens_from_transfer",
+        "transfer_plan_logged",
+        "kv_load_failure_policy_fail",
+        "no_kv_lease_expiry",
+    ):
         assert checks[name]["passed"], checks[name]
     assert checks["nixl_transfers_counted"]["data"]["transfers"] >= len(report["comparison"]["prompts"])
     assert "TransferTopology(" in checks["transfer_plan_logged"]["detail"]
@@ -60,24 +69,42 @@ def test_kv_digest_proves_d_holds_the_bytes_p_computed(e2e):
 
 def test_report_records_config_versions_timings_and_logs(e2e):
     _, run_dir, report = e2e
-    assert report["versions"]["vllm"] and report["versions"]["nixl"] and report["versions"]["torch"] and report["versions"]["python"]
+    assert (
+        report["versions"]["vllm"]
+        and report["versions"]["nixl"]
+        and report["versions"]["torch"]
+        and report["versions"]["python"]
+    )
     assert report["config"]["cpu_tuning"]["enabled"] is True
     heads = report["config"]["model_heads"]
     assert (heads["attention_heads"], heads["kv_heads"], heads["mla"]) == (4, 1, False)
-    for key in ("baseline_launch_to_ready", "prefill_launch_to_ready", "decode_launch_to_ready", "proxy_launch_to_ready", "pd_requests", "wall"):
+    for key in (
+        "baseline_launch_to_ready",
+        "prefill_launch_to_ready",
+        "decode_launch_to_ready",
+        "proxy_launch_to_ready",
+        "pd_requests",
+        "wall",
+    ):
         assert report["timings_s"][key] > 0
     for name in ("baseline", "prefill", "decode", "proxy"):
         assert Path(report["logs"][name]).stat().st_size > 0
     # where the wall time went; the harness's own share is what is left, so it can never be negative
     tb = report["timing_breakdown"]
-    assert 0 <= tb["harness_own_s"] <= tb["wall_s"] and {"launch_to_ready", "requests", "evaluation", "teardown"} <= set(tb["by_category_s"])
+    assert 0 <= tb["harness_own_s"] <= tb["wall_s"] and {
+        "launch_to_ready",
+        "requests",
+        "evaluation",
+        "teardown",
+    } <= set(tb["by_category_s"])
     md = (run_dir / "report.md").read_text()
     assert "**PASS**" in md and "outputs_match_baseline" in md
     # what a repro bundle needs to replay any request: every prompt sent, and the baseline's command
     sent = json.loads((run_dir / "prompts.json").read_text())
     compared = {p["prompt_id"] for p in report["comparison"]["prompts"] + report["load"]["comparison"]["prompts"]}
-    assert compared <= set(sent["sequential"]) | set(sent["load"]) and all(isinstance(t, int) for t in
-                                                                         next(iter(sent["load"].values())))
+    assert compared <= set(sent["sequential"]) | set(sent["load"]) and all(
+        isinstance(t, int) for t in next(iter(sent["load"].values()))
+    )
     assert report["config"]["baseline_command"] == report["commands"]["baseline"]
     # The CPU tuning really reached the servers (and is visible in their logs).
     decode_log = Path(report["logs"]["decode"]).read_text()
@@ -93,8 +120,13 @@ def test_accuracy_from_real_lm_eval_runs_through_the_proxy_and_the_baseline(e2e)
     assert a["baseline_score"] >= 0.8  # a model that can fail visibly
     assert abs(a["pd_score"] - a["baseline_score"]) <= a["tolerance"]
     checks = {c["name"]: c for c in report["checks"]}
-    for name in ("accuracy_through_pd", "accuracy_samples_paired", "accuracy_pd_within_tolerance", "accuracy_responses_agree",
-                 "accuracy_baseline_meaningful"):
+    for name in (
+        "accuracy_through_pd",
+        "accuracy_samples_paired",
+        "accuracy_pd_within_tolerance",
+        "accuracy_responses_agree",
+        "accuracy_baseline_meaningful",
+    ):
         assert checks[name]["passed"], checks[name]
     # per-sample logs of both lm-eval runs are kept in the run folder
     for which in ("pd", "baseline"):

@@ -19,17 +19,39 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 FP8 = "edge-qwen3-fp8-k1-p1-d2"
 # Qwen3 with an fp8 KV cache only in `make test-full` (CI time)
-CUT = ("edge-prefix-k1-p1-d2", "edge-bs64-k1-p1-d2", "edge-gemma3-k1-p1-d2", "edge-nhd-k1-p1-d2",
-       "edge-prefix-bs64-k2-p2-d1", *((FP8,) if FULL else ()))
+CUT = (
+    "edge-prefix-k1-p1-d2",
+    "edge-bs64-k1-p1-d2",
+    "edge-gemma3-k1-p1-d2",
+    "edge-nhd-k1-p1-d2",
+    "edge-prefix-bs64-k2-p2-d1",
+    *((FP8,) if FULL else ()),
+)
 LOAD_REQUESTS = 32  # each pair's load phase, smaller than a run's default: the axes are what this test is about
 
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("edge") / "run"
-    proc = subprocess.run([sys.executable, "-m", "harness", "matrix", "configs/edge_cases.yaml", "--only", ",".join(CUT),
-                           "--load-requests", str(LOAD_REQUESTS), "--run-dir", str(run_dir)],
-                          cwd=REPO, capture_output=True, text=True, timeout=3000)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "matrix",
+            "configs/edge_cases.yaml",
+            "--only",
+            ",".join(CUT),
+            "--load-requests",
+            str(LOAD_REQUESTS),
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
     return proc, run_dir, json.loads((run_dir / "report.json").read_text())
 
@@ -58,7 +80,11 @@ def test_d_prefix_cache_sources_every_request_exactly_as_predicted(edge):
         assert checks[name]["passed"], checks[name]["detail"]
     rows = {x["id"]: x for x in r["prefix_cache"]["requests"]}
     # block 32: a 96-token prompt sent again takes 64 tokens from D's cache (never the last block) and 32 from P
-    assert rows["pfx-3bs-again"]["measured"] == {"local_compute": 0.0, "local_cache_hit": 64.0, "external_kv_transfer": 32.0}
+    assert rows["pfx-3bs-again"]["measured"] == {
+        "local_compute": 0.0,
+        "local_cache_hit": 64.0,
+        "external_kv_transfer": 32.0,
+    }
     assert rows["pfx-3bs+1-again"]["measured"]["local_cache_hit"] == 96.0
     assert rows["pfx-partial"]["measured"]["local_cache_hit"] == 64.0
     assert all(x["exact"] for x in rows.values())
@@ -113,7 +139,9 @@ def test_the_kv_digest_shows_the_block_size_findings_crossed_k_and_v(edge):
     _, run_dir, _ = edge
     c = {c["name"]: c for c in pair_report(run_dir, "edge-bs64-k1-p1-d2")["checks"]}["kv_digest_match"]
     # what D holds instead is looked up for the first 2000 differing digests: mostly the other part (K for V)
-    assert not c["passed"] and c["data"]["holds"].get("K/V swapped", 0) > sum(c["data"]["holds"].values()) // 2, c["detail"]
+    assert not c["passed"] and c["data"]["holds"].get("K/V swapped", 0) > sum(c["data"]["holds"].values()) // 2, c[
+        "detail"
+    ]
     records, _ = kv_digest.load(run_dir / "vllm-0.32.0" / "edge-bs64-k1-p1-d2" / "kv_digest")
     p = {r.request_id: r for r in records if r.side == "prefill"}
     crossed = right = 0
@@ -145,10 +173,17 @@ def test_the_kv_digest_shows_the_sliding_windows_null_block(edge):
     assert list(c["data"]["by_layer"]) == ["model.layers.0.self_attn.attn"]  # the sliding-window layer only
 
 
-@pytest.mark.parametrize("pair,server,message", [
-    ("edge-nhd-k1-p1-d2", "decode", "VLLM_KV_CACHE_LAYOUT=NHD does not satisfy every supported set"),
-    ("edge-prefix-bs64-k2-p2-d1", "decode", "Different local/remote block sizes are not supported when P TP > D TP"),
-])
+@pytest.mark.parametrize(
+    "pair,server,message",
+    [
+        ("edge-nhd-k1-p1-d2", "decode", "VLLM_KV_CACHE_LAYOUT=NHD does not satisfy every supported set"),
+        (
+            "edge-prefix-bs64-k2-p2-d1",
+            "decode",
+            "Different local/remote block sizes are not supported when P TP > D TP",
+        ),
+    ],
+)
 def test_what_vllm_refuses_is_unsupported_with_its_message(edge, pair, server, message):
     _, run_dir, _ = edge
     r = pair_report(run_dir, pair)

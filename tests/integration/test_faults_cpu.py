@@ -21,11 +21,14 @@ from harness.models.tiny import ensure_tiny_model
 from tests.helpers import processes_tagged
 
 REPO = Path(__file__).resolve().parents[2]
-# a hang fails this module's test, not all of CI: about 3x its runs (each ends early; a never-ready server waits its deadline)
+# a hang fails this module's test, not all of CI: about 3x its runs (each ends early; a never-ready server waits its
+# deadline)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def wait_for_server_processes(run_dir: Path, harness: subprocess.Popen, at_least: int = 2, timeout_s: float = 300) -> list[int]:
+def wait_for_server_processes(
+    run_dir: Path, harness: subprocess.Popen, at_least: int = 2, timeout_s: float = 300
+) -> list[int]:
     """PIDs of the run's vLLM processes once the API server has spawned its engine (a real server mid start-up)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -40,14 +43,22 @@ def wait_for_server_processes(run_dir: Path, harness: subprocess.Popen, at_least
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"])
 def test_a_signal_ends_the_run_and_every_server_within_10_s(tmp_path, sig, code):
     run_dir = tmp_path / "run"
-    harness = subprocess.Popen([sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir)], cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    harness = subprocess.Popen(
+        [sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         pids = wait_for_server_processes(run_dir, harness)
         harness.send_signal(sig)
         t0 = time.monotonic()
         out, _ = harness.communicate(timeout=60)
-        gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=max(0.0, 10 - (time.monotonic() - t0)))
+        gone, alive = psutil.wait_procs(
+            [psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=max(0.0, 10 - (time.monotonic() - t0))
+        )
     finally:
         if harness.poll() is None:
             harness.kill()
@@ -63,8 +74,13 @@ def test_a_signal_ends_the_run_and_every_server_within_10_s(tmp_path, sig, code)
 
 
 def run_cli(run_dir: Path, *args: str) -> tuple[subprocess.CompletedProcess, float, dict]:
-    cp = subprocess.run([sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), *args], cwd=REPO,
-                        capture_output=True, text=True, timeout=600)
+    cp = subprocess.run(
+        [sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     ended = time.time()
     return cp, ended, json.loads((run_dir / "report.json").read_text())
 
@@ -87,8 +103,11 @@ def test_a_real_server_that_exits_during_start_up(tmp_path):
     log = Path(report["logs"]["baseline"])
     assert log.stat().st_size > 0 and f["excerpt"].strip().splitlines()[-1] in log.read_text()
     # the server's last log line is its exit; the run noticed, tore down and wrote its report right after, never
-    # waiting out the ready deadline (600 s). Not a timing figure: vLLM's own teardown took 6 s once on a busy 2-core CI.
-    assert ended - log.stat().st_mtime < 30, f"the run ended {ended - log.stat().st_mtime:.1f} s after the server's last words"
+    # waiting out the ready deadline (600 s). Not a timing figure: vLLM's own teardown took 6 s once on a busy
+    # 2-core CI.
+    assert ended - log.stat().st_mtime < 30, (
+        f"the run ended {ended - log.stat().st_mtime:.1f} s after the server's last words"
+    )
     assert processes_tagged(run_dir / "logs") == []
 
 
@@ -96,8 +115,13 @@ def test_a_model_folder_without_config_is_refused_before_any_launch(tmp_path):
     model = tmp_path / "not-a-model"
     model.mkdir()
     run_dir = tmp_path / "run"
-    cp = subprocess.run([sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), "--model", str(model)],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
+    cp = subprocess.run(
+        [sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), "--model", str(model)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cp.returncode == 2 and f"model folder {model} has no config.json" in cp.stderr, cp.stderr[-2000:]
     assert not (run_dir / "logs").exists() or processes_tagged(run_dir / "logs") == []
 

@@ -18,7 +18,8 @@ import pytest
 from tests.helpers import FULL, processes_tagged
 
 REPO = Path(__file__).resolve().parents[2]
-# a hang fails this module's test, not all of CI: about 3x its two versions (0.21.0's environment installed from the index, then two runs)
+# a hang fails this module's test, not all of CI: about 3x its two versions (0.21.0's environment installed from the
+# index, then two runs)
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(2400)]
 PAIR = "tiny-k1-p1-d2"
 VERSIONS = ("0.21.0", "0.32.0") if FULL else ("0.21.0",)
@@ -28,8 +29,14 @@ VERSIONS = ("0.21.0", "0.32.0") if FULL else ("0.21.0",)
 def matrix(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("matrix") / "run"
     env = {**os.environ, "VLLM_VERSION": ",".join(VERSIONS), "ONLY": PAIR}
-    proc = subprocess.run([str(REPO / "run_gqa_replication_accuracy_test.sh"), "--run-dir", str(run_dir)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=3000)
+    proc = subprocess.run(
+        [str(REPO / "run_gqa_replication_accuracy_test.sh"), "--run-dir", str(run_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3000,
+    )
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
     return proc, run_dir, report
 
@@ -39,9 +46,13 @@ def test_exits_0_with_one_line_per_version(matrix):
     out = proc.stdout + proc.stderr
     assert report is not None, out[-4000:]
     assert "#45330 REPRODUCED on vLLM 0.21.0 (tiny-k1-p1-d2)" in proc.stdout, out[-4000:]
-    assert "0.32.0" not in VERSIONS or any(line in proc.stdout for line in (
-        "#45330 NOT REPRODUCED on vLLM 0.32.0 (outputs match baseline: tiny-k1-p1-d2)",
-        "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired (tiny-k1-p1-d2) [known intermittent")), out[-4000:]
+    assert "0.32.0" not in VERSIONS or any(
+        line in proc.stdout
+        for line in (
+            "#45330 NOT REPRODUCED on vLLM 0.32.0 (outputs match baseline: tiny-k1-p1-d2)",
+            "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired (tiny-k1-p1-d2) [known intermittent",
+        )
+    ), out[-4000:]
     assert proc.returncode == 0, out[-4000:]
     assert report["all_as_expected"] and report["versions"]["0.21.0"].startswith("#45330 REPRODUCED")
 
@@ -51,10 +62,20 @@ def test_per_pair_lines_and_report(matrix):
     by_version = {p["vllm_version"]: p for p in report["pairs"]}
     assert set(by_version) == set(VERSIONS)
     old = by_version["0.21.0"]
-    assert (old["regime"], old["predicted"], old["observed"], old["verdict"]) == ("B", "assert-45330", "assert-45330", "as expected")
+    assert (old["regime"], old["predicted"], old["observed"], old["verdict"]) == (
+        "B",
+        "assert-45330",
+        "assert-45330",
+        "as expected",
+    )
     if "0.32.0" in VERSIONS:
         new = by_version["0.32.0"]
-        assert (new["regime"], new["predicted"], new["expected"], new["tolerated"]) == ("B", "ok", "ok", "kv-lease-expired")
+        assert (new["regime"], new["predicted"], new["expected"], new["tolerated"]) == (
+            "B",
+            "ok",
+            "ok",
+            "kv-lease-expired",
+        )
         assert (new["observed"], new["verdict"]) in {("ok", "as expected"), ("kv-lease-expired", "known intermittent")}
     assert "regime B  predicted assert-45330  observed assert-45330" in proc.stdout
     md = (run_dir / "report.md").read_text()
@@ -85,7 +106,10 @@ def test_0_32_passes_the_handshake_and_matches_the_baseline_and_a_late_read_is_n
         assert pair["verdict"] == "fail"
         # both halves of the evidence: P's release at lease expiry and the late read after it
         assert pair["failure"]["class"] == "kv-lease-expired"
-        assert "Releasing expired KV blocks" in pair["failure"]["excerpt"] and "Potentially invalid KV blocks" in pair["failure"]["excerpt"]
+        assert (
+            "Releasing expired KV blocks" in pair["failure"]["excerpt"]
+            and "Potentially invalid KV blocks" in pair["failure"]["excerpt"]
+        )
 
 
 def test_nothing_left_running(matrix):

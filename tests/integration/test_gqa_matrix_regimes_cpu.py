@@ -19,7 +19,8 @@ PAIRS = ("tiny-k1-p2-d2", "tiny-k1-p2-d1", "tiny-k2-p2-d1")
 
 @pytest.fixture(scope="module")
 def matrix(regimes_matrix_run):
-    return regimes_matrix_run  # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
+    # one run per session (tests/integration/conftest.py); the report page's browser test reads it too
+    return regimes_matrix_run
 
 
 def pair_report(run_dir: Path, pair: str) -> dict:
@@ -31,7 +32,9 @@ def test_every_pair_as_its_entry_expects(matrix):
     got = {p["id"]: (p["regime"], p["observed"], p["verdict"]) for p in report["pairs"]}
     # P2->D2 has a known intermittent lease expiry on CPU (see its entry): accepted, never a pass
     assert got.pop("tiny-k1-p2-d2") in {("C", "ok", "as expected"), ("C", "kv-lease-expired", "known intermittent")}
-    assert got == {"tiny-k1-p2-d1": ("D", "rejected", "as expected"), "tiny-k2-p2-d1": ("E", "ok", "as expected")}, proc.stdout[-3000:]
+    assert got == {"tiny-k1-p2-d1": ("D", "rejected", "as expected"), "tiny-k2-p2-d1": ("E", "ok", "as expected")}, (
+        proc.stdout[-3000:]
+    )
     assert proc.returncode == 0
     # no regime-B pair ran, so the script must not claim anything about #45330
     assert "#45330 NOT TESTED on vLLM 0.32.0" in proc.stdout

@@ -52,8 +52,12 @@ time.sleep(120)
 
 def start_harness(log: Path, mode: str) -> tuple[subprocess.Popen, int, list[int]]:
     """The stand-in harness; returns it, its server's PID and the server's children's PIDs (once both started)."""
-    h = subprocess.Popen([sys.executable, "-c", HARNESS, str(REPO), str(log), SERVER, str(GRACE_S), mode],
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    h = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(REPO), str(log), SERVER, str(GRACE_S), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     line = h.stdout.readline().split()
     assert line[:1] == ["server"], f"the stand-in harness did not start its server: {line}"
     server = int(line[1])

@@ -23,15 +23,34 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # fake secrets of each kind in the run's environment (vLLM reads none of them): no file of the run may hold one
-SECRETS = {"HF_TOKEN": "fake-hf-5e1", "VLLM_TEST_DB_PASSWD": "fake-pw-5e2",
-           "HF_MIRROR": "https://me:fake-url-5e3@m.example/"}
+SECRETS = {
+    "HF_TOKEN": "fake-hf-5e1",
+    "VLLM_TEST_DB_PASSWD": "fake-pw-5e2",
+    "HF_MIRROR": "https://me:fake-url-5e3@m.example/",
+}
 
 
 def run(tmp_path_factory, name: str, *args: str):
     run_dir = tmp_path_factory.mktemp(name) / "run"
-    proc = subprocess.run([sys.executable, "-m", "harness", "e2e", "--load-requests", "0", "--no-baseline",
-                           "--run-dir", str(run_dir), *args], cwd=REPO, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, **SECRETS})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "e2e",
+            "--load-requests",
+            "0",
+            "--no-baseline",
+            "--run-dir",
+            str(run_dir),
+            *args,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env={**os.environ, **SECRETS},
+    )
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
     return proc, run_dir, json.loads((run_dir / "report.json").read_text())
 
@@ -63,8 +82,9 @@ def test_a_scaled_layer_fails_the_digest_at_that_layer_and_only_there(scaled):
 def swapped(tmp_path_factory):
     """P1 -> D1 on a K=2 tiny model (two KV heads on D's one rank), D swapping the two heads of what it received."""
     model = ensure_tiny_model(TinyModelSpec(kv_heads=2))
-    return run(tmp_path_factory, "swap", "--model", str(model), "--tp-p", "1", "--tp-d", "1",
-               "--decode-swap-heads-fault")
+    return run(
+        tmp_path_factory, "swap", "--model", str(model), "--tp-p", "1", "--tp-d", "1", "--decode-swap-heads-fault"
+    )
 
 
 def test_the_swap_fired_and_the_digest_names_the_head_d_holds(swapped):
@@ -82,6 +102,11 @@ def test_the_swap_fired_and_the_digest_names_the_head_d_holds(swapped):
 
 def test_no_file_of_a_run_holds_a_secret_of_its_environment(scaled):
     _, run_dir, _ = scaled
-    leaks = [(p, s) for p in run_dir.rglob("*") if p.is_file() and p.suffix != ".npz"
-             for s in ("fake-hf-5e1", "fake-pw-5e2", "fake-url-5e3") if s in p.read_text(errors="replace")]
+    leaks = [
+        (p, s)
+        for p in run_dir.rglob("*")
+        if p.is_file() and p.suffix != ".npz"
+        for s in ("fake-hf-5e1", "fake-pw-5e2", "fake-url-5e3")
+        if s in p.read_text(errors="replace")
+    ]
     assert leaks == []

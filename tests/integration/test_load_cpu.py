@@ -22,8 +22,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run(tmp_path_factory, name: str, *args: str):
     run_dir = tmp_path_factory.mktemp(name) / "run"
-    proc = subprocess.run([sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=2400)
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "e2e", "--run-dir", str(run_dir), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=2400,
+    )
     assert (run_dir / "report.json").exists(), (proc.stdout + proc.stderr)[-4000:]
     return proc, run_dir, json.loads((run_dir / "report.json").read_text())
 
@@ -32,8 +37,16 @@ def run(tmp_path_factory, name: str, *args: str):
 def corrupt_some(tmp_path_factory):
     # P keeps a faulted request's blocks (D read others) until its lease, and the leak check follows that hold up to
     # the lease: 60 s rather than the CPU default 120 s keeps the wait short and still far above a read's delay
-    return run(tmp_path_factory, "corrupt16", "--proxy-fault", "corrupt-block-ids", "--proxy-fault-every", "16",
-               "--kv-lease", "60")
+    return run(
+        tmp_path_factory,
+        "corrupt16",
+        "--proxy-fault",
+        "corrupt-block-ids",
+        "--proxy-fault-every",
+        "16",
+        "--kv-lease",
+        "60",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +79,18 @@ def test_corrupting_one_request_in_16_fails_and_names_exactly_those(corrupt_some
     faulted = set(report["faults"]["proxy"]["requests"])
     assert len(faulted) >= (18 + 84) // 16 - 1, faulted
     # every corrupted request that was compared is named, and no other request is
-    missed = {p["prompt_id"]: p for p in report["comparison"]["prompts"] + report["load"]["comparison"]["prompts"]
-              if f"pd-{p['prompt_id']}" in (faulted & compared(report)) - flagged(report)}
+    missed = {
+        p["prompt_id"]: p
+        for p in report["comparison"]["prompts"] + report["load"]["comparison"]["prompts"]
+        if f"pd-{p['prompt_id']}" in (faulted & compared(report)) - flagged(report)
+    }
     assert flagged(report) == faulted & compared(report), (flagged(report), faulted, missed)
     assert not c["load_outputs_match_baseline"]["passed"]
-    named = c["load_outputs_match_baseline"]["detail"] + c["logprobs_match_baseline"]["detail"] + c["outputs_match_baseline"]["detail"]
+    named = (
+        c["load_outputs_match_baseline"]["detail"]
+        + c["logprobs_match_baseline"]["detail"]
+        + c["outputs_match_baseline"]["detail"]
+    )
     for rid in faulted & compared(report):
         assert rid.removeprefix("pd-") in named, rid
     assert report["failure"]["class"] == "output-mismatch"

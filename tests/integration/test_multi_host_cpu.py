@@ -32,8 +32,9 @@ pytestmark = [
 
 def run_in(host, argv, timeout_s):
     """``argv`` on ``host`` in its own process group, killed as a group if it outlives ``timeout_s``."""
-    proc = subprocess.Popen(host.wrap(argv), cwd=REPO, text=True, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        host.wrap(argv), cwd=REPO, text=True, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -52,26 +53,57 @@ def lab_run(base: Path, names: list[str], roles: dict, cut_off: str | None = Non
             lab.link(cut_off, up=False)
             assert not lab.link_is_up(cut_off), "the fault did not take effect"
         hosts_file = base / "hosts.json"
-        hosts_file.write_text(json.dumps({
-            "hosts": {n: {"address": h.address, "netns": h.netns, "env": dict(h.env)} for n, h in hosts.items()},
-            **roles,
-        }))
-        rc, out, err = run_in(hosts["ctl"], [sys.executable, "-m", "harness", "e2e", "--hosts", str(hosts_file),
-                                             "--tp-p", "1", "--tp-d", "2", "--load-requests", "0",
-                                             "--run-dir", str(run_dir), *args], timeout_s=1200)
+        hosts_file.write_text(
+            json.dumps(
+                {
+                    "hosts": {
+                        n: {"address": h.address, "netns": h.netns, "env": dict(h.env)} for n, h in hosts.items()
+                    },
+                    **roles,
+                }
+            )
+        )
+        rc, out, err = run_in(
+            hosts["ctl"],
+            [
+                sys.executable,
+                "-m",
+                "harness",
+                "e2e",
+                "--hosts",
+                str(hosts_file),
+                "--tp-p",
+                "1",
+                "--tp-d",
+                "2",
+                "--load-requests",
+                "0",
+                "--run-dir",
+                str(run_dir),
+                *args,
+            ],
+            timeout_s=1200,
+        )
         made = lab.plan.namespaces
     (base / "stderr.txt").write_text(err)
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
     assert report is not None, (out + err)[-4000:]
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {"hosts": hosts, "run_dir": run_dir, "report": report, "output": out + err, "rc": rc,
-            "left_namespaces": [n for n in made if n in listed]}
+    return {
+        "hosts": hosts,
+        "run_dir": run_dir,
+        "report": report,
+        "output": out + err,
+        "rc": rc,
+        "left_namespaces": [n for n in made if n in listed],
+    }
 
 
 @pytest.fixture(scope="module")
 def d_across_nodes(tmp_path_factory):
-    return lab_run(tmp_path_factory.mktemp("dnodes"), ["a", "b", "c", "x"],
-                   {"prefill": "a", "decode": ["b", "c"], "proxy": "x"})
+    return lab_run(
+        tmp_path_factory.mktemp("dnodes"), ["a", "b", "c", "x"], {"prefill": "a", "decode": ["b", "c"], "proxy": "x"}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +119,12 @@ SHORT_LEASE = ("--kv-lease", "30")
 @pytest.fixture(scope="module")
 def p_cut_off_mid_transfer(tmp_path_factory):
     """P's host loses its link while a request is between hops (P holds its KV, D is about to read it)."""
-    return lab_run(tmp_path_factory.mktemp("pcut"), ["a", "b", "c"], {"prefill": "a", "decode": "b", "proxy": "c"},
-                   args=("--net-fault", "p-link-down", *SHORT_LEASE))
+    return lab_run(
+        tmp_path_factory.mktemp("pcut"),
+        ["a", "b", "c"],
+        {"prefill": "a", "decode": "b", "proxy": "c"},
+        args=("--net-fault", "p-link-down", *SHORT_LEASE),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +132,12 @@ def side_channel_blocked(tmp_path_factory):
     """P's NIXL side-channel ports dropped on P's host before the first request: D's handshake cannot complete."""
     if shutil.which("iptables") is None:
         pytest.skip("--net-fault side-channel-blocked needs iptables (Debian: iptables), not on this machine")
-    return lab_run(tmp_path_factory.mktemp("sidech"), ["a", "b", "c"], {"prefill": "a", "decode": "b", "proxy": "c"},
-                   args=("--net-fault", "side-channel-blocked", *SHORT_LEASE))
+    return lab_run(
+        tmp_path_factory.mktemp("sidech"),
+        ["a", "b", "c"],
+        {"prefill": "a", "decode": "b", "proxy": "c"},
+        args=("--net-fault", "side-channel-blocked", *SHORT_LEASE),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +166,10 @@ def test_each_server_binds_its_hosts_address_and_p_names_its_own(d_across_nodes)
     hosts, report = d_across_nodes["hosts"], d_across_nodes["report"]
     placed = report["config"]["hosts"]
     assert {r: placed[r]["address"] for r in ("prefill", "decode", "proxy")} == {
-        "prefill": hosts["a"].address, "decode": hosts["b"].address, "proxy": hosts["x"].address}
+        "prefill": hosts["a"].address,
+        "decode": hosts["b"].address,
+        "proxy": hosts["x"].address,
+    }
     assert [n["address"] for n in placed["decode_nodes"]] == [hosts["c"].address]
     assert placed["baseline"]["address"] == hosts["b"].address  # at D's TP, on D's (first) host
     for name, host in (("prefill", "a"), ("decode", "b"), ("decode-node1", "c")):
@@ -154,8 +197,13 @@ def test_kv_crossed_the_network_to_each_d_rank_as_ucx_reported(d_across_nodes):
     assert set(used) == {"decode", "decode-node1"}  # one rank on each node
     assert [len(per_rank) for per_rank in used.values()] == [1, 1]
     assert all(t.startswith("tcp/") for per_rank in used.values() for ts in per_rank.values() for t in ts)
-    for name in ("prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
-                 "prompt_tokens_from_transfer", "transfer_plan_logged"):
+    for name in (
+        "prefill_returned_kv_transfer_params",
+        "nixl_transfers_counted",
+        "no_failed_transfers",
+        "prompt_tokens_from_transfer",
+        "transfer_plan_logged",
+    ):
         assert checks[name]["passed"], checks[name]
 
 

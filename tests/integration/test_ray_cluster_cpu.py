@@ -82,26 +82,71 @@ class Cluster:
         from harness.core.notrack import with_no_track
 
         env = {k: v for k, v in os.environ.items() if k not in CALLER}
-        return with_no_track({**env, TAG_ENV: self.tag, SIMULATED_ENV: "8x80",
-                              STATE_ENV: str(self.base / f"box-{node}"), "HF_HOME": str(self.base / "hf"),
-                              "PD_HARNESS_NO_BASELINE_CACHE": "1"})
+        return with_no_track(
+            {
+                **env,
+                TAG_ENV: self.tag,
+                SIMULATED_ENV: "8x80",
+                STATE_ENV: str(self.base / f"box-{node}"),
+                "HF_HOME": str(self.base / "hf"),
+                "PD_HARNESS_NO_BASELINE_CACHE": "1",
+            }
+        )
 
     def node_ports(self) -> list[str]:
         p = self.ports
         workers = p.block(16)
-        return ["--node-manager-port", str(p.port()), "--object-manager-port", str(p.port()),
-                "--min-worker-port", str(workers.base), "--max-worker-port", str(workers.base + workers.count - 1),
-                "--dashboard-agent-listen-port", str(p.port()), "--dashboard-agent-grpc-port", str(p.port()),
-                "--runtime-env-agent-port", str(p.port()), "--metrics-export-port", str(p.port())]
+        return [
+            "--node-manager-port",
+            str(p.port()),
+            "--object-manager-port",
+            str(p.port()),
+            "--min-worker-port",
+            str(workers.base),
+            "--max-worker-port",
+            str(workers.base + workers.count - 1),
+            "--dashboard-agent-listen-port",
+            str(p.port()),
+            "--dashboard-agent-grpc-port",
+            str(p.port()),
+            "--runtime-env-agent-port",
+            str(p.port()),
+            "--metrics-export-port",
+            str(p.port()),
+        ]
 
     def start(self, node: str, args: list[str]) -> None:
         host = self.lab.hosts[node]
-        argv = [RAY, "start", "--block", "--node-ip-address", host.address, "--num-cpus", "1", "--num-gpus", "8",
-                "--disable-usage-stats", "--temp-dir", str(self.temp / node), "--object-store-memory", str(80 * 2**20),
-                *self.node_ports(), *args]
+        argv = [
+            RAY,
+            "start",
+            "--block",
+            "--node-ip-address",
+            host.address,
+            "--num-cpus",
+            "1",
+            "--num-gpus",
+            "8",
+            "--disable-usage-stats",
+            "--temp-dir",
+            str(self.temp / node),
+            "--object-store-memory",
+            str(80 * 2**20),
+            *self.node_ports(),
+            *args,
+        ]
         with open(self.base / f"ray-{node}.log", "w") as log:
-            self.procs.append(subprocess.Popen(host.wrap(argv), env=self.env(node), cwd=REPO, stdout=log,
-                                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, process_group=0))
+            self.procs.append(
+                subprocess.Popen(
+                    host.wrap(argv),
+                    env=self.env(node),
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    process_group=0,
+                )
+            )
 
     def wait_started(self, node: str, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -112,8 +157,17 @@ class Cluster:
             time.sleep(0.2)
 
     def __enter__(self) -> "Cluster":
-        self.start("head", ["--head", "--port", str(self.gcs), "--ray-client-server-port", str(self.client),
-                            "--include-dashboard=false"])
+        self.start(
+            "head",
+            [
+                "--head",
+                "--port",
+                str(self.gcs),
+                "--ray-client-server-port",
+                str(self.client),
+                "--include-dashboard=false",
+            ],
+        )
         self.wait_started("head")
         self.start("worker", ["--address", f"{self.head.address}:{self.gcs}", "--resources", '{"pd_decode": 1}'])
         self.wait_started("worker")
@@ -160,10 +214,30 @@ def driver(c: Cluster, run_dir: Path, *args: str) -> subprocess.Popen:
     """`python -m harness matrix --ray` on host ctl (its own process group), against both entries."""
     env = {k: v for k, v in c.env("ctl").items() if k not in (SIMULATED_ENV, STATE_ENV)}
     env["PD_HARNESS_RESULTS_DIR"] = str(run_dir.parent / "store")
-    argv = [sys.executable, "-m", "harness", "matrix", "--ray", c.address, "--device", "gpu",
-            "--only", ",".join(ENTRIES), "--run-dir", str(run_dir), *args]
-    return subprocess.Popen(c.lab.hosts["ctl"].wrap(argv), env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, process_group=0)
+    argv = [
+        sys.executable,
+        "-m",
+        "harness",
+        "matrix",
+        "--ray",
+        c.address,
+        "--device",
+        "gpu",
+        "--only",
+        ",".join(ENTRIES),
+        "--run-dir",
+        str(run_dir),
+        *args,
+    ]
+    return subprocess.Popen(
+        c.lab.hosts["ctl"].wrap(argv),
+        env=env,
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        process_group=0,
+    )
 
 
 def finish(p: subprocess.Popen, timeout_s: float = 120) -> tuple[str, str]:
@@ -218,7 +292,8 @@ def test_two_entries_run_as_tasks_on_two_nodes_into_one_report(cluster, tmp_path
     assert "results store: 2 result(s)" in out, out
     rev = next((run_dir / "results-simulated").iterdir())  # simulated outcomes never enter the real store
     assert {f"{e}/{v.name}" for e in ENTRIES for v in (rev / e).iterdir()} == {
-        f"{e}/{pairs[e]['vllm_version']}.json" for e in ENTRIES}
+        f"{e}/{pairs[e]['vllm_version']}.json" for e in ENTRIES
+    }
     assert not (tmp_path / "store").exists()
     assert entry_processes(cluster.tag) == []
     for node in ("head", "worker"):
@@ -273,7 +348,8 @@ def test_each_cancelled_entry_says_so_in_its_own_report(interrupted):
         task_log = next(run_dir.glob(f"ray/vllm-{VERSION}/{e}/task.log"))
         # its last lines say how the task stopped it (harness/cluster/node.py note_stop)
         assert found, f"{e}: its harness left no report after the cancel; its task log ends:\n" + "\n".join(
-            task_log.read_text().splitlines()[-15:])
+            task_log.read_text().splitlines()[-15:]
+        )
         entry = json.loads(found[0].read_text())
         assert entry["failure"]["class"] == "interrupted", entry.get("failure")
 
@@ -287,16 +363,39 @@ def placed_e2e(cluster: Cluster, base: Path) -> tuple[list[str], dict[str, str],
     head, ctl = cluster.lab.hosts["head"], cluster.lab.hosts["ctl"]
     tcp = {"UCX_TLS": "tcp"}  # namespaces share a kernel: without it UCX takes a same-host shortcut (multi-host.md)
     hosts_file = base / "hosts.json"
-    hosts_file.write_text(json.dumps({
-        "ray": cluster.address,
-        "hosts": {"p-node": {"ray_node": head.address, "env": tcp},
-                  "d-node": {"ray_resource": "pd_decode", "env": tcp},
-                  "ctl": {"address": ctl.address}},
-        "prefill": "p-node", "decode": "d-node", "proxy": "ctl"}))
+    hosts_file.write_text(
+        json.dumps(
+            {
+                "ray": cluster.address,
+                "hosts": {
+                    "p-node": {"ray_node": head.address, "env": tcp},
+                    "d-node": {"ray_resource": "pd_decode", "env": tcp},
+                    "ctl": {"address": ctl.address},
+                },
+                "prefill": "p-node",
+                "decode": "d-node",
+                "proxy": "ctl",
+            }
+        )
+    )
     env = {k: v for k, v in cluster.env("ctl").items() if k not in (SIMULATED_ENV, STATE_ENV)}
     run_dir = base / "run"
-    argv = [sys.executable, "-m", "harness", "e2e", "--hosts", str(hosts_file), "--tp-p", "1", "--tp-d", "1",
-            "--load-requests", "0", "--run-dir", str(run_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        "harness",
+        "e2e",
+        "--hosts",
+        str(hosts_file),
+        "--tp-p",
+        "1",
+        "--tp-d",
+        "1",
+        "--load-requests",
+        "0",
+        "--run-dir",
+        str(run_dir),
+    ]
     return list(ctl.wrap(argv)), env, run_dir
 
 
@@ -307,16 +406,24 @@ def placed_by_ray(cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("placed")
     head, worker = cluster.lab.hosts["head"], cluster.lab.hosts["worker"]
     argv, env, run_dir = placed_e2e(cluster, base)
-    p = subprocess.Popen(argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, process_group=0)
+    p = subprocess.Popen(
+        argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0
+    )
     out, err = finish(p, 700)
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
     assert report is not None, (out + err)[-4000:]
     deadline = time.monotonic() + 30
     while entry_processes(cluster.tag, RUN_WORDS) and time.monotonic() < deadline:
         time.sleep(0.2)
-    return {"rc": p.returncode, "output": out + err, "report": report, "run_dir": run_dir,
-            "left": entry_processes(cluster.tag, RUN_WORDS), "head": head, "worker": worker}
+    return {
+        "rc": p.returncode,
+        "output": out + err,
+        "report": report,
+        "run_dir": run_dir,
+        "left": entry_processes(cluster.tag, RUN_WORDS),
+        "head": head,
+        "worker": worker,
+    }
 
 
 @pytest.mark.vllm
@@ -331,8 +438,13 @@ def test_ray_places_p_by_node_and_d_by_resource_and_the_run_passes(placed_by_ray
     assert hosts["decode"]["ray"]["chosen_by"] == "ray_resource: pd_decode"
     assert hosts["prefill"]["ray"]["node_id"] != hosts["decode"]["ray"]["node_id"]
     checks = {c["name"]: c for c in rep["checks"]}
-    for name in ("prefill_returned_kv_transfer_params", "nixl_transfers_counted", "no_failed_transfers",
-                 "prompt_tokens_from_transfer", "kv_over_network"):
+    for name in (
+        "prefill_returned_kv_transfer_params",
+        "nixl_transfers_counted",
+        "no_failed_transfers",
+        "prompt_tokens_from_transfer",
+        "kv_over_network",
+    ):
         assert checks[name]["passed"], checks[name]
     used = checks["kv_over_network"]["data"]["transports"]["decode"]  # over TCP between the two nodes
     assert used and all(t.startswith("tcp/") for ts in used.values() for t in ts), used
@@ -355,8 +467,7 @@ def placed_run_killed(cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("killed")
     argv, env, run_dir = placed_e2e(cluster, base)
     with open(base / "harness.log", "w") as out:
-        p = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                             process_group=0)
+        p = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, process_group=0)
     deadline = time.monotonic() + 400
     while "pd: sending" not in (base / "harness.log").read_text():  # P and D serve: the prompts go out now
         if p.poll() is not None or time.monotonic() > deadline:

@@ -22,13 +22,30 @@ from pathlib import Path
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-MISSING = os.environ.get("HARNESS_BROWSER_MISSING") or "no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)"
+MISSING = (
+    os.environ.get("HARNESS_BROWSER_MISSING")
+    or "no chromium on PATH (Debian: apt-get install chromium; .ci/run installs it)"
+)
 # skipped before the real runs it would read are made
-# a hang fails this module's test, not all of CI: it may start the session's runs it renders (e2e, corrupt blocks, regimes) when run alone
-pytestmark = [pytest.mark.timeout(1800), pytest.mark.vllm, pytest.mark.skipif(CHROMIUM is None, reason=f"report pages not rendered in a browser: {MISSING}")]
+# a hang fails this module's test, not all of CI: it may start the session's runs it renders (e2e, corrupt blocks,
+# regimes) when run alone
+pytestmark = [
+    pytest.mark.timeout(1800),
+    pytest.mark.vllm,
+    pytest.mark.skipif(CHROMIUM is None, reason=f"report pages not rendered in a browser: {MISSING}"),
+]
 
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync", "--hide-scrollbars"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+]
 WIDTH = 1280
 PASS_RGB, FAIL_RGB, MARK_RGB = (26, 127, 55), (207, 34, 46), (255, 211, 61)
 
@@ -78,7 +95,7 @@ def probe(page: Path, tmp_path: Path) -> dict:
     assert "<script" not in text  # the page itself is static: the probe is ours
     copy = tmp_path / f"probe-{page.parent.name}.html"
     copy.write_text(text.replace("</body>", PROBE + "</body>"))
-    dom = run_chromium(["--window-size=%d,1000" % WIDTH, "--dump-dom", copy.as_uri()], tmp_path / f"profile-{copy.stem}")
+    dom = run_chromium([f"--window-size={WIDTH},1000", "--dump-dom", copy.as_uri()], tmp_path / f"profile-{copy.stem}")
     m = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
     assert m, dom[-2000:]
     return json.loads(html.unescape(m.group(1)))
@@ -89,14 +106,25 @@ def screenshot(page: Path, height: int, tmp_path: Path):
     from PIL import Image
 
     png = page.parent / "report.png"
-    run_chromium([f"--window-size={WIDTH},{height}", f"--screenshot={png}", page.as_uri()], tmp_path / f"profile-shot-{page.parent.name}")
+    run_chromium(
+        [f"--window-size={WIDTH},{height}", f"--screenshot={png}", page.as_uri()],
+        tmp_path / f"profile-shot-{page.parent.name}",
+    )
     assert png.stat().st_size > 10_000
     return Image.open(png).convert("RGB")
 
 
 def visible(box: dict | None, page_width: int) -> bool:
-    return (box is not None and box["w"] > 0 and box["h"] > 0 and box["display"] != "none" and box["visibility"] == "visible"
-            and float(box["opacity"]) > 0 and box["x"] >= 0 and box["x"] + box["w"] <= page_width + 1)
+    return (
+        box is not None
+        and box["w"] > 0
+        and box["h"] > 0
+        and box["display"] != "none"
+        and box["visibility"] == "visible"
+        and float(box["opacity"]) > 0
+        and box["x"] >= 0
+        and box["x"] + box["w"] <= page_width + 1
+    )
 
 
 def rgb(css: str) -> tuple[int, int, int]:
@@ -108,7 +136,7 @@ def share_of(img, box: dict, colour: tuple[int, int, int], tol: int = 10) -> flo
     x0, y0 = int(box["x"]) + 1, int(box["y"]) + 1
     x1, y1 = int(box["x"] + box["w"]) - 1, int(box["y"] + box["h"]) - 1
     px = [img.getpixel((x, y)) for x in range(x0, max(x0 + 1, x1)) for y in range(y0, max(y0 + 1, y1))]
-    return sum(all(abs(a - b) <= tol for a, b in zip(p, colour)) for p in px) / max(1, len(px))
+    return sum(all(abs(a - b) <= tol for a, b in zip(p, colour, strict=False)) for p in px) / max(1, len(px))
 
 
 def test_a_passing_run_page_shows_its_verdict_checks_and_timeline(e2e_accuracy_run, tmp_path):
@@ -121,7 +149,8 @@ def test_a_passing_run_page_shows_its_verdict_checks_and_timeline(e2e_accuracy_r
     assert rgb(got["header_bg"]) == PASS_RGB
     assert {c["name"] for c in got["checks"]} == {c["name"] for c in report["checks"]}
     assert all(c["cls"] == "pass" and visible(c["row"], width) for c in got["checks"])
-    # the timeline: one visible bar per recorded step; the servers' start-ups, the requests, lm-eval and teardown are there
+    # the timeline: one visible bar per recorded step; the servers' start-ups, the requests, lm-eval and teardown are
+    # there
     assert visible(got["timeline"], width) and len(got["bars"]) == len(report["events"])
     kinds = {b["kind"] for b in got["bars"]}
     assert {"phase", "launch", "requests", "evaluation", "teardown"} <= kinds
@@ -156,7 +185,7 @@ def test_a_diverged_run_page_highlights_the_first_divergent_token_in_both_texts(
                 continue
             text = comp["texts"][pid][s["side"]]
             assert visible(s["mark"], width), (pid, s)
-            assert s["mark"]["text"] == (text[span[0]:span[1]] or "\u2205")  # exactly the token's text
+            assert s["mark"]["text"] == (text[span[0] : span[1]] or "\u2205")  # exactly the token's text
             assert rgb(s["mark"]["bg"]) == MARK_RGB
         marked_both += card["status"] == "mismatch" and all(s["mark"] for s in card["sides"])
     assert marked_both >= 1, "no mismatched prompt has its divergent token highlighted in both texts"
@@ -185,10 +214,15 @@ def test_a_matrix_page_shows_one_grid_per_model_with_coloured_cells_linking_to_e
         p = ran[pid]
         assert (cell["tp_p"], cell["tp_d"]) == (p["tp_p"], p["tp_d"]) and shown["observed"] == p["observed"]
         assert visible(cell, width) and p["observed"] in cell["text"] and p["verdict"] in cell["text"]
-        expected_class = {"ok": "o-ok", "rejected": "o-rejected", "assert-45330": "o-assert-45330"}.get(p["observed"], "o-fail")
+        expected_class = {"ok": "o-ok", "rejected": "o-rejected", "assert-45330": "o-assert-45330"}.get(
+            p["observed"], "o-fail"
+        )
         assert expected_class in cell["cls"].split()
         assert share_of(img, cell, rgb(cell["bg"])) > 0.3, pid  # the cell's colour is what the screenshot shows
         linked = matrix_dir / shown["href"]
-        assert linked == Path(p["run_dir"]) / "report.html" or linked.resolve() == (Path(p["run_dir"]) / "report.html").resolve()
+        assert (
+            linked == Path(p["run_dir"]) / "report.html"
+            or linked.resolve() == (Path(p["run_dir"]) / "report.html").resolve()
+        )
         assert linked.exists() and 'id="verdict"' in linked.read_text()
     assert (matrix_dir / "report.png").exists()

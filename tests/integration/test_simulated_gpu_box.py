@@ -32,10 +32,24 @@ pytestmark = pytest.mark.timeout(900)
 
 REPO = Path(__file__).resolve().parents[2]
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
-CALLER = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "VLLM_VERSION", "GPU_MEMORY_UTILIZATION", "PD_HARNESS_DEVICE",
-          SIMULATED_ENV, STATE_ENV)
-DATA_PATH = ("outputs_match_baseline", "prefill_returned_kv_transfer_params", "nixl_transfers_counted",
-             "transfer_plan_logged", "logprobs_match_baseline", "no_kv_leak", "smoke_capital_of_france")
+CALLER = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_ORDER",
+    "VLLM_VERSION",
+    "GPU_MEMORY_UTILIZATION",
+    "PD_HARNESS_DEVICE",
+    SIMULATED_ENV,
+    STATE_ENV,
+)
+DATA_PATH = (
+    "outputs_match_baseline",
+    "prefill_returned_kv_transfer_params",
+    "nixl_transfers_counted",
+    "transfer_plan_logged",
+    "logprobs_match_baseline",
+    "no_kv_leak",
+    "smoke_capital_of_france",
+)
 GPU_CHECKS = ("gpu_free_before_baseline", "gpu_released_after_baseline", "gpu_free_before_pd", "gpu_released_after_pd")
 
 
@@ -45,19 +59,39 @@ def hf_home(tmp_path_factory) -> Path:
     return config_only_hf_cache(tmp_path_factory.mktemp("hf"))
 
 
-def harness(box: str, argv: list[str], hf: Path, state: Path, timeout: float = 300,
-            visible: str | None = None) -> subprocess.CompletedProcess:
+def harness(
+    box: str, argv: list[str], hf: Path, state: Path, timeout: float = 300, visible: str | None = None
+) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in CALLER}
     env.update({SIMULATED_ENV: box, STATE_ENV: str(state), "HF_HOME": str(hf), "PD_HARNESS_NO_BASELINE_CACHE": "1"})
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    return subprocess.run([sys.executable, "-m", "harness", *argv], env=env, cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *argv], env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def e2e(box: str, tp_d: int, run_dir: Path, hf: Path, state: Path) -> subprocess.CompletedProcess:
-    return harness(box, ["e2e", "--device", "gpu", "--tp-p", "2", "--tp-d", str(tp_d), "--model", TINYLLAMA,
-                         "--load-requests", "8", "--run-dir", str(run_dir)], hf, state)
+    return harness(
+        box,
+        [
+            "e2e",
+            "--device",
+            "gpu",
+            "--tp-p",
+            "2",
+            "--tp-d",
+            str(tp_d),
+            "--model",
+            TINYLLAMA,
+            "--load-requests",
+            "8",
+            "--run-dir",
+            str(run_dir),
+        ],
+        hf,
+        state,
+    )
 
 
 def nothing_left(state: Path, report: dict) -> None:
@@ -71,8 +105,9 @@ def holding(log: str) -> str:
     return next(line for line in log.splitlines() if "[stand-in] holding" in line)
 
 
-@pytest.mark.parametrize("box, mem", [pytest.param("8x40", 40.0, marks=pytest.mark.full("P2->D8 on 8 x 40 GiB")),
-                                       ("8x80", 80.0)])
+@pytest.mark.parametrize(
+    "box, mem", [pytest.param("8x40", 40.0, marks=pytest.mark.full("P2->D8 on 8 x 40 GiB")), ("8x80", 80.0)]
+)
 def test_p2_d8_on_eight_gpus(tmp_path, hf_home, box, mem):
     run, state = tmp_path / "run", tmp_path / "box"
     p = e2e(box, 8, run, hf_home, state)
@@ -145,11 +180,13 @@ def test_a_gpu_someone_else_holds_fails_the_check_before_launch(tmp_path, hf_hom
     assert not (run / "logs" / "baseline.log").exists()  # refused before any server started
 
 
-def night(box: str, tmp_path: Path, hf_home: Path, visible: str | None = None) -> tuple[subprocess.CompletedProcess,
-                                                                                      Path, dict]:
+def night(
+    box: str, tmp_path: Path, hf_home: Path, visible: str | None = None
+) -> tuple[subprocess.CompletedProcess, Path, dict]:
     run, state = tmp_path / "night", tmp_path / "box"
-    p = harness(box, ["nightly", "--run-dir", str(run), "--load-requests", "4"], hf_home, state, timeout=900,
-                visible=visible)
+    p = harness(
+        box, ["nightly", "--run-dir", str(run), "--load-requests", "4"], hf_home, state, timeout=900, visible=visible
+    )
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     assert "steps passed or skipped [simulated GPUs" in p.stdout
     suite = ET.parse(run / "junit.xml").getroot()
@@ -180,8 +217,11 @@ def test_the_night_runs_every_step_on_a_simulated_8x80(tmp_path, hf_home):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("box, visible", [pytest.param("8x40", None, marks=pytest.mark.full("the night on 8 x 40 GiB")),
-                                           ("8x80", "4,5,6,7")], ids=["8x40", "4-of-8"])
+@pytest.mark.parametrize(
+    "box, visible",
+    [pytest.param("8x40", None, marks=pytest.mark.full("the night on 8 x 40 GiB")), ("8x80", "4,5,6,7")],
+    ids=["8x40", "4-of-8"],
+)
 def test_the_night_on_a_smaller_box_plans_for_what_it_has(tmp_path, hf_home, box, visible):
     """A100-40GB: the same steps on half the memory; 4 of 8 GPUs given by CUDA_VISIBLE_DEVICES: only those."""
     p, run, cases = night(box, tmp_path, hf_home, visible)
@@ -202,8 +242,22 @@ def test_the_night_on_a_smaller_box_plans_for_what_it_has(tmp_path, hf_home, box
 
 def test_a_step_past_its_timeout_is_stopped_and_its_gpus_come_back(tmp_path, hf_home):
     night, state = tmp_path / "night", tmp_path / "box"
-    p = harness("8x80", ["nightly", "--run-dir", str(night), "--load-requests", "4", "--only",
-                         "accuracy/tinyllama*", "--timeout-scale", "0.0004"], hf_home, state)  # 90 min -> 2.2 s
+    p = harness(
+        "8x80",
+        [
+            "nightly",
+            "--run-dir",
+            str(night),
+            "--load-requests",
+            "4",
+            "--only",
+            "accuracy/tinyllama*",
+            "--timeout-scale",
+            "0.0004",
+        ],
+        hf_home,
+        state,
+    )  # 90 min -> 2.2 s
     assert p.returncode == 1, (p.stdout + p.stderr)[-3000:]
     cases = {c.get("name"): c for c in ET.parse(night / "junit.xml").getroot().iter("testcase")}
     fail = cases["accuracy/tinyllama-1.1b-chat-p2-d8"].find("failure")

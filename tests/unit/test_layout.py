@@ -9,9 +9,32 @@ from pathlib import Path
 HARNESS = Path(__file__).resolve().parents[2] / "harness"
 # Lowest first. A module of a package may import from its own package and from packages listed before it.
 # Modules directly under harness/ (cli, __main__) sit above every package.
-LAYERS = ["core", "hosts", "tasks", "workload", "models", "envs", "wheelhouse", "serve", "proxy", "checks", "upstream",
-          "accuracy", "gpu", "run", "matrix", "releases", "cluster", "repro", "shrink", "bench", "calibrate", "doctor",
-          "explore", "nightly"]
+LAYERS = [
+    "core",
+    "hosts",
+    "tasks",
+    "workload",
+    "models",
+    "envs",
+    "wheelhouse",
+    "serve",
+    "proxy",
+    "checks",
+    "upstream",
+    "accuracy",
+    "gpu",
+    "run",
+    "matrix",
+    "releases",
+    "cluster",
+    "repro",
+    "shrink",
+    "bench",
+    "calibrate",
+    "doctor",
+    "explore",
+    "nightly",
+]
 # Upward imports known and waiting on a move, each with why. The nightly builds an accuracy step's config with the e2e
 # command's own parser (harness/cli.py build_parser, config_from_args), so its dry run prints the lines that run; the
 # entry goes when that parser moves into a package (issue 40).
@@ -79,7 +102,7 @@ def find_cycles(g: dict[str, set[str]]) -> list[str]:
         state[m] = 1
         for d in sorted(g.get(m, ())):
             if state.get(d) == 1:
-                cycles.append(" -> ".join(path[path.index(d):] + [d]))
+                cycles.append(" -> ".join(path[path.index(d) :] + [d]))
             elif d in g and d not in state:
                 visit(d, path + [d])
         state[m] = 2

@@ -1,3 +1,4 @@
+import io
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -11,10 +12,21 @@ from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
 from harness.envs.vllm_env import pinned
 from harness.gpu.plan import render_plan, uniform_gpus
-from harness.matrix.config import load_matrix
-from harness.nightly import (ACCURACY_CHECKS, ACCURACY_RUNS, E2E_CHECKS, Hardware, Step, StepResult, build_steps,
-                             junit_xml, render_dry_run, run_step, run_steps)
 from harness.gpu.simulate import SIMULATED_ENV
+from harness.matrix.config import load_matrix
+from harness.nightly import (
+    ACCURACY_CHECKS,
+    ACCURACY_RUNS,
+    E2E_CHECKS,
+    Hardware,
+    Step,
+    StepResult,
+    build_steps,
+    junit_xml,
+    render_dry_run,
+    run_step,
+    run_steps,
+)
 
 PY = "/opt/py/bin/python"
 
@@ -38,7 +50,7 @@ def gpu_entries():
 def test_steps_cover_prefetch_every_gpu_matrix_entry_and_both_accuracy_models(steps):
     ids = [s.id for s in steps]
     n = len(prefetched(steps)) + 1  # the models, then the dataset
-    assert ids[0] == "doctor" and all(i.startswith("prefetch/") for i in ids[1:n + 1])
+    assert ids[0] == "doctor" and all(i.startswith("prefetch/") for i in ids[1 : n + 1])
     assert ids[n] == "prefetch/openai/gsm8k"
     assert [i for i in ids if i.startswith("matrix/")] == [f"matrix/{e.id}" for e in gpu_entries()]
     acc = [s for s in steps if s.kind == "accuracy"]
@@ -87,8 +99,11 @@ def test_accuracy_checks_include_the_published_score_only_where_there_is_one(ste
 
 def prefetched(steps) -> dict[str, str]:
     """Each model prefetch step's repo and its code (the dataset's apart)."""
-    return {s.id.removeprefix("prefetch/"): s.argv[2] for s in steps
-            if s.kind == "prefetch" and s.id != "prefetch/openai/gsm8k"}
+    return {
+        s.id.removeprefix("prefetch/"): s.argv[2]
+        for s in steps
+        if s.kind == "prefetch" and s.id != "prefetch/openai/gsm8k"
+    }
 
 
 def test_prefetch_downloads_every_model_that_runs_and_gsm8k(steps):
@@ -124,13 +139,23 @@ def test_each_model_and_the_dataset_is_a_prefetch_step_of_its_own(steps):
 
 def test_a_failed_prefetch_stops_nothing_and_skips_only_what_needs_its_repo(tmp_path):
     plan = object()
-    steps = [Step("prefetch/org/gated", "prefetch", ("x",), 10, ("c",)),
-             Step("prefetch/org/open", "prefetch", ("x",), 10, ("c",)),
-             Step("prefetch/openai/gsm8k", "prefetch", ("x",), 10, ("c",)),
-             Step("matrix/gated", "matrix", ("x",), 10, ("c",), 8, plan, needs=("prefetch/org/gated",)),
-             Step("matrix/open", "matrix", ("x",), 10, ("c",), 8, plan, needs=("prefetch/org/open",)),
-             Step("accuracy/gated", "accuracy", ("x",), 10, ("c",), 8, plan,
-                  needs=("prefetch/org/gated", "prefetch/openai/gsm8k"))]
+    steps = [
+        Step("prefetch/org/gated", "prefetch", ("x",), 10, ("c",)),
+        Step("prefetch/org/open", "prefetch", ("x",), 10, ("c",)),
+        Step("prefetch/openai/gsm8k", "prefetch", ("x",), 10, ("c",)),
+        Step("matrix/gated", "matrix", ("x",), 10, ("c",), 8, plan, needs=("prefetch/org/gated",)),
+        Step("matrix/open", "matrix", ("x",), 10, ("c",), 8, plan, needs=("prefetch/org/open",)),
+        Step(
+            "accuracy/gated",
+            "accuracy",
+            ("x",),
+            10,
+            ("c",),
+            8,
+            plan,
+            needs=("prefetch/org/gated", "prefetch/openai/gsm8k"),
+        ),
+    ]
     ran = []
 
     def runner(step, log):
@@ -145,15 +170,18 @@ def test_a_failed_prefetch_stops_nothing_and_skips_only_what_needs_its_repo(tmp_
     assert results["prefetch/openai/gsm8k"].status == "passed" and results["matrix/open"].status == "passed"
     for sid in ("matrix/gated", "accuracy/gated"):
         assert results[sid].status == "skipped"
-        assert results[sid].message == ("org/gated missing from the local Hugging Face cache: "
-                                        "prefetch/org/gated failed")
+        assert results[sid].message == (
+            "org/gated missing from the local Hugging Face cache: prefetch/org/gated failed"
+        )
     cases = {c.get("name"): c for c in ET.parse(tmp_path / "junit.xml").getroot().iter("testcase")}
     assert cases["prefetch/org/gated"].find("failure") is not None
     assert "missing" in cases["accuracy/gated"].find("skipped").get("message")
 
 
 def test_check_names_are_the_harness_check_names():
-    src = "".join((REPO_ROOT / "harness" / f).read_text() for f in ("run/evaluate.py", "checks/transfer.py", "accuracy/checks.py"))
+    src = "".join(
+        (REPO_ROOT / "harness" / f).read_text() for f in ("run/evaluate.py", "checks/transfer.py", "accuracy/checks.py")
+    )
     for name in E2E_CHECKS + ACCURACY_CHECKS:
         assert f'"{name}"' in src, name
 
@@ -201,10 +229,12 @@ def test_a_real_run_refuses_with_too_few_gpus(capsys, monkeypatch, tmp_path):
 
 def fake_steps():
     plan = object()
-    return [Step("prefetch", "prefetch", ("x",), 10, ("c",)),
-            Step("matrix/a", "matrix", ("x",), 10, ("c",), 8, plan),
-            Step("matrix/big", "matrix", ("x",), 10, ("c",), 24, None, skip_reason="needs 24 GPUs, 8 present"),
-            Step("accuracy/m", "accuracy", ("x",), 10, ("c",), 6, plan)]
+    return [
+        Step("prefetch", "prefetch", ("x",), 10, ("c",)),
+        Step("matrix/a", "matrix", ("x",), 10, ("c",), 8, plan),
+        Step("matrix/big", "matrix", ("x",), 10, ("c",), 24, None, skip_reason="needs 24 GPUs, 8 present"),
+        Step("accuracy/m", "accuracy", ("x",), 10, ("c",), 6, plan),
+    ]
 
 
 def test_run_steps_writes_one_junit_testcase_per_step(tmp_path):
@@ -213,9 +243,11 @@ def test_run_steps_writes_one_junit_testcase_per_step(tmp_path):
 
     def runner(step, log):
         ran.append((step.id, log))
-        return StepResult(step, outcome[step.id], 1.5, "" if outcome[step.id] == "passed" else f"{step.id} went wrong", str(log))
+        return StepResult(
+            step, outcome[step.id], 1.5, "" if outcome[step.id] == "passed" else f"{step.id} went wrong", str(log)
+        )
 
-    results = run_steps(fake_steps(), tmp_path, runner=runner, out=open("/dev/null", "w"))
+    results = run_steps(fake_steps(), tmp_path, runner=runner, out=io.StringIO())
     assert [r.status for r in results] == ["passed", "timeout", "skipped", "failed"]
     assert [i for i, _ in ran] == ["prefetch", "matrix/a", "accuracy/m"]
     assert ran[1][1] == tmp_path / "steps" / "matrix-a.log"
@@ -240,9 +272,13 @@ def test_gpu_guard_refuses_a_step_before_it_runs_and_flags_a_leak_after(tmp_path
             return "GPU 0 has 3.0 GiB free"
         return lambda: "GPU 1: PIDs 7 still running"
 
-    results = run_steps(fake_steps(), tmp_path, runner=runner, gpu_guard=guard, out=open("/dev/null", "w"))
+    results = run_steps(fake_steps(), tmp_path, runner=runner, gpu_guard=guard, out=io.StringIO())
     by_id = {r.step.id: r for r in results}
-    assert "matrix/a" not in ran and by_id["matrix/a"].status == "failed" and "GPU 0 has 3.0 GiB free" in by_id["matrix/a"].message
+    assert (
+        "matrix/a" not in ran
+        and by_id["matrix/a"].status == "failed"
+        and "GPU 0 has 3.0 GiB free" in by_id["matrix/a"].message
+    )
     assert by_id["accuracy/m"].status == "failed" and "not released" in by_id["accuracy/m"].message
     assert by_id["prefetch"].status == "passed"  # no GPU plan: no guard
 
@@ -288,23 +324,28 @@ def test_the_ci_job_holds_a_worst_case_night_and_publishes_its_junit_as_a_test_r
     run = next(s for s in steps if s.get("run", "").strip().startswith("make nightly") and "DRY_RUN" not in s["run"])
     assert "NIGHTLY_ARGS" not in run["run"] and "VLLM_VERSION" not in run["run"]  # the default plan, one version
     worst = max(nightly.worst_case_s(build_steps(uniform_gpus(8, mem), PY, Path("/runs/n"))) for mem in (40.0, 80.0))
-    assert worst >= sum(s.timeout_s for s in build_steps(uniform_gpus(8, 80.0), PY, Path("/runs/n"))
-                        if s.skip_reason is None) > 600 * 60
+    assert (
+        worst
+        >= sum(s.timeout_s for s in build_steps(uniform_gpus(8, 80.0), PY, Path("/runs/n")) if s.skip_reason is None)
+        > 600 * 60
+    )
     assert run["timeout-minutes"] * 60 >= worst
     assert all("timeout-minutes" in s for s in steps)
     assert job["timeout-minutes"] >= sum(s["timeout-minutes"] for s in steps)
     # several versions: one job each, so a job holds one version's night
     assert job["env"]["VLLM_VERSION"] == "${{ matrix.vllm_version }}" and "vllm_version" in job["strategy"]["matrix"]
     assert job["strategy"]["fail-fast"] is False
-    published = [s for s in steps if str(s.get("uses", "")).startswith(("mikepenz/action-junit-report@",
-                                                                         "dorny/test-reporter@"))]
+    published = [
+        s for s in steps if str(s.get("uses", "")).startswith(("mikepenz/action-junit-report@", "dorny/test-reporter@"))
+    ]
     assert len(published) == 1 and published[0]["if"] == "always()"
     assert published[0]["with"]["report_paths"] == "${{ env.RUN_DIR }}/junit.xml"
     assert wf["permissions"]["checks"] == "write"
 
 
-@pytest.mark.parametrize("given, versions", [("", [""]), ("0.21.0, 0.32.0", ["0.21.0", "0.32.0"]),
-                                             ("0.32.0,", ["0.32.0"])])
+@pytest.mark.parametrize(
+    "given, versions", [("", [""]), ("0.21.0, 0.32.0", ["0.21.0", "0.32.0"]), ("0.32.0,", ["0.32.0"])]
+)
 def test_the_ci_versions_job_gives_one_nightly_job_per_version(tmp_path, given, versions):
     import json
     import subprocess
@@ -351,7 +392,9 @@ def test_the_night_ends_with_its_release_history(steps):
     assert a[a.index("--out") + 1] == "/runs/n/history" and a[a.index("--versions") + 1] == pinned("gpu")["vllm"]
     assert a[a.index("--only") + 1].split(",") == [e.id for e in gpu_entries()]
     wf = yaml.safe_load((REPO_ROOT / "ci" / "nightly-gpu.yml").read_text())
-    uploads = [s for s in wf["jobs"]["nightly"]["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")]
+    uploads = [
+        s for s in wf["jobs"]["nightly"]["steps"] if str(s.get("uses", "")).startswith("actions/upload-artifact")
+    ]
     assert any("history/history.png" in s["with"]["path"] for s in uploads)
 
 
@@ -365,7 +408,9 @@ def test_every_gpu_edge_entry_is_a_step_whose_servers_carry_its_axes(steps):
     assert fp8.argv[3:5] == ("matrix", str(EDGE_YAML)) and "kv_cache_dtype=fp8" in fp8.note
     assert all("--kv-cache-dtype fp8" in cmd for name, cmd in fp8.servers if name != "proxy")
     host = by_id["edge/gpu-host-buffer-tinyllama-p2-d8"]
-    assert all('"kv_buffer_device":"cpu"' in cmd for name, cmd in host.servers if name.startswith(("prefill", "decode")))
+    assert all(
+        '"kv_buffer_device":"cpu"' in cmd for name, cmd in host.servers if name.startswith(("prefill", "decode"))
+    )
     prefix = by_id["edge/gpu-prefix-tinyllama-p2-d8"]
     flags = {name: "--enable-prefix-caching" in cmd for name, cmd in prefix.servers if name != "proxy"}
     assert flags == {"prefill0": False, "decode0": True, "baseline0": False}
@@ -389,12 +434,15 @@ def step_block(text: str, sid: str) -> str:
     return text.split(f"] {sid} (")[1].split("\n\n")[0]
 
 
-@pytest.mark.parametrize("box, head, p2d8", [
-    ("8x40", "on 8 GPUs x 40 GiB (NVIDIA A100-SXM4-40GB)", "CUDA_VISIBLE_DEVICES=0,1 "),
-    ("8x80", "on 8 GPUs x 80 GiB (NVIDIA H100 80GB HBM3)", "CUDA_VISIBLE_DEVICES=0,1 "),
-    ("8x80:visible=4,5,6,7", "on 4 GPUs (ids 4,5,6,7) x 80 GiB", None),
-    ("unreadable", "on 8 GPUs x 80 GiB:", "CUDA_VISIBLE_DEVICES=0,1 "),
-])
+@pytest.mark.parametrize(
+    "box, head, p2d8",
+    [
+        ("8x40", "on 8 GPUs x 40 GiB (NVIDIA A100-SXM4-40GB)", "CUDA_VISIBLE_DEVICES=0,1 "),
+        ("8x80", "on 8 GPUs x 80 GiB (NVIDIA H100 80GB HBM3)", "CUDA_VISIBLE_DEVICES=0,1 "),
+        ("8x80:visible=4,5,6,7", "on 4 GPUs (ids 4,5,6,7) x 80 GiB", None),
+        ("unreadable", "on 8 GPUs x 80 GiB:", "CUDA_VISIBLE_DEVICES=0,1 "),
+    ],
+)
 def test_dry_run_under_each_simulated_box(capsys, monkeypatch, tmp_path, box, head, p2d8):
     rc, out, err = dry_run(capsys, monkeypatch, tmp_path, box)
     assert rc == 0 and err == "" and head in out.splitlines()[0]
@@ -460,9 +508,14 @@ def test_the_cli_in_a_subprocess_under_the_switch(tmp_path):
     def run(box: str, *argv: str):
         caller = ("CUDA_VISIBLE_DEVICES", "VLLM_VERSION", "GPU_MEMORY_UTILIZATION")
         env = {k: v for k, v in os.environ.items() if k not in caller}
-        return subprocess.run([sys.executable, "-m", "harness", "nightly", "--run-dir", str(tmp_path), *argv],
-                              env={**env, SIMULATED_ENV: box}, cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "harness", "nightly", "--run-dir", str(tmp_path), *argv],
+            env={**env, SIMULATED_ENV: box},
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     bad = run("unreadable")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and bad.stderr.count("\n") == 1
@@ -512,8 +565,10 @@ def test_gpu_memory_utilization_applies_per_server_or_stops_the_night(capsys, mo
     monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.8")
     rc, out, err = dry_run(capsys, monkeypatch, tmp_path, "8x80")
     assert rc == 2 and out == "" and err.count("\n") == 1
-    assert err.startswith(f"error: GPU_MEMORY_UTILIZATION=0.8 does not fit {TINY_P2_D8}: GPUs 0,1 are shared by "
-                          "prefill0 and decode0: 2 x 0.8 = 1.60 > 0.9 per GPU; give at most 0.45")
+    assert err.startswith(
+        f"error: GPU_MEMORY_UTILIZATION=0.8 does not fit {TINY_P2_D8}: GPUs 0,1 are shared by "
+        "prefill0 and decode0: 2 x 0.8 = 1.60 > 0.9 per GPU; give at most 0.45"
+    )
     steps = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path, util=0.4)}
     s = steps[TINY_P2_D8]
     assert {sv.gpu_memory_utilization for sv in s.gpu_plan.servers} == {0.4}
@@ -523,9 +578,14 @@ def test_gpu_memory_utilization_applies_per_server_or_stops_the_night(capsys, mo
 
 # A real night on a simulated GPU box (issue 23): stand-in servers, no prefetch, each step judged by its runs' reports.
 
+
 def test_a_simulated_night_prefetches_nothing_and_keeps_its_history_apart(tmp_path):
-    steps = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path, simulated="8x80:visible=0,1,2,3,4,5,6,7",
-                                          load_requests=4)}
+    steps = {
+        s.id: s
+        for s in build_steps(
+            uniform_gpus(8, 80.0), PY, tmp_path, simulated="8x80:visible=0,1,2,3,4,5,6,7", load_requests=4
+        )
+    }
     assert all(s.skip_reason.startswith("simulated GPUs") for s in steps.values() if s.kind == "prefetch")
     env = dict(steps[TINY_P2_D8].env)
     # the step's own CUDA_VISIBLE_DEVICES applies, not the night's visible=
@@ -544,8 +604,11 @@ def test_only_and_timeout_scale_pick_and_shorten_steps(steps):
     picked = nightly.scale_timeouts(nightly.select_steps(steps, ["accuracy/*", "history"]), 0.5)
     run = [s.id for s in picked if s.skip_reason is None]
     assert run == [s.id for s in steps if s.id.startswith("accuracy/")] + ["history"]
-    assert all("not selected by --only accuracy/*,history" in s.skip_reason for s in picked
-               if s.id.startswith("matrix/tinyllama"))
+    assert all(
+        "not selected by --only accuracy/*,history" in s.skip_reason
+        for s in picked
+        if s.id.startswith("matrix/tinyllama")
+    )
     assert "needs 24 GPUs" in next(s for s in picked if s.id == "matrix/llama32-1b-p8-d16").skip_reason
     assert [s.timeout_s for s in picked] == [s.timeout_s / 2 for s in steps]
     assert nightly.select_steps(steps, []) == list(steps)
@@ -600,8 +663,13 @@ def test_a_simulated_step_passes_when_its_runs_got_through(tmp_path):
 def test_a_simulated_night_says_so_in_its_junit(tmp_path):
     acc = sim_step(tmp_path, "accuracy")
     write_report(tmp_path / "accuracy")
-    results = run_steps([acc], tmp_path, runner=lambda s, log: StepResult(s, "passed", 1.0, log=str(log), returncode=0),
-                        out=open("/dev/null", "w"), simulated="8x40")
+    results = run_steps(
+        [acc],
+        tmp_path,
+        runner=lambda s, log: StepResult(s, "passed", 1.0, log=str(log), returncode=0),
+        out=io.StringIO(),
+        simulated="8x40",
+    )
     assert results[0].status == "passed"
     suite = ET.parse(tmp_path / "junit.xml").getroot()
     assert suite.find("properties/property").get("value") == "PD_HARNESS_SIMULATED_GPUS=8x40"
@@ -617,9 +685,11 @@ def test_a_real_night_rejects_a_bad_timeout_scale(capsys, tmp_path):
 def test_the_history_step_is_skipped_when_no_gqa_matrix_step_ran(tmp_path):
     # 4 of 8 GPUs: every GQA-matrix pair is skipped, an edge entry runs; there is no matrix folder to import
     plan = object()
-    steps = [Step("matrix/p2-d8", "matrix", ("x",), 10, ("c",), 8, plan, skip_reason="needs 8 GPUs, 4 present"),
-             Step("edge/p1-d2", "matrix", ("x",), 10, ("c",), 2, plan),
-             Step("history", "history", ("x",), 10, ("c",))]
+    steps = [
+        Step("matrix/p2-d8", "matrix", ("x",), 10, ("c",), 8, plan, skip_reason="needs 8 GPUs, 4 present"),
+        Step("edge/p1-d2", "matrix", ("x",), 10, ("c",), 2, plan),
+        Step("history", "history", ("x",), 10, ("c",)),
+    ]
     ran = []
 
     def runner(step, log):
@@ -641,6 +711,7 @@ def test_the_history_step_is_skipped_when_no_gqa_matrix_step_ran(tmp_path):
 # the KV pool (--num-gpu-blocks-override) and request logging, and showed another version's servers with the
 # night's interpreter instead of that version's environment.
 
+
 def run_as_the_cli(monkeypatch, argv) -> tuple[object, bool]:
     """The config and baseline order a step's own `python -m harness ...` hands PDRun (nothing installed: ensure_env
     answers with the environment's interpreter; nothing run)."""
@@ -656,8 +727,9 @@ def run_as_the_cli(monkeypatch, argv) -> tuple[object, bool]:
         def run(self):
             return {"verdict": "pass", "checks": []}
 
-    monkeypatch.setattr("harness.envs.vllm_env.ensure_env",
-                        lambda device, version, *a, **k: env_dir(device, version) / "bin" / "python")
+    monkeypatch.setattr(
+        "harness.envs.vllm_env.ensure_env", lambda device, version, *a, **k: env_dir(device, version) / "bin" / "python"
+    )
     monkeypatch.setattr("harness.run.pipeline.PDRun", NoRun)
     monkeypatch.setattr("harness.cli.catch_interrupts", lambda: None)
     monkeypatch.setattr("harness.matrix.cli.catch_interrupts", lambda: None)
@@ -683,8 +755,9 @@ def real_run_servers(cfg, baseline_last: bool) -> dict[str, str]:
     model, served = resolve_model(cfg)
     ctx = RunContext(cfg, cfg.run_dir, Report(config={}), [], GenerationSettings(), model, served)
     ctx.report.config["model_heads"] = model_heads(model)
-    ctx.gpu = GpuRun(cfg.tp_p, cfg.tp_d, model, nvml=FakeNvml([gpus(8)]),
-                     gpu_memory_utilization=cfg.gpu_memory_utilization, env={})
+    ctx.gpu = GpuRun(
+        cfg.tp_p, cfg.tp_d, model, nvml=FakeNvml([gpus(8)]), gpu_memory_utilization=cfg.gpu_memory_utilization, env={}
+    )
     alloc, (bs_p, bs_d) = nightly.FakePorts(), cfg.block_sizes()
     for phase in ("pd", "baseline") if baseline_last else ("baseline", "pd"):
         if phase == "baseline":
@@ -695,9 +768,17 @@ def real_run_servers(cfg, baseline_last: bool) -> dict[str, str]:
     return {(k if k == "proxy" else f"{k}0"): v for k, v in ctx.report.commands.items()}
 
 
-@pytest.mark.parametrize("sid", [f"{TINY_P2_D8}@0.21.0", f"{TINY_P2_D8}@0.32.0", "edge/gpu-bs32-qwen25-3b-p1-d4@0.21.0",
-                                 "edge/gpu-nhd-permute-qwen25-3b-p2-d4@0.32.0", "accuracy/qwen3-0.6b-p2-d4@0.21.0",
-                                 "accuracy/tinyllama-1.1b-chat-p2-d8@0.32.0"])
+@pytest.mark.parametrize(
+    "sid",
+    [
+        f"{TINY_P2_D8}@0.21.0",
+        f"{TINY_P2_D8}@0.32.0",
+        "edge/gpu-bs32-qwen25-3b-p1-d4@0.21.0",
+        "edge/gpu-nhd-permute-qwen25-3b-p2-d4@0.32.0",
+        "accuracy/qwen3-0.6b-p2-d4@0.21.0",
+        "accuracy/tinyllama-1.1b-chat-p2-d8@0.32.0",
+    ],
+)
 def test_dry_run_server_lines_are_the_lines_the_steps_run_builds(monkeypatch, tmp_path, sid):
     from harness.envs.vllm_env import env_dir
 
@@ -755,16 +836,18 @@ def test_each_version_without_a_calibration_plans_one_before_its_runs_and_one_wi
     ids = [s.id for s in steps]
     by_id = {s.id: s for s in steps}
     done, todo = by_id[f"{CAL}@0.21.0"], by_id[f"{CAL}@0.32.0"]
-    assert done.skip_reason == (f"threshold 0.21 already calibrated for {A100}, driver 550.54.15, vLLM 0.21.0, "
-                                "TinyLlama/TinyLlama-1.1B-Chat-v1.0: calibrated 2026-12-08 (/runs/cal)")
+    assert done.skip_reason == (
+        f"threshold 0.21 already calibrated for {A100}, driver 550.54.15, vLLM 0.21.0, "
+        "TinyLlama/TinyLlama-1.1B-Chat-v1.0: calibrated 2026-12-08 (/runs/cal)"
+    )
     assert todo.skip_reason is None and todo.needs == ("prefetch/TinyLlama/TinyLlama-1.1B-Chat-v1.0",)
     for version, cal in (("0.21.0", done), ("0.32.0", todo)):  # before the version's matrix and accuracy steps
         own = [i for i in ids if i.endswith(f"@{version}") and i != cal.id]
         assert ids.index(cal.id) < min(ids.index(i) for i in own)
     argv = todo.argv
-    assert argv[:4] == (PY, "-m", "harness", "calibrate") and "--store" in argv[:argv.index("--")]
+    assert argv[:4] == (PY, "-m", "harness", "calibrate") and "--store" in argv[: argv.index("--")]
     assert argv[argv.index("--out") + 1] == str(tmp_path / "n" / f"{CAL}@0.32.0")
-    e2e = argv[argv.index("--") + 1:]
+    e2e = argv[argv.index("--") + 1 :]
     assert e2e[e2e.index("--vllm-version") + 1] == "0.32.0" and e2e[e2e.index("--device") + 1] == "gpu"
     assert todo.gpu_plan is not None and dict(todo.env)["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
     text = render_dry_run(steps, Hardware(a100s(), "NVML"))
@@ -772,8 +855,7 @@ def test_each_version_without_a_calibration_plans_one_before_its_runs_and_one_wi
     assert "[to run]" in step_block(text, f"{CAL}@0.32.0").splitlines()[0]
     assert f"none for {A100}, driver 550.54.15, vLLM 0.32.0" in step_block(text, f"{CAL}@0.32.0")
     # a new driver is a new box: measured again
-    redo = {s.id: s for s in build_steps(a100s(), PY, tmp_path / "n", ["0.21.0"], driver="560.28.03",
-                                         thresholds=store)}
+    redo = {s.id: s for s in build_steps(a100s(), PY, tmp_path / "n", ["0.21.0"], driver="560.28.03", thresholds=store)}
     assert redo[CAL].skip_reason is None
 
 
@@ -801,16 +883,27 @@ def test_the_night_reads_its_box_and_the_store_beside_the_results(capsys, monkey
 def test_a_simulated_night_calibrates_nothing(tmp_path):
     from harness.run.thresholds import ThresholdStore
 
-    steps = {s.id: s for s in build_steps(a100s(), PY, tmp_path, simulated="8x80", driver="550.54.15",
-                                          thresholds=ThresholdStore(tmp_path / "none.json"))}
+    steps = {
+        s.id: s
+        for s in build_steps(
+            a100s(),
+            PY,
+            tmp_path,
+            simulated="8x80",
+            driver="550.54.15",
+            thresholds=ThresholdStore(tmp_path / "none.json"),
+        )
+    }
     assert steps[CAL].skip_reason.startswith("simulated GPUs")
 
 
 def test_a_failed_calibration_stops_nothing_and_says_the_runs_use_the_default(tmp_path):
     plan = object()
-    steps = [Step(CAL, "calibrate", ("x",), 10, ("c",), 3, plan),
-             Step("matrix/p1-d2", "matrix", ("x",), 10, ("c",), 3, plan),
-             Step("history", "history", ("x",), 10, ("c",))]
+    steps = [
+        Step(CAL, "calibrate", ("x",), 10, ("c",), 3, plan),
+        Step("matrix/p1-d2", "matrix", ("x",), 10, ("c",), 3, plan),
+        Step("history", "history", ("x",), 10, ("c",)),
+    ]
     ran = []
 
     def runner(step, log):

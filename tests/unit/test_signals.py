@@ -27,9 +27,14 @@ def test_a_signal_while_the_versions_are_read_ends_with_a_report(tmp_path, signu
     python, run_dir = tmp_path / "python", tmp_path / "run"
     python.write_text(SLOW_PYTHON)
     python.chmod(0o755)
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "e2e", "--device", "cpu", "--python", str(python),
-                             "--run-dir", str(run_dir)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harness", "e2e", "--device", "cpu", "--python", str(python), "--run-dir", str(run_dir)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "python.called").exists():

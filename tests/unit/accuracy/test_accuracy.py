@@ -1,12 +1,13 @@
-"""Accuracy: lm-eval's command line, reading its output, the per-sample diff, the tolerance and the checks (no servers)."""
+"""Accuracy: lm-eval's command line, reading its output, the per-sample diff, the tolerance and the checks (no
+servers)."""
 
 import json
 
 import pytest
 
+from harness.accuracy.checks import accuracy_checks, check_through_pd, diff_samples, max_differing, score_tolerance
 from harness.accuracy.lm_eval import AccuracyFailed, lm_eval_argv, read_eval_output
 from harness.accuracy.settings import AccuracySettings
-from harness.accuracy.checks import accuracy_checks, check_through_pd, diff_samples, max_differing, score_tolerance
 
 S = AccuracySettings(task="gsm8k_offline", include_path="/tasks/offline", limit=50)
 
@@ -17,13 +18,27 @@ def write_output(root, answers, task="gsm8k_offline", score=None, prompt="p"):
     d.mkdir(parents=True, exist_ok=True)
     right = sum(ok for _, ok in answers.values())
     score = right / len(answers) if score is None else score
-    (d / "results_2026-12-03T10-00-00.json").write_text(json.dumps(
-        {"results": {task: {"exact_match,strict-match": score, "exact_match,flexible-extract": 0.0}}, "lm_eval_version": "0.4.13"}))
+    (d / "results_2026-12-03T10-00-00.json").write_text(
+        json.dumps(
+            {
+                "results": {task: {"exact_match,strict-match": score, "exact_match,flexible-extract": 0.0}},
+                "lm_eval_version": "0.4.13",
+            }
+        )
+    )
     rows = []
     for doc_id, (text, ok) in answers.items():
         for flt in ("strict-match", "flexible-extract"):
-            rows.append({"doc_id": doc_id, "resps": [[text]], "filtered_resps": [text.split("#### ")[-1]], "filter": flt,
-                         "prompt_hash": f"{prompt}{doc_id}", "exact_match": float(ok) if flt == "strict-match" else 0.0})
+            rows.append(
+                {
+                    "doc_id": doc_id,
+                    "resps": [[text]],
+                    "filtered_resps": [text.split("#### ")[-1]],
+                    "filter": flt,
+                    "prompt_hash": f"{prompt}{doc_id}",
+                    "exact_match": float(ok) if flt == "strict-match" else 0.0,
+                }
+            )
     (d / f"samples_{task}_2026-12-03T10-00-00.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return root
 
@@ -40,7 +55,9 @@ def test_the_command_line_is_the_same_for_both_runs_but_the_url():
     assert "base_url=http://127.0.0.1:1/v1/completions" in margs
     assert "tokenizer_backend=None" in margs and "tokenized_requests=False" in margs
     assert a[a.index("--include_path") + 1] == "/tasks/offline" and a[a.index("--limit") + 1] == "50"
-    assert [x for x in a if "127.0.0.1" not in x and "/out/" not in x] == [x for x in b if "127.0.0.1" not in x and "/out/" not in x]
+    assert [x for x in a if "127.0.0.1" not in x and "/out/" not in x] == [
+        x for x in b if "127.0.0.1" not in x and "/out/" not in x
+    ]
 
 
 def test_reads_score_and_samples_of_the_chosen_filter(tmp_path):
@@ -79,8 +96,12 @@ def test_identical_runs_pass_every_check(tmp_path):
     pd = read_eval_output(write_output(tmp_path / "p", answers(wrong={1})), S)
     checks, block = accuracy_checks(base, pd, AccuracySettings(task="gsm8k_offline", min_baseline_score=0.8))
     assert all(c.passed for c in checks), checks
-    assert {c.name for c in checks} == {"accuracy_samples_paired", "accuracy_pd_within_tolerance", "accuracy_responses_agree",
-                                        "accuracy_baseline_meaningful"}
+    assert {c.name for c in checks} == {
+        "accuracy_samples_paired",
+        "accuracy_pd_within_tolerance",
+        "accuracy_responses_agree",
+        "accuracy_baseline_meaningful",
+    }
     assert (block["samples"], block["delta"], block["differing_responses"], block["score_flips"]) == (40, 0.0, 0, 0)
 
 
@@ -88,8 +109,14 @@ def test_a_broken_transfer_fails_with_reasons(tmp_path):
     base = read_eval_output(write_output(tmp_path / "b", answers()), S)
     broken = read_eval_output(write_output(tmp_path / "p", answers(wrong=set(range(30)), differ=set(range(30)))), S)
     checks = {c.name: c for c in accuracy_checks(base, broken, S)[0]}
-    assert not checks["accuracy_pd_within_tolerance"].passed and "delta -0.750" in checks["accuracy_pd_within_tolerance"].detail
-    assert not checks["accuracy_responses_agree"].passed and "30/40 responses differ" in checks["accuracy_responses_agree"].detail
+    assert (
+        not checks["accuracy_pd_within_tolerance"].passed
+        and "delta -0.750" in checks["accuracy_pd_within_tolerance"].detail
+    )
+    assert (
+        not checks["accuracy_responses_agree"].passed
+        and "30/40 responses differ" in checks["accuracy_responses_agree"].detail
+    )
     assert "doc 0: baseline 'x #### 0' vs P/D 'y #### 0'" in checks["accuracy_responses_agree"].detail
 
 
@@ -103,15 +130,25 @@ def test_a_few_differing_responses_with_equal_scores_still_fail_the_agreement(tm
 def test_baseline_too_weak_and_expected_score(tmp_path):
     base = read_eval_output(write_output(tmp_path / "b", answers(wrong=set(range(20)))), S)
     pd = read_eval_output(write_output(tmp_path / "p", answers(wrong=set(range(20)))), S)
-    checks = {c.name: c.passed for c in accuracy_checks(base, pd, AccuracySettings(task="gsm8k_offline", min_baseline_score=0.8, expected_score=0.41))[0]}
+    checks = {
+        c.name: c.passed
+        for c in accuracy_checks(
+            base, pd, AccuracySettings(task="gsm8k_offline", min_baseline_score=0.8, expected_score=0.41)
+        )[0]
+    }
     assert checks["accuracy_baseline_meaningful"] is False and checks["accuracy_matches_expected"] is False
-    checks = {c.name: c.passed for c in accuracy_checks(base, pd, AccuracySettings(task="gsm8k_offline", expected_score=0.52))[0]}
+    checks = {
+        c.name: c.passed
+        for c in accuracy_checks(base, pd, AccuracySettings(task="gsm8k_offline", expected_score=0.52))[0]
+    }
     assert checks["accuracy_matches_expected"] is True
 
 
 def test_lm_eval_requests_must_take_the_pd_path():
     before = {"prefill_with_kv_transfer_params": 16, "prefill_missing_kv_transfer_params": 0}
-    ok = check_through_pd(40, before, {"prefill_with_kv_transfer_params": 56, "prefill_missing_kv_transfer_params": 0}, 40)
+    ok = check_through_pd(
+        40, before, {"prefill_with_kv_transfer_params": 56, "prefill_missing_kv_transfer_params": 0}, 40
+    )
     assert ok.passed
     assert not check_through_pd(40, before, {"prefill_with_kv_transfer_params": 56}, 0).passed  # no NIXL read
     assert not check_through_pd(40, before, {"prefill_with_kv_transfer_params": 30}, 40).passed  # bypassed P
@@ -125,8 +162,8 @@ def test_an_unresolved_task_is_a_programming_error():
 def test_the_model_decides_task_include_path_and_the_bar():
     from pathlib import Path
 
-    from harness.models.trained import TRAINED_NAME
     from harness.accuracy.resolve import resolve_accuracy
+    from harness.models.trained import TRAINED_NAME
 
     trained = resolve_accuracy(AccuracySettings(), "/models/trained", TRAINED_NAME)
     assert trained.task == "gsm8k_offline" and trained.min_baseline_score == 0.8 and trained.expected_score is None
@@ -134,7 +171,10 @@ def test_the_model_decides_task_include_path_and_the_bar():
     hub = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", hub_reachable=lambda: True)
     assert (hub.task, hub.include_path, hub.expected_score, hub.min_baseline_score) == ("gsm8k", None, 0.41, None)
     # a published score holds for the full task only
-    assert resolve_accuracy(AccuracySettings(limit=100), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", lambda: True).expected_score is None
+    assert (
+        resolve_accuracy(AccuracySettings(limit=100), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", lambda: True).expected_score
+        is None
+    )
     # no way to load the real dataset: the offline task, and no published score to compare with
     off = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", hub_reachable=lambda: False)
     assert (off.task, off.expected_score) == ("gsm8k_offline", None) and off.include_path
@@ -144,7 +184,9 @@ def test_is_the_real_gsm8k_reachable(tmp_path):
     from harness.accuracy.lm_eval import hub_dataset_reachable
 
     assert not hub_dataset_reachable({"HF_HUB_OFFLINE": "1"}, tmp_path, probe=lambda: True)
-    assert hub_dataset_reachable({}, tmp_path, probe=lambda: True) and not hub_dataset_reachable({}, tmp_path, probe=lambda: False)
+    assert hub_dataset_reachable({}, tmp_path, probe=lambda: True) and not hub_dataset_reachable(
+        {}, tmp_path, probe=lambda: False
+    )
     (tmp_path / "datasets--openai--gsm8k").mkdir()
     assert hub_dataset_reachable({"HF_HUB_OFFLINE": "1"}, tmp_path, probe=lambda: False)  # cached locally
 
@@ -160,7 +202,8 @@ def test_a_hub_task_keeps_lm_evals_generation_settings_and_only_the_offline_task
     off = resolve_accuracy(AccuracySettings(), "/models/trained", "trained", hub_reachable=lambda: False)
     argv = lm_eval_argv("/py", "http://x", "m", off, "/out")
     assert off.task == "gsm8k_offline" and argv[argv.index("--gen_kwargs") + 1] == (
-        "max_gen_toks=64,temperature=0,do_sample=False")
+        "max_gen_toks=64,temperature=0,do_sample=False"
+    )
     # a length given by hand applies to any task
     given = lm_eval_argv("/py", "http://x", "m", AccuracySettings(task="gsm8k", max_gen_toks=512), "/out")
     assert given[given.index("--gen_kwargs") + 1].startswith("max_gen_toks=512,")

@@ -8,8 +8,17 @@ import sys
 import pytest
 
 from harness.bench.backend import KV_TRANSFER_PARAMS, State
-from harness.bench.proxy import (Level, LatencyStats, TargetResult, direct_target, percentile, ratio, render,
-                                 summarize, target_checks)
+from harness.bench.proxy import (
+    LatencyStats,
+    Level,
+    TargetResult,
+    direct_target,
+    percentile,
+    ratio,
+    render,
+    summarize,
+    target_checks,
+)
 from harness.core.paths import REPO_ROOT
 
 
@@ -29,7 +38,9 @@ def test_ratio():
 
 
 def level(c: int, completed: int, elapsed: float) -> Level:
-    return Level(concurrency=c, requested=completed, completed=completed, errors=0, elapsed_s=elapsed, hit_time_limit=False)
+    return Level(
+        concurrency=c, requested=completed, completed=completed, errors=0, elapsed_s=elapsed, hit_time_limit=False
+    )
 
 
 def result(name: str, lat_s: list[float], rps_by_c: dict[int, list[float]]) -> TargetResult:
@@ -48,7 +59,13 @@ def summary(concurrency=(1, 10, 100)):
     direct = result("direct", [0.0002] * 10, {c: [5000] for c in concurrency})
     toy = result("toy", [0.0007] * 9 + [0.003], {c: [900] for c in concurrency})
     ref = result("reference", [0.003] * 10, {c: [300] for c in concurrency})
-    cfg = {"requests": 10, "concurrency": list(concurrency), "rounds": 1, "time_limit_s": 5.0, "load_average_before": [0.1, 0, 0]}
+    cfg = {
+        "requests": 10,
+        "concurrency": list(concurrency),
+        "rounds": 1,
+        "time_limit_s": 5.0,
+        "load_average_before": [0.1, 0, 0],
+    }
     return summarize(direct, toy, ref, cfg)
 
 
@@ -63,7 +80,10 @@ def test_summary_shape_added_latency_and_ratios():
     assert toy["p99_added_ms"] > toy["p50_added_ms"]
     assert toy["throughput_ratio_vs_reference"]["100"] == pytest.approx(3.0)
     assert ref["throughput_ratio_vs_reference"] == {"1": 1.0, "10": 1.0, "100": 1.0}
-    assert [(t["name"], t["met"]) for t in d["targets"]] == [("toy_p50_added_ms_at_c1", True), ("toy_throughput_ratio_at_c100", True)]
+    assert [(t["name"], t["met"]) for t in d["targets"]] == [
+        ("toy_p50_added_ms_at_c1", True),
+        ("toy_throughput_ratio_at_c100", True),
+    ]
     assert "MET" in render(d)
 
 
@@ -124,15 +144,33 @@ def test_bench_cli_rejects_bad_levels():
 
 
 def run_cli(*args: str, timeout: float = 240) -> dict:
-    out = subprocess.run([sys.executable, "-m", "harness", "bench", *args, "--json"], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "harness", "bench", *args, "--json"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout)
 
 
 def test_bench_proxy_real_small_run(tmp_path):
-    d = run_cli("proxy", "--requests", "50", "--concurrency", "1,4", "--rounds", "1", "--warmup", "5",
-                "--time-limit", "30", "--log-dir", str(tmp_path))
+    d = run_cli(
+        "proxy",
+        "--requests",
+        "50",
+        "--concurrency",
+        "1,4",
+        "--rounds",
+        "1",
+        "--warmup",
+        "5",
+        "--time-limit",
+        "30",
+        "--log-dir",
+        str(tmp_path),
+    )
     assert d["config"]["concurrency"] == [1, 4]
     for name in ("toy", "reference"):
         p = d["proxies"][name]

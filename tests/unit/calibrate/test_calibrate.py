@@ -32,8 +32,10 @@ def test_no_deltas_is_an_error_not_a_verdict():
 
 
 def test_deltas_come_from_the_sequential_prompts_and_the_load():
-    report = {"comparison": {"prompts": [{"max_logprob_delta": 1e-6}, {"max_logprob_delta": None}]},
-              "load": {"comparison": {"prompts": [{"max_logprob_delta": 2e-3}]}}}
+    report = {
+        "comparison": {"prompts": [{"max_logprob_delta": 1e-6}, {"max_logprob_delta": None}]},
+        "load": {"comparison": {"prompts": [{"max_logprob_delta": 2e-3}]}},
+    }
     assert per_request_deltas(report) == [1e-6, 2e-3]
 
 
@@ -41,8 +43,12 @@ def fake_report(deltas, fired=None, threshold=1e-3):
     checks = [{"name": "logprobs_match_baseline", "passed": True, "data": {"threshold": threshold}}]
     if fired is not None:
         checks.append({"name": "decode_kv_fault_fired", "passed": fired})
-    return {"verdict": "pass", "config": {"device": "cpu"}, "checks": checks,
-            "comparison": {"prompts": [{"max_logprob_delta": d} for d in deltas]}}
+    return {
+        "verdict": "pass",
+        "config": {"device": "cpu"},
+        "checks": checks,
+        "comparison": {"prompts": [{"max_logprob_delta": d} for d in deltas]},
+    }
 
 
 def test_the_command_runs_both_runs_and_writes_its_verdict(tmp_path, monkeypatch, capsys):
@@ -54,8 +60,10 @@ def test_the_command_runs_both_runs_and_writes_its_verdict(tmp_path, monkeypatch
 
     monkeypatch.setattr(cli, "run_e2e", run)
     rc = main(["calibrate", "--out", str(tmp_path / "cal"), "--", "--device", "cpu", "--tp-d", "2"])
-    assert rc == 0 and seen == [("correct", ["--device", "cpu", "--tp-d", "2"]),
-                                ("fault", ["--device", "cpu", "--tp-d", "2", "--decode-kv-fault", "1.02"])]
+    assert rc == 0 and seen == [
+        ("correct", ["--device", "cpu", "--tp-d", "2"]),
+        ("fault", ["--device", "cpu", "--tp-d", "2", "--decode-kv-fault", "1.02"]),
+    ]
     got = json.loads((tmp_path / "cal" / "calibration.json").read_text())
     assert got["verdict"] == "ok" and got["threshold"] == 1e-3 and "**ok**" in capsys.readouterr().out
 

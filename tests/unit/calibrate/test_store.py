@@ -16,10 +16,17 @@ def report(deltas, fired=None, key=KEY, source="default (not calibrated on this 
     checks = [{"name": "logprobs_match_baseline", "passed": True, "data": {"threshold": 1.5}}]
     if fired is not None:
         checks.append({"name": "decode_kv_fault_fired", "passed": fired})
-    config = {"device": "gpu", "logprob_threshold_key": key.to_dict() if key else None,
-              "logprob_threshold_source": source}
-    return {"verdict": "pass", "config": config, "checks": checks,
-            "comparison": {"prompts": [{"max_logprob_delta": d} for d in deltas]}}
+    config = {
+        "device": "gpu",
+        "logprob_threshold_key": key.to_dict() if key else None,
+        "logprob_threshold_source": source,
+    }
+    return {
+        "verdict": "pass",
+        "config": config,
+        "checks": checks,
+        "comparison": {"prompts": [{"max_logprob_delta": d} for d in deltas]},
+    }
 
 
 @pytest.fixture
@@ -64,7 +71,10 @@ def test_a_run_with_no_box_to_key_by_keeps_nothing(monkeypatch, tmp_path, capsys
 
 
 def test_without_store_nothing_is_kept(monkeypatch, tmp_path, store):
-    monkeypatch.setattr(cli, "run_e2e", lambda out, name, args, t: report([0.01] if name == "correct" else [0.4],
-                                                                          fired=name == "fault" or None))
+    monkeypatch.setattr(
+        cli,
+        "run_e2e",
+        lambda out, name, args, t: report([0.01] if name == "correct" else [0.4], fired=name == "fault" or None),
+    )
     assert main(["calibrate", "--out", str(tmp_path / "cal"), "--", "--device", "gpu"]) == 1  # 1.5: too loose
     assert not store.path.exists()

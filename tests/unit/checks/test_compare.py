@@ -1,7 +1,7 @@
 import pytest
 
-from harness.workload.completion import Completion, parse_completion
 from harness.checks.compare import compare_completions
+from harness.workload.completion import Completion, parse_completion
 
 
 def comp(pid, ids, tops=None, finish="length"):
@@ -59,11 +59,17 @@ def test_missing_prompt_and_empty_inputs():
 
 def test_parse_vllm_response():
     resp = {
-        "choices": [{"text": " 10 4", "finish_reason": "length", "logprobs": {
-            "tokens": ["token_id:680", "token_id:917"],
-            "token_logprobs": [-3.1, -2.5],
-            "top_logprobs": [{"token_id:680": -3.1, "token_id:573": -3.5}, {"token_id:917": -2.5}],
-        }}],
+        "choices": [
+            {
+                "text": " 10 4",
+                "finish_reason": "length",
+                "logprobs": {
+                    "tokens": ["token_id:680", "token_id:917"],
+                    "token_logprobs": [-3.1, -2.5],
+                    "top_logprobs": [{"token_id:680": -3.1, "token_id:573": -3.5}, {"token_id:917": -2.5}],
+                },
+            }
+        ],
         "usage": {"prompt_tokens": 12},
     }
     c = parse_completion("x", resp)
@@ -72,8 +78,14 @@ def test_parse_vllm_response():
     assert c.prompt_tokens == 12 and c.finish_reason == "length"
 
 
-@pytest.mark.parametrize("resp", [{}, {"choices": [{"text": "x", "logprobs": None}]},
-                                  {"choices": [{"logprobs": {"tokens": ["hello"], "top_logprobs": [None]}}]}])
+@pytest.mark.parametrize(
+    "resp",
+    [
+        {},
+        {"choices": [{"text": "x", "logprobs": None}]},
+        {"choices": [{"logprobs": {"tokens": ["hello"], "top_logprobs": [None]}}]},
+    ],
+)
 def test_parse_errors_are_clear(resp):
     with pytest.raises(ValueError):
         parse_completion("x", resp)

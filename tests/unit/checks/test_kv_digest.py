@@ -149,11 +149,35 @@ def test_k_and_v_halves_crossed_as_in_a_cpu_attn_block_size_conversion_are_named
 def test_a_position_the_window_needs_but_d_never_received_fails_the_check():
     # sliding window 4 over 8 tokens: D's layer needs 4..7; position 4 sits in D's null block (not received)
     p = rng_digests(14, layers=1, heads=1, n=8)
-    d_rec = kd.DigestRecord("decode", 0, "r", ("model.layers.0.self_attn.attn",), ("K", "V"), (0,),
-                            np.arange(5, 8), p[..., 5:8].copy(), left_out=4, block_size=4, window=4, num_tokens=8)
+    d_rec = kd.DigestRecord(
+        "decode",
+        0,
+        "r",
+        ("model.layers.0.self_attn.attn",),
+        ("K", "V"),
+        (0,),
+        np.arange(5, 8),
+        p[..., 5:8].copy(),
+        left_out=4,
+        block_size=4,
+        window=4,
+        num_tokens=8,
+    )
     c = kd.check(kd.compare([record("prefill", "r", p, heads=(0,)), d_rec]))
     assert not c.passed and c.data["holds"] == {"not received": 2}, c.detail
     assert c.data["first"].endswith("K, head 0, position 4") and "null block" in c.data["first_holds"]
-    full = kd.DigestRecord("decode", 0, "r", ("model.layers.0.self_attn.attn",), ("K", "V"), (0,),
-                           np.arange(4, 8), p[..., 4:8].copy(), left_out=4, block_size=4, window=4, num_tokens=8)
+    full = kd.DigestRecord(
+        "decode",
+        0,
+        "r",
+        ("model.layers.0.self_attn.attn",),
+        ("K", "V"),
+        (0,),
+        np.arange(4, 8),
+        p[..., 4:8].copy(),
+        left_out=4,
+        block_size=4,
+        window=4,
+        num_tokens=8,
+    )
     assert kd.check(kd.compare([record("prefill", "r", p, heads=(0,)), full])).passed

@@ -1,6 +1,5 @@
 """The leak check: P and D idle again after a run, read from /metrics of stand-in servers over HTTP."""
 
-
 import pytest
 import requests
 
@@ -20,8 +19,10 @@ from tests.helpers import TextServer
 
 def metrics(running=0, waiting=0, usage=0.0, expired=0, usage_name="vllm:kv_cache_usage_perc", blocks=None) -> str:
     pool = f'vllm:cache_config_info{{block_size="16",num_gpu_blocks="{blocks}"}} 1.0\n' if blocks else ""
-    return (f'vllm:num_requests_running{{engine="0"}} {running}\nvllm:num_requests_waiting{{engine="0"}} {waiting}\n'
-            f'{usage_name}{{engine="0"}} {usage}\nvllm:nixl_num_kv_expired_reqs_total{{engine="0"}} {expired}\n' + pool)
+    return (
+        f'vllm:num_requests_running{{engine="0"}} {running}\nvllm:num_requests_waiting{{engine="0"}} {waiting}\n'
+        f'{usage_name}{{engine="0"}} {usage}\nvllm:nixl_num_kv_expired_reqs_total{{engine="0"}} {expired}\n' + pool
+    )
 
 
 class StandIn:
@@ -54,12 +55,17 @@ def reader(urls: dict[str, str]):
     return lambda: {name: parse_metrics(requests.get(u, timeout=5).text) for name, u in urls.items()}
 
 
-IDLE = {"prefill": state_of(parse_metrics(metrics(blocks=32768))), "decode": state_of(parse_metrics(metrics(blocks=32768)))}
+IDLE = {
+    "prefill": state_of(parse_metrics(metrics(blocks=32768))),
+    "decode": state_of(parse_metrics(metrics(blocks=32768))),
+}
 
 
 def test_a_server_still_running_requests_fails_at_the_deadline_without_waiting_for_a_lease(serve):
-    urls = {"prefill": serve(StandIn(metrics(blocks=32768))),
-            "decode": serve(StandIn(metrics(running=1, usage=0.25, blocks=32768)))}
+    urls = {
+        "prefill": serve(StandIn(metrics(blocks=32768))),
+        "decode": serve(StandIn(metrics(running=1, usage=0.25, blocks=32768))),
+    }
     w = wait_idle(reader(urls), IDLE, deadline_s=1.0, lease_s=60.0, poll_s=0.1)
     c = check_no_leak(w, {})
     assert not c.passed and w.outcome == "busy" and w.waited_s < 5.0
@@ -67,8 +73,10 @@ def test_a_server_still_running_requests_fails_at_the_deadline_without_waiting_f
 
 
 def test_servers_that_settle_within_the_deadline_pass(serve):
-    urls = {"prefill": serve(StandIn(metrics(waiting=2, usage=0.5, blocks=64), settle_after=2)),
-            "decode": serve(StandIn(metrics(blocks=64)))}
+    urls = {
+        "prefill": serve(StandIn(metrics(waiting=2, usage=0.5, blocks=64), settle_after=2)),
+        "decode": serve(StandIn(metrics(blocks=64))),
+    }
     w = wait_idle(reader(urls), IDLE, deadline_s=10.0, lease_s=60.0, poll_s=0.05)
     c = check_no_leak(w, {})
     assert c.passed and w.outcome == "idle", c.detail
@@ -101,7 +109,9 @@ class Clock:
 
 
 ONE_BLOCK = 1 / 32768
-LEASE_LINE = "WARNING Releasing expired KV blocks for request cmpl-pd-load-5-0 which were retrieved by 0 remote worker(s)"
+LEASE_LINE = (
+    "WARNING Releasing expired KV blocks for request cmpl-pd-load-5-0 which were retrieved by 0 remote worker(s)"
+)
 
 
 def test_a_block_freed_by_a_lease_the_client_cancels_explain_is_a_named_hold_not_a_leak():
@@ -188,14 +198,22 @@ class PClock:
         return {"prefill": parse_metrics(self.script(self.t))}
 
     def follow(self, lease_s=30, deadline_s=30):
-        return wait_idle(self.read, {"prefill": IDLE["prefill"]}, deadline_s=deadline_s, lease_s=lease_s, poll_s=1,
-                         clock=lambda: self.t, sleep=self.sleep)
+        return wait_idle(
+            self.read,
+            {"prefill": IDLE["prefill"]},
+            deadline_s=deadline_s,
+            lease_s=lease_s,
+            poll_s=1,
+            clock=lambda: self.t,
+            sleep=self.sleep,
+        )
 
 
 THREE_BLOCKS = 3 / 32768
 P_LEASE_LINES = "\n".join(
     f"WARNING Releasing expired KV blocks for request cmpl-pd-{i}-0 which were retrieved by 0 remote worker(s)"
-    for i in ("p00", "p01", "p02"))
+    for i in ("p00", "p01", "p02")
+)
 
 
 def test_blocks_held_for_a_d_that_never_read_them_freed_by_ps_lease_pass_with_the_expiries():
@@ -238,7 +256,6 @@ def test_a_p_still_running_requests_or_without_gauges_fails_after_a_fault():
     p = PClock(lambda t: metrics(running=1, usage=ONE_BLOCK, blocks=32768))
     c = check_released_after_fault(p.follow(), "p-link-down")
     assert not c.passed and c.data["outcome"] == "busy" and "still runs requests" in c.detail
-    c = check_released_after_fault(wait_idle(lambda: {"prefill": parse_metrics("x 1\n")}, {}, 0.0, 30),
-                                   "p-link-down")
+    c = check_released_after_fault(wait_idle(lambda: {"prefill": parse_metrics("x 1\n")}, {}, 0.0, 30), "p-link-down")
     assert not c.passed and c.data["outcome"] == "blind" and "exports none of" in c.detail
     assert not check_released_after_fault(wait_idle(dict, {}, 0.0, 30), "p-link-down").passed  # no P at all

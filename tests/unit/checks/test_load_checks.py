@@ -2,9 +2,17 @@
 the logprob threshold catches a slightly wrong KV that flips no token."""
 
 from harness.checks.compare import compare_completions
-from harness.checks.load import (Pool, aborted_in_log, blocks_needed, check_aborts, check_logprobs, check_reuse,
-                                 logprob_coverage, pool_blocks_from_log,
-                                 pool_from_metrics)
+from harness.checks.load import (
+    Pool,
+    aborted_in_log,
+    blocks_needed,
+    check_aborts,
+    check_logprobs,
+    check_reuse,
+    logprob_coverage,
+    pool_blocks_from_log,
+    pool_from_metrics,
+)
 from harness.serve.prometheus import parse_metrics
 from harness.workload.completion import Completion
 from harness.workload.load import LoadRequest
@@ -12,7 +20,11 @@ from harness.workload.load_client import LoadOutcome, LoadRun
 
 
 def outcome(rid, abort=None, status="ok", length=40, tokens=None):
-    c = Completion(rid, tuple(tokens or [1, 2]), tuple({t: -0.1} for t in (tokens or [1, 2])), "x") if status == "ok" else None
+    c = (
+        Completion(rid, tuple(tokens or [1, 2]), tuple({t: -0.1} for t in (tokens or [1, 2])), "x")
+        if status == "ok"
+        else None
+    )
     return LoadOutcome(LoadRequest(rid, length, "other", 16, abort, 3 if abort == "decode" else 0), status, c)
 
 
@@ -57,10 +69,14 @@ def test_planned_prefill_cancels_that_all_landed_in_the_decode_hop_did_not_fire(
     run = LoadRun([outcome("p1", "prefill", "aborted"), outcome("d1", "decode", "aborted")])
     logs = {"decode": "Request cmpl-pd-p1-0 aborted.\nRequest cmpl-pd-d1-0 aborted."}
     c = check_aborts(run, STATS0, stats(decode=["pd-p1", "pd-d1"]), logs, True)
-    assert not c.passed and "none of the 1 planned prefill-hop cancels landed in the prefill hop (p1 decode)" in c.detail
+    assert (
+        not c.passed and "none of the 1 planned prefill-hop cancels landed in the prefill hop (p1 decode)" in c.detail
+    )
     assert c.data["landed"] == {"p1": "decode", "d1": "decode"}
     # one of two landing while P prefilled is enough: the timing is aimed, not exact
-    run = LoadRun([outcome("p1", "prefill", "aborted"), outcome("p2", "prefill", "aborted"), outcome("d1", "decode", "aborted")])
+    run = LoadRun(
+        [outcome("p1", "prefill", "aborted"), outcome("p2", "prefill", "aborted"), outcome("d1", "decode", "aborted")]
+    )
     logs = {"prefill": "Request cmpl-pd-p2-0 aborted.", **logs}
     assert check_aborts(run, STATS0, stats(prefill=["pd-p2"], decode=["pd-p1", "pd-d1"]), logs, True).passed
 
@@ -72,7 +88,13 @@ def test_abort_log_match_needs_the_whole_id():
 
 
 def test_reuse_is_proved_by_more_blocks_needed_than_the_pool_holds():
-    run = LoadRun([outcome("a", length=64, tokens=[1] * 16), outcome("b", length=33), outcome("p", "prefill", "aborted", length=500)])
+    run = LoadRun(
+        [
+            outcome("a", length=64, tokens=[1] * 16),
+            outcome("b", length=33),
+            outcome("p", "prefill", "aborted", length=500),
+        ]
+    )
     # a lower bound: D needed ceil(80/32)=3 for a and ceil(35/32)=2 for b; a prefill abort may have reached no server
     assert blocks_needed([], run, 32, generated=True) == 5
     assert blocks_needed([], run, 32, generated=False) == 2 + 2
@@ -102,8 +124,14 @@ def test_a_logprob_shift_that_flips_no_token_fails_the_threshold():
 
 
 def test_the_logprob_check_says_how_many_requests_it_could_look_at():
-    base = [Completion("x", (5, 6), ({5: -0.2}, {6: -0.1}), ""), Completion("y", (8, 9), ({8: -0.1, 3: -0.2}, {9: -0.1}), "")]
-    pd = [Completion("x", (5, 6), ({5: -0.2}, {6: -0.1}), ""), Completion("y", (4, 9), ({4: -0.1, 5: -0.2}, {9: -0.1}), "")]
+    base = [
+        Completion("x", (5, 6), ({5: -0.2}, {6: -0.1}), ""),
+        Completion("y", (8, 9), ({8: -0.1, 3: -0.2}, {9: -0.1}), ""),
+    ]
+    pd = [
+        Completion("x", (5, 6), ({5: -0.2}, {6: -0.1}), ""),
+        Completion("y", (4, 9), ({4: -0.1, 5: -0.2}, {9: -0.1}), ""),
+    ]
     r = compare_completions(base, pd)
     assert logprob_coverage([r]) == (1, 2)  # y diverged at its first token to a token the baseline did not list
     c = check_logprobs([r], 0.05)

@@ -8,7 +8,11 @@ AGAIN = PrefixCase("a-again", "full-hit", "k*bs", "a", 96)
 
 
 def row(case, exp, local, ext, compute=0):
-    return Sourced(case, exp, {"local_cache_hit": float(local), "external_kv_transfer": float(ext), "local_compute": float(compute)})
+    return Sourced(
+        case,
+        exp,
+        {"local_cache_hit": float(local), "external_kv_transfer": float(ext), "local_compute": float(compute)},
+    )
 
 
 def test_exact_split_passes():

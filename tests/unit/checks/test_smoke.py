@@ -6,26 +6,35 @@ from harness.checks.smoke import CHECK_NAME, SMOKE_PROMPT, completion_text, judg
 
 def test_request_body_is_greedy_and_short():
     assert smoke_request("TinyLlama/TinyLlama-1.1B-Chat-v1.0") == {
-        "model": "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "prompt": "The capital of France is", "max_tokens": 10, "temperature": 0}
+        "model": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+        "prompt": "The capital of France is",
+        "max_tokens": 10,
+        "temperature": 0,
+    }
     assert SMOKE_PROMPT == "The capital of France is"
 
 
-@pytest.mark.parametrize("text", [" Paris.", " Paris, the city of light", "Paris", ' "Paris"', " **Paris**.", "\nParis\n"])
+@pytest.mark.parametrize(
+    "text", [" Paris.", " Paris, the city of light", "Paris", ' "Paris"', " **Paris**.", "\nParis\n"]
+)
 def test_paris_first_passes(text):
     c = judge_smoke(text)
     assert isinstance(c, Check) and c.name == CHECK_NAME and c.passed, c.detail
 
 
-@pytest.mark.parametrize("text,why", [
-    (" London.", "no 'Paris'"),
-    (" the city of Paris.", "appears but is not the first word"),
-    (" Parisian food", "no 'Paris'"),
-    ("\ufffd\ufffd\ufffd", "garbage"),
-    (" 1 2 3 4 5", "garbage"),
-    ("", "empty completion"),
-    ("   ", "empty completion"),
-    (None, "empty completion"),
-])
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        (" London.", "no 'Paris'"),
+        (" the city of Paris.", "appears but is not the first word"),
+        (" Parisian food", "no 'Paris'"),
+        ("\ufffd\ufffd\ufffd", "garbage"),
+        (" 1 2 3 4 5", "garbage"),
+        ("", "empty completion"),
+        ("   ", "empty completion"),
+        (None, "empty completion"),
+    ],
+)
 def test_anything_else_fails_with_a_reason(text, why):
     c = judge_smoke(text, where="proxy")
     assert not c.passed and why in c.detail and c.detail.startswith("proxy: ")

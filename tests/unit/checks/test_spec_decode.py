@@ -17,7 +17,7 @@ def metrics(drafts: float, tokens: float, accepted: float, engine: str = "0") ->
 
 def test_acceptance_is_the_growth_of_vllms_counters_over_every_engine():
     text = (
-        '# TYPE vllm:spec_decode_num_drafts_total counter\n'
+        "# TYPE vllm:spec_decode_num_drafts_total counter\n"
         'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10\n'
         'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 20\n'
         'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 18\n'

@@ -1,5 +1,5 @@
-from harness.serve.prometheus import parse_metrics
 from harness.checks.transfer import check_decode_log, check_lease, check_nixl_metrics, check_prefill_params
+from harness.serve.prometheus import parse_metrics
 
 
 def metrics(xfers, failed=0.0, ext=0.0, expired=0.0):
@@ -40,15 +40,21 @@ def test_missing_metrics_fail_with_reason():
 
 
 def test_prefill_params_check():
-    assert check_prefill_params(3, {"prefill_with_kv_transfer_params": 3, "prefill_missing_kv_transfer_params": 0}).passed
-    assert not check_prefill_params(3, {"prefill_with_kv_transfer_params": 2, "prefill_missing_kv_transfer_params": 1}).passed
+    assert check_prefill_params(
+        3, {"prefill_with_kv_transfer_params": 3, "prefill_missing_kv_transfer_params": 0}
+    ).passed
+    assert not check_prefill_params(
+        3, {"prefill_with_kv_transfer_params": 2, "prefill_missing_kv_transfer_params": 1}
+    ).passed
     assert not check_prefill_params(0, {}).passed
 
 
 def test_decode_log_checks():
-    log = ("INFO NIXL compatibility check passed (hash: x)\n"
-           "INFO Transfer plan: TransferTopology(tp_ratio=2, num_kv_heads=1, local_tp=2, remote_tp=1)\n"
-           "kv_transfer_config=KVTransferConfig(kv_load_failure_policy='fail')\n")
+    log = (
+        "INFO NIXL compatibility check passed (hash: x)\n"
+        "INFO Transfer plan: TransferTopology(tp_ratio=2, num_kv_heads=1, local_tp=2, remote_tp=1)\n"
+        "kv_transfer_config=KVTransferConfig(kv_load_failure_policy='fail')\n"
+    )
     c = by_name(check_decode_log(log))
     assert c["transfer_plan_logged"].passed and "tp_ratio=2" in c["transfer_plan_logged"].detail
     assert c["kv_load_failure_policy_fail"].passed
@@ -58,5 +64,7 @@ def test_decode_log_checks():
 
 def test_lease_expiry_detected():
     assert check_lease({"prefill": "all fine", "decode": ""}).passed
-    c = check_lease({"prefill": "WARNING Releasing expired KV blocks for request r1 which were retrieved by 1 remote worker(s)"})
+    c = check_lease(
+        {"prefill": "WARNING Releasing expired KV blocks for request r1 which were retrieved by 1 remote worker(s)"}
+    )
     assert not c.passed and "prefill: Releasing expired" in c.detail

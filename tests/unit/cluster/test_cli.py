@@ -28,8 +28,9 @@ def test_a_bad_address_is_one_line_and_exit_2(capsys, tmp_path):
 
 def test_an_unreachable_cluster_is_one_line_and_exit_2(capsys, tmp_path):
     port = free_port()
-    rc = harness_main(["matrix", "--ray", f"ray://127.0.0.1:{port}", "--only", "tiny-k1-p1-d2",
-                       "--run-dir", str(tmp_path / "m")])
+    rc = harness_main(
+        ["matrix", "--ray", f"ray://127.0.0.1:{port}", "--only", "tiny-k1-p1-d2", "--run-dir", str(tmp_path / "m")]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     # Ray installed: the address is probed; not installed: the error says what to install
@@ -52,8 +53,21 @@ def results(tmp_path):
     for id_, observed, simulated in (("real", "ok", False), ("sim", "ok", True), ("broken", None, False)):
         p = pair(id_)
         s = task_specs({"0.32.0": [p]}, {}, python="py", cwd=Path("/r"), matrix_file=MATRIX_YAML, run_dir=tmp_path)[0]
-        rep = None if observed is None else {"pairs": [{"id": id_, "vllm_version": "0.32.0", "observed": observed,
-                                                        "run_dir": str(tmp_path / id_), "simulated": simulated}]}
+        rep = (
+            None
+            if observed is None
+            else {
+                "pairs": [
+                    {
+                        "id": id_,
+                        "vllm_version": "0.32.0",
+                        "observed": observed,
+                        "run_dir": str(tmp_path / id_),
+                        "simulated": simulated,
+                    }
+                ]
+            }
+        )
         out.append(result_of(s, p, {"node_ip": "10.0.0.2", "returncode": 0 if rep else 1, "seconds": 3.0}, rep))
     return out
 
@@ -90,10 +104,18 @@ def test_the_list_shows_each_task_with_its_needs_and_what_no_node_can_hold():
 
     matrix, models = load_matrix(MATRIX_YAML)
     plans = {"0.32.0": plan(matrix, models, "0.32.0", "gpu", 8, {"tinyllama-p2-d8", "tinyllama-p2-d4"})}
-    specs = task_specs(plans, {e.id: e.gpus for e in matrix.entries}, python="py", cwd=Path("/r"),
-                       matrix_file=MATRIX_YAML, run_dir=Path("/runs"))
+    specs = task_specs(
+        plans,
+        {e.id: e.gpus for e in matrix.entries},
+        python="py",
+        cwd=Path("/r"),
+        matrix_file=MATRIX_YAML,
+        run_dir=Path("/runs"),
+    )
     text = _render_list(plans, specs, [Node("n", "10.0.0.1", 4, 6)])
     assert "Matrix on vLLM 0.32.0: 2 to run" in text and "Ray tasks (2):" in text
     assert "  matrix tinyllama-p2-d4 vllm-0.32.0: 1 CPUs, 6 GPUs\n" in text + "\n"
-    assert ("  matrix tinyllama-p2-d8 vllm-0.32.0: 1 CPUs, 8 GPUs [skip: no node of the Ray cluster has 1 CPUs and 8 "
-            in text)
+    assert (
+        "  matrix tinyllama-p2-d8 vllm-0.32.0: 1 CPUs, 8 GPUs [skip: no node of the Ray cluster has 1 CPUs and 8 "
+        in text
+    )

@@ -22,8 +22,9 @@ def test_what_ray_added_to_the_worker_is_dropped_what_the_node_had_is_kept():
 
 def fake_ray(monkeypatch):
     ctx = types.SimpleNamespace(get_node_id=lambda: "node-1")
-    ray = types.SimpleNamespace(get_runtime_context=lambda: ctx,
-                                util=types.SimpleNamespace(get_node_ip_address=lambda: "10.0.0.9"))
+    ray = types.SimpleNamespace(
+        get_runtime_context=lambda: ctx, util=types.SimpleNamespace(get_node_ip_address=lambda: "10.0.0.9")
+    )
     monkeypatch.setitem(sys.modules, "ray", ray)
 
 
@@ -31,9 +32,11 @@ def test_an_entry_runs_in_its_own_process_group_with_its_output_in_the_task_log(
     fake_ray(monkeypatch)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # as Ray sets it in a worker; this test's parent lacks it
     monkeypatch.setattr(node, "_raylet_env", dict)
-    code = ("import os; print('pgid-is-pid', os.getpgid(0) == os.getpid()); "
-            "print('omp', os.environ.get('OMP_NUM_THREADS')); "
-            "print('ray-usage', os.environ['RAY_USAGE_STATS_ENABLED'])")
+    code = (
+        "import os; print('pgid-is-pid', os.getpgid(0) == os.getpid()); "
+        "print('omp', os.environ.get('OMP_NUM_THREADS')); "
+        "print('ray-usage', os.environ['RAY_USAGE_STATS_ENABLED'])"
+    )
     log = tmp_path / "task.log"
     out = node.run_entry({"argv": [sys.executable, "-c", code], "cwd": str(REPO), "log": str(log), "stop_grace_s": 5})
     text = log.read_text()
@@ -75,4 +78,5 @@ def test_a_cancelled_task_stops_the_entrys_group(tmp_path, monkeypatch):
 def test_an_entry_that_outlives_the_grace_is_said_to_be_killed(tmp_path):
     node.note_stop(tmp_path / "task.log", -9, 60.4, 60.0)
     assert (tmp_path / "task.log").read_text() == (
-        "# task: stopped the entry's harness (SIGTERM): exit code -9 after 60.4 s, killed after the 60 s grace\n")
+        "# task: stopped the entry's harness (SIGTERM): exit code -9 after 60.4 s, killed after the 60 s grace\n"
+    )

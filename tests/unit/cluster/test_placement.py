@@ -19,11 +19,14 @@ def test_the_nodes_resources_are_read_by_name():
     assert [n.resources for n in NODES] == [("node:10.0.0.1",), ("pd_decode",), ("pd_decode",)]
 
 
-@pytest.mark.parametrize("how, value, node_id", [
-    ("ray_node", "10.0.0.1", "aaa"),
-    ("ray_node", "bbb", "bbb"),  # by node id too
-    ("ray_resource", "pd_decode", "ccc"),  # several have it: the first by address
-])
+@pytest.mark.parametrize(
+    "how, value, node_id",
+    [
+        ("ray_node", "10.0.0.1", "aaa"),
+        ("ray_node", "bbb", "bbb"),  # by node id too
+        ("ray_resource", "pd_decode", "ccc"),  # several have it: the first by address
+    ],
+)
 def test_a_node_is_picked_by_address_id_or_resource(how, value, node_id):
     assert pick_node(NODES, how, value, "ray://h:1").node_id == node_id
 

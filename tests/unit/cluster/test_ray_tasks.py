@@ -37,8 +37,10 @@ def test_an_address_nothing_listens_on_is_said_at_once(monkeypatch):
     monkeypatch.setattr(ray_tasks, "import_ray", lambda: types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
     addr = RayAddress("127.0.0.1", free_port(), True)
     assert "connection refused" in probe(addr)
-    with pytest.raises(ClusterError, match=rf"cannot reach the Ray cluster at ray://127.0.0.1:{addr.port}: conn"), \
-            connected(addr):
+    with (
+        pytest.raises(ClusterError, match=rf"cannot reach the Ray cluster at ray://127.0.0.1:{addr.port}: conn"),
+        connected(addr),
+    ):
         pass
     assert inits == []  # Ray Client would have tried for 30 s
 
@@ -64,8 +66,11 @@ class FakeCloudpickle:
 
 def test_connecting_ships_the_node_task_by_value_and_always_disconnects():
     calls = []
-    ray = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)), shutdown=lambda: calls.append("down"),
-                                cloudpickle=FakeCloudpickle())
+    ray = types.SimpleNamespace(
+        init=lambda **kw: calls.append(("init", kw)),
+        shutdown=lambda: calls.append("down"),
+        cloudpickle=FakeCloudpickle(),
+    )
     with Listening() as addr, pytest.MonkeyPatch.context() as m:
         m.setattr(ray_tasks, "import_ray", lambda: ray)
         with pytest.raises(RuntimeError), connected(addr):
@@ -95,12 +100,16 @@ def test_ray_clients_dead_server_is_tried_again_other_failures_are_not(capsys):
 
         ray.init = refuse
         tries.clear()
-        with pytest.raises(ClusterError, match="cannot connect to the Ray cluster at ray://.*: version mismatch$"), \
-                connected(addr):
+        with (
+            pytest.raises(ClusterError, match="cannot connect to the Ray cluster at ray://.*: version mismatch$"),
+            connected(addr),
+        ):
             pass
         assert len(tries) == 1
-        with pytest.raises(ClusterError, match=r"give ray://HEAD:10001\)$"), \
-                connected(RayAddress(addr.host, addr.port, False)):
+        with (
+            pytest.raises(ClusterError, match=r"give ray://HEAD:10001\)$"),
+            connected(RayAddress(addr.host, addr.port, False)),
+        ):
             pass
 
 
@@ -158,8 +167,10 @@ def test_every_spec_is_one_task_with_its_resources_never_retried_reported_as_it_
     ray = FakeRay(finish=["matrix b vllm-v", "matrix a vllm-v"], fail={"matrix b vllm-v"})
     seen = []
     out = run_tasks(ray, [spec("a"), spec("b", 2, 0)], lambda s, ran, err: seen.append((s.pair_id, ran, err)))
-    assert ray.options == [{"num_cpus": 1, "num_gpus": 8, "max_retries": 0, "name": "matrix a vllm-v"},
-                           {"num_cpus": 2, "num_gpus": 0, "max_retries": 0, "name": "matrix b vllm-v"}]
+    assert ray.options == [
+        {"num_cpus": 1, "num_gpus": 8, "max_retries": 0, "name": "matrix a vllm-v"},
+        {"num_cpus": 2, "num_gpus": 0, "max_retries": 0, "name": "matrix b vllm-v"},
+    ]
     assert [(s, err) for s, _, err in seen] == [("b", "RuntimeError: WorkerCrashedError"), ("a", None)]
     assert seen[1][1]["returncode"] == 0 and len(out) == 2 and ray.cancels == []
 
@@ -173,5 +184,8 @@ def test_an_interrupt_cancels_the_tasks_still_out_then_by_force_what_still_runs(
 
     with pytest.raises(KeyboardInterrupt):
         run_tasks(ray, [spec("a"), spec("b"), spec("c")], on_done)
-    assert ray.cancels == [("ref-matrix b vllm-v", False), ("ref-matrix c vllm-v", False),
-                           ("ref-matrix c vllm-v", True)]  # a had ended; c did not end when asked
+    assert ray.cancels == [
+        ("ref-matrix b vllm-v", False),
+        ("ref-matrix c vllm-v", False),
+        ("ref-matrix c vllm-v", True),
+    ]  # a had ended; c did not end when asked

@@ -25,19 +25,35 @@ from harness.matrix.plan import PlannedPair
 
 
 def pair(id_="tiny-k1-p1-d2", device="cpu", tp=(1, 2), run=True, predicted="ok", expected="ok", tolerated=None):
-    return PlannedPair(id_, "tiny-llama", device, tp[0], tp[1], 1, "B", predicted, expected, "fixed", run,
-                       None if run else "a gpu entry; this run is on cpu", tolerated)
+    return PlannedPair(
+        id_,
+        "tiny-llama",
+        device,
+        tp[0],
+        tp[1],
+        1,
+        "B",
+        predicted,
+        expected,
+        "fixed",
+        run,
+        None if run else "a gpu entry; this run is on cpu",
+        tolerated,
+    )
 
 
-@pytest.mark.parametrize("text, want", [
-    ("ray://10.0.0.1:10001", RayAddress("10.0.0.1", 10001, True)),
-    ("ray://head", RayAddress("head", 10001, True)),
-    ("10.0.0.1:6380", RayAddress("10.0.0.1", 6380, False)),
-    ("head", RayAddress("head", 6379, False)),
-    ("ray://[fd00::1]:1234", RayAddress("fd00::1", 1234, True)),
-    ("[fd00::1]:6379", RayAddress("fd00::1", 6379, False)),
-    (" ray://h:1 ", RayAddress("h", 1, True)),
-])
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("ray://10.0.0.1:10001", RayAddress("10.0.0.1", 10001, True)),
+        ("ray://head", RayAddress("head", 10001, True)),
+        ("10.0.0.1:6380", RayAddress("10.0.0.1", 6380, False)),
+        ("head", RayAddress("head", 6379, False)),
+        ("ray://[fd00::1]:1234", RayAddress("fd00::1", 1234, True)),
+        ("[fd00::1]:6379", RayAddress("fd00::1", 6379, False)),
+        (" ray://h:1 ", RayAddress("h", 1, True)),
+    ],
+)
 def test_addresses(text, want):
     assert parse_address(text) == want
 
@@ -67,25 +83,58 @@ def test_one_task_per_pair_that_runs_with_the_local_matrix_command(tmp_path, mon
         "0.32.0": [pair("a", "gpu", (2, 8)), pair("skipped", run=False), pair("refused", predicted="invalid")],
         "0.21.0": [pair("a", "gpu", (2, 8))],
     }
-    specs = task_specs(plans, {"a": 8}, python="/venv/bin/python", cwd=Path("repo"), matrix_file=Path("m.yaml"),
-                       run_dir=Path("runs/x"), load_requests=4, fresh_baseline=True)
-    assert [(s.version, s.pair_id, s.num_cpus, s.num_gpus) for s in specs] == [("0.32.0", "a", 1, 8),
-                                                                              ("0.21.0", "a", 1, 8)]
+    specs = task_specs(
+        plans,
+        {"a": 8},
+        python="/venv/bin/python",
+        cwd=Path("repo"),
+        matrix_file=Path("m.yaml"),
+        run_dir=Path("runs/x"),
+        load_requests=4,
+        fresh_baseline=True,
+    )
+    assert [(s.version, s.pair_id, s.num_cpus, s.num_gpus) for s in specs] == [
+        ("0.32.0", "a", 1, 8),
+        ("0.21.0", "a", 1, 8),
+    ]
     s = specs[0]
     folder = tmp_path / "runs" / "x" / "ray" / "vllm-0.32.0" / "a"
     assert s.folder == str(folder) == str(entry_folder(tmp_path / "runs" / "x", "0.32.0", "a"))
     assert s.cwd == str(tmp_path / "repo") and s.log == str(folder / "task.log") and s.report == folder / "report.json"
-    assert s.argv == ("/venv/bin/python", "-m", "harness", "matrix", str(tmp_path / "m.yaml"), "--only", "a",
-                      "--vllm-version", "0.32.0", "--device", "gpu", "--run-dir", str(folder), "--gpus", "8",
-                      "--load-requests", "4", "--fresh-baseline")
-    assert s.payload() == {"name": "matrix a vllm-0.32.0", "argv": list(s.argv), "cwd": s.cwd, "log": s.log,
-                           "stop_grace_s": 60.0}
+    assert s.argv == (
+        "/venv/bin/python",
+        "-m",
+        "harness",
+        "matrix",
+        str(tmp_path / "m.yaml"),
+        "--only",
+        "a",
+        "--vllm-version",
+        "0.32.0",
+        "--device",
+        "gpu",
+        "--run-dir",
+        str(folder),
+        "--gpus",
+        "8",
+        "--load-requests",
+        "4",
+        "--fresh-baseline",
+    )
+    assert s.payload() == {
+        "name": "matrix a vllm-0.32.0",
+        "argv": list(s.argv),
+        "cwd": s.cwd,
+        "log": s.log,
+        "stop_grace_s": 60.0,
+    }
     assert s.to_dict()["num_gpus"] == 8
 
 
 def test_a_cpu_task_takes_no_gpu_flag():
-    s = task_specs({"0.32.0": [pair()]}, {}, python="py", cwd=Path("/r"), matrix_file=MATRIX_YAML,
-                   run_dir=Path("/runs"))[0]
+    s = task_specs(
+        {"0.32.0": [pair()]}, {}, python="py", cwd=Path("/r"), matrix_file=MATRIX_YAML, run_dir=Path("/runs")
+    )[0]
     assert "--gpus" not in s.argv and s.num_cpus == 2 and s.num_gpus == 0 and "--load-requests" not in s.argv
 
 
@@ -94,41 +143,69 @@ def test_the_real_matrix_file_plans_gpu_tasks_with_their_entry_gpus():
     from harness.matrix.plan import plan
 
     matrix, models = load_matrix(MATRIX_YAML)
-    plans = {"0.32.0": plan(matrix, models, "0.32.0", "gpu", 8, {"tinyllama-p2-d8", "tinyllama-p2-d4",
-                                                                  "llama32-1b-p8-d16"})}
-    specs = task_specs(plans, {e.id: e.gpus for e in matrix.entries}, python="py", cwd=Path("/r"),
-                       matrix_file=MATRIX_YAML, run_dir=Path("/runs"))
+    plans = {
+        "0.32.0": plan(matrix, models, "0.32.0", "gpu", 8, {"tinyllama-p2-d8", "tinyllama-p2-d4", "llama32-1b-p8-d16"})
+    }
+    specs = task_specs(
+        plans,
+        {e.id: e.gpus for e in matrix.entries},
+        python="py",
+        cwd=Path("/r"),
+        matrix_file=MATRIX_YAML,
+        run_dir=Path("/runs"),
+    )
     assert {s.pair_id: s.num_gpus for s in specs} == {"tinyllama-p2-d8": 8, "tinyllama-p2-d4": 6}  # 24 GPUs: skipped
 
 
 def test_nodes_are_the_live_ones_with_their_resources():
-    raw = [{"NodeID": "n1", "NodeManagerAddress": "10.0.0.1", "Alive": True, "Resources": {"CPU": 4.0, "GPU": 8.0}},
-           {"NodeID": "n2", "NodeManagerAddress": "10.0.0.2", "Alive": False, "Resources": {"CPU": 4.0}},
-           {"NodeID": "n3", "NodeManagerAddress": "10.0.0.3", "Alive": True, "Resources": {"CPU": 2.0}}]
+    raw = [
+        {"NodeID": "n1", "NodeManagerAddress": "10.0.0.1", "Alive": True, "Resources": {"CPU": 4.0, "GPU": 8.0}},
+        {"NodeID": "n2", "NodeManagerAddress": "10.0.0.2", "Alive": False, "Resources": {"CPU": 4.0}},
+        {"NodeID": "n3", "NodeManagerAddress": "10.0.0.3", "Alive": True, "Resources": {"CPU": 2.0}},
+    ]
     assert nodes_from(raw) == [Node("n1", "10.0.0.1", 4.0, 8.0), Node("n3", "10.0.0.3", 2.0, 0.0)]
 
 
 def test_a_task_no_node_can_hold_is_named_before_ray_waits_for_ever():
-    s = task_specs({"v": [pair("a", "gpu", (2, 8))]}, {"a": 8}, python="py", cwd=Path("/r"), matrix_file=MATRIX_YAML,
-                   run_dir=Path("/runs"))[0]
+    s = task_specs(
+        {"v": [pair("a", "gpu", (2, 8))]},
+        {"a": 8},
+        python="py",
+        cwd=Path("/r"),
+        matrix_file=MATRIX_YAML,
+        run_dir=Path("/runs"),
+    )[0]
     assert fit_problem(s, [Node("n", "10.0.0.1", 16, 8)]) is None
     why = fit_problem(s, [Node("n", "10.0.0.1", 16, 4), Node("m", "10.0.0.2", 0, 8)])
-    assert why == ("no node of the Ray cluster has 1 CPUs and 8 GPUs (10.0.0.1: 16 CPUs, 4 GPUs, "
-                   "10.0.0.2: 0 CPUs, 8 GPUs)")
+    assert why == (
+        "no node of the Ray cluster has 1 CPUs and 8 GPUs (10.0.0.1: 16 CPUs, 4 GPUs, 10.0.0.2: 0 CPUs, 8 GPUs)"
+    )
     assert "no live node" in fit_problem(s, [])
 
 
 def spec_of(p, version="0.32.0"):
-    return task_specs({version: [p]}, {p.id: 8}, python="py", cwd=Path("/r"), matrix_file=MATRIX_YAML,
-                      run_dir=Path("/runs"))[0]
+    return task_specs(
+        {version: [p]}, {p.id: 8}, python="py", cwd=Path("/r"), matrix_file=MATRIX_YAML, run_dir=Path("/runs")
+    )[0]
 
 
 RAN = {"node_id": "n1", "node_ip": "10.0.0.2", "returncode": 0, "seconds": 4.2, "cuda_visible_devices": "0,1"}
 
 
 def entry_report(p, observed="ok", **row):
-    return {"pairs": [{"id": p.id, "vllm_version": "0.32.0", "observed": observed, "run_dir": "/runs/ray/x",
-                       "detail": "", "simulated": False, **row}]}
+    return {
+        "pairs": [
+            {
+                "id": p.id,
+                "vllm_version": "0.32.0",
+                "observed": observed,
+                "run_dir": "/runs/ray/x",
+                "detail": "",
+                "simulated": False,
+                **row,
+            }
+        ]
+    }
 
 
 def test_a_finished_task_is_judged_by_the_driver_from_the_entry_report():
@@ -174,10 +251,15 @@ def test_merge_keeps_the_plan_order_and_leaves_out_tasks_still_running():
 def test_the_report_section_says_where_each_task_ran():
     p = pair()
     r = result_of(spec_of(p), p, RAN, entry_report(p))
-    md = render_markdown([r, dataclasses.replace(r, ray={})], "ray://10.0.0.1:10001",
-                         [Node("n1", "10.0.0.1", 1, 8), Node("n2", "10.0.0.2", 1, 8)], ["matrix b vllm-v"])
+    md = render_markdown(
+        [r, dataclasses.replace(r, ray={})],
+        "ray://10.0.0.1:10001",
+        [Node("n1", "10.0.0.1", 1, 8), Node("n2", "10.0.0.2", 1, 8)],
+        ["matrix b vllm-v"],
+    )
     assert "## Ray" in md and "Cluster ray://10.0.0.1:10001: 10.0.0.1 (1 CPUs, 8 GPUs), 10.0.0.2" in md
     rows = [line for line in md.splitlines() if line.startswith("| 0.32.0")]
-    assert rows == ["| 0.32.0 | tiny-k1-p1-d2 | 10.0.0.2 | 2 | 0 | 0,1 | 4.2 | 0 | /runs/ray/vllm-0.32.0/"
-                    "tiny-k1-p1-d2/task.log |"]
+    assert rows == [
+        "| 0.32.0 | tiny-k1-p1-d2 | 10.0.0.2 | 2 | 0 | 0,1 | 4.2 | 0 | /runs/ray/vllm-0.32.0/tiny-k1-p1-d2/task.log |"
+    ]
     assert "Cancelled (the driver was interrupted; each entry's own report says so): matrix b vllm-v" in md

@@ -51,8 +51,12 @@ def test_two_processes_build_the_same_tiny_model_once(tmp_path):
     cache_root, go, builds = tmp_path / "cache", tmp_path / "go", tmp_path / "builds.txt"
     env = {**os.environ, "PD_HARNESS_CACHE_DIR": str(cache_root), "PD_HARNESS_CACHE_LOCK_DIR": str(tmp_path / "locks")}
     code = BUILDER.format(repo=str(REPO_ROOT), go=str(go), builds=str(builds), spec=SMALL)
-    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     target = cache_root / "models" / TinyModelSpec(**SMALL).dirname()
     half_seen = []
     try:
@@ -71,7 +75,7 @@ def test_two_processes_build_the_same_tiny_model_once(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (out, err) in zip(procs, outs):
+    for p, (_out, err) in zip(procs, outs, strict=False):
         assert p.returncode == 0, err
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert half_seen == []
@@ -84,10 +88,19 @@ def test_two_processes_build_the_same_tiny_model_once(tmp_path):
 
 
 def test_the_cache_root_follows_the_environment(tmp_path):
-    code = ("import harness.models.tiny as t, harness.tasks.gsm8k_offline as g; "
-            "print(t.DEFAULT_CACHE); print(g.DEFAULT_CACHE)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PD_HARNESS_CACHE_DIR": str(tmp_path)},
-                         cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=60).stdout.split()
+    code = (
+        "import harness.models.tiny as t, harness.tasks.gsm8k_offline as g; "
+        "print(t.DEFAULT_CACHE); print(g.DEFAULT_CACHE)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PD_HARNESS_CACHE_DIR": str(tmp_path)},
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split()
     assert out == [str(tmp_path / "models"), str(tmp_path / "tasks")]
 
 
@@ -142,8 +155,12 @@ print(g.ensure_task(g.TaskSpec(n_train=20, n_test=10, num_fewshot=2), Path({cach
     go, builds, cache = tmp_path / "go", tmp_path / "builds.txt", tmp_path / "tasks"
     src = code.format(repo=str(REPO_ROOT), builds=str(builds), go=str(go), cache=str(cache))
     env = {**os.environ, "PD_HARNESS_CACHE_LOCK_DIR": str(tmp_path / "locks")}
-    procs = [subprocess.Popen([sys.executable, "-c", src], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", src], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     try:
         time.sleep(0.5)
         go.touch()

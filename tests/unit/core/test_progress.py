@@ -52,7 +52,11 @@ def test_a_callable_status_is_read_again_at_every_line_so_a_blocked_caller_still
         clock.t += 10
         p.tick()  # what the ticker thread does while the caller waits on a request
     assert [line.split("   ")[1] for line in out.getvalue().splitlines()] == [
-        "prompt 3/20 sent, waiting 0 s", "prompt 3/20 sent, waiting 10 s", "prompt 3/20 sent, waiting 20 s", "prompt 3/20 sent, waiting 30 s"]
+        "prompt 3/20 sent, waiting 0 s",
+        "prompt 3/20 sent, waiting 10 s",
+        "prompt 3/20 sent, waiting 20 s",
+        "prompt 3/20 sent, waiting 30 s",
+    ]
 
 
 def test_on_a_terminal_the_status_is_redrawn_in_place_and_cleared_before_a_phase_line():
@@ -118,7 +122,13 @@ def test_an_open_span_ends_now_and_ending_twice_changes_nothing():
     p, _, clock = reporter()
     s = p.begin("decode start-up", "launch")
     clock.t += 3
-    assert p.events_since(0, 100.0)[0] == {"name": "decode start-up", "kind": "launch", "start_s": 0.0, "end_s": 3.0, "ok": None}
+    assert p.events_since(0, 100.0)[0] == {
+        "name": "decode start-up",
+        "kind": "launch",
+        "start_s": 0.0,
+        "end_s": 3.0,
+        "ok": None,
+    }
     p.end(s, False)
     clock.t += 3
     p.end(s, True)
@@ -151,16 +161,27 @@ def test_log_lines_and_estimates():
     assert len(last_line("z" * 500, 80)) == 80
     assert eta_s([], 3) is None
     assert eta_s([100.0, 300.0, 110.0], 2) == 220.0  # the median: one slow pair does not skew it
-    assert progress.duration(42) == "42 s" and progress.duration(185) == "3 min 05 s" and progress.duration(3720) == "1 h 02 min"
+    assert (
+        progress.duration(42) == "42 s"
+        and progress.duration(185) == "3 min 05 s"
+        and progress.duration(3720) == "1 h 02 min"
+    )
 
 
 def test_json_commands_keep_stdout_clean_and_progress_goes_to_stderr():
     """What scripts parse stays JSON; a run's progress never lands there."""
-    for argv in (["matrix", "--list", "--json"], ["topology", "--kv-heads", "1", "--heads", "4", "--tp-p", "1", "--tp-d", "2", "--json"]):
-        got = subprocess.run([sys.executable, "-m", "harness", *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    for argv in (
+        ["matrix", "--list", "--json"],
+        ["topology", "--kv-heads", "1", "--heads", "4", "--tp-p", "1", "--tp-d", "2", "--json"],
+    ):
+        got = subprocess.run(
+            [sys.executable, "-m", "harness", *argv], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
         assert got.returncode == 0, got.stderr
         json.loads(got.stdout)
-    code = ("import sys; from harness.core import progress; progress.use(progress.on_stderr()); "
-            "r = progress.current(); r.status('status line'); r.phase('phase line'); r.clear(); print('only this')")
+    code = (
+        "import sys; from harness.core import progress; progress.use(progress.on_stderr()); "
+        "r = progress.current(); r.status('status line'); r.phase('phase line'); r.clear(); print('only this')"
+    )
     got = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert got.stdout == "only this\n" and "phase line" in got.stderr and "status line" in got.stderr

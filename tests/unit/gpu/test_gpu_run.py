@@ -3,9 +3,9 @@
 import pytest
 
 from harness.core.errors import ConfigError
-from harness.run.config import E2EConfig
-from harness.gpu.run import GpuRun
 from harness.gpu.nvml import GpuCheckFailed
+from harness.gpu.run import GpuRun
+from harness.run.config import E2EConfig
 from harness.run.launch import make_server
 from harness.serve.ports import PortAllocator
 from tests.unit.gpu.fake_nvml import FakeNvml, gpus
@@ -32,9 +32,14 @@ def test_the_placement_reaches_the_server_command(tmp_path):
     run = GpuRun(2, 8, TINYLLAMA, nvml=FakeNvml([gpus(8)]))
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3")
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, "prefill", 2, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("prefill"))
+        srv = make_server(
+            cfg, alloc, "prefill", 2, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("prefill")
+        )
     env = srv.proc.spec.env
-    assert env["CUDA_VISIBLE_DEVICES"] == run.placement("prefill").cuda_visible_devices and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert (
+        env["CUDA_VISIBLE_DEVICES"] == run.placement("prefill").cuda_visible_devices
+        and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    )
     argv = list(srv.proc.spec.argv)
     assert argv[argv.index("--gpu-memory-utilization") + 1] == str(run.placement("prefill").gpu_memory_utilization)
 
@@ -45,7 +50,9 @@ def test_a_given_memory_utilization_reaches_the_server_through_the_plan(tmp_path
     assert run.placement("decode").gpu_memory_utilization == 0.3
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3", gpu_memory_utilization=0.3)
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, "decode", 1, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode"))
+        srv = make_server(
+            cfg, alloc, "decode", 1, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
+        )
     argv = list(srv.proc.spec.argv)
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.3"
 

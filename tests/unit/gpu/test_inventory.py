@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.gpu import detect
 from harness.gpu.nvml import GpuCheckFailed, discover
@@ -12,7 +13,6 @@ from harness.gpu.plan import ModelMemory, UtilizationError, plan_gpus, render_pl
 from harness.gpu.run import GpuRun
 from harness.gpu.simulate import SIMULATED_ENV, parse_box, sim_uuid
 from harness.gpu.visible import resolve_visible
-from harness.cli import main
 from harness.run.config import E2EConfig
 from harness.run.launch import make_server
 from harness.serve.ports import PortAllocator
@@ -30,14 +30,18 @@ def no_caller_settings(monkeypatch):
 
 # --- CUDA_VISIBLE_DEVICES as CUDA reads it (pure) ---
 
-@pytest.mark.parametrize("raw, indices", [
-    (None, tuple(range(8))),
-    ("4,5,6,7", (4, 5, 6, 7)),
-    (" 6, 4 ", (6, 4)),  # the caller's order is CUDA's order
-    (f"{UUIDS[5]},{UUIDS[2]}", (5, 2)),
-    (f"3,{UUIDS[1].upper()}", (3, 1)),
-    ("", ()),  # set but empty: CUDA sees no GPU
-])
+
+@pytest.mark.parametrize(
+    "raw, indices",
+    [
+        (None, tuple(range(8))),
+        ("4,5,6,7", (4, 5, 6, 7)),
+        (" 6, 4 ", (6, 4)),  # the caller's order is CUDA's order
+        (f"{UUIDS[5]},{UUIDS[2]}", (5, 2)),
+        (f"3,{UUIDS[1].upper()}", (3, 1)),
+        ("", ()),  # set but empty: CUDA sees no GPU
+    ],
+)
 def test_visible_devices_map_to_nvml_indices(raw, indices):
     v = resolve_visible(raw, UUIDS)
     assert v.problem is None and v.indices == indices
@@ -48,14 +52,17 @@ def test_a_unique_uuid_prefix_is_enough_as_for_cuda():
     assert resolve_visible("GPU-af7b", uuids).indices == (1,)
 
 
-@pytest.mark.parametrize("raw, what", [
-    ("4,5,9", "'9' names no GPU (NVML lists 8, indices 0-7)"),
-    ("4,4", "'4' repeats an earlier entry"),
-    ("GPU-00000000", "matches 8 GPU UUIDs"),
-    ("GPU-ffff", "matches no GPU UUID"),
-    ("MIG-377e0049-554c-540b-93c6-d0976f8426cb", "is a MIG instance"),
-    ("-1", "'-1' is neither a GPU index nor a GPU UUID"),
-])
+@pytest.mark.parametrize(
+    "raw, what",
+    [
+        ("4,5,9", "'9' names no GPU (NVML lists 8, indices 0-7)"),
+        ("4,4", "'4' repeats an earlier entry"),
+        ("GPU-00000000", "matches 8 GPU UUIDs"),
+        ("GPU-ffff", "matches no GPU UUID"),
+        ("MIG-377e0049-554c-540b-93c6-d0976f8426cb", "is a MIG instance"),
+        ("-1", "'-1' is neither a GPU index nor a GPU UUID"),
+    ],
+)
 def test_entries_cuda_would_drop_are_refused_by_name(raw, what):
     v = resolve_visible(raw, UUIDS)
     assert what in v.problem and "CUDA would hide it" in v.problem and "\n" not in v.problem
@@ -70,6 +77,7 @@ def test_indices_on_a_mixed_host_need_pci_bus_order():
 
 # --- discovery and detection restricted to the caller's GPUs ---
 
+
 def test_discover_lists_only_the_callers_gpus_with_physical_ids():
     fake = FakeNvml([gpus(8)])
     d = discover(fake, env={"CUDA_VISIBLE_DEVICES": f"{UUIDS[6]},{UUIDS[7]},4,5", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
@@ -79,12 +87,15 @@ def test_discover_lists_only_the_callers_gpus_with_physical_ids():
     assert not bad.available and "'12' names no GPU" in bad.reason
 
 
-@pytest.mark.parametrize("spec, count, total, name", [
-    ("8x80", 8, 80.0, "NVIDIA H100 80GB HBM3"),
-    ("8x40", 8, 40.0, "NVIDIA A100-SXM4-40GB"),
-    ("8x80:visible=4,5,6,7", 4, 80.0, "NVIDIA H100 80GB HBM3"),
-    ("2x141:name=NVIDIA H200:free=100", 2, 141.0, "NVIDIA H200"),
-])
+@pytest.mark.parametrize(
+    "spec, count, total, name",
+    [
+        ("8x80", 8, 80.0, "NVIDIA H100 80GB HBM3"),
+        ("8x40", 8, 40.0, "NVIDIA A100-SXM4-40GB"),
+        ("8x80:visible=4,5,6,7", 4, 80.0, "NVIDIA H100 80GB HBM3"),
+        ("2x141:name=NVIDIA H200:free=100", 2, 141.0, "NVIDIA H200"),
+    ],
+)
 def test_the_switch_makes_nvml_answer_from_a_simulated_box(monkeypatch, spec, count, total, name):
     monkeypatch.setattr("harness.gpu.nvml._real_nvml", lambda: pytest.fail("the real pynvml was asked"))
     monkeypatch.setenv(SIMULATED_ENV, spec)
@@ -118,10 +129,14 @@ def test_a_caller_visible_devices_applies_to_a_simulated_box_without_visible(mon
 
 # --- the P2+D8 plan on each box ---
 
-@pytest.mark.parametrize("spec, ids, total", [
-    ("8x80", list(range(8)), 80.0),
-    ("8x40", list(range(8)), 40.0),
-])
+
+@pytest.mark.parametrize(
+    "spec, ids, total",
+    [
+        ("8x80", list(range(8)), 80.0),
+        ("8x40", list(range(8)), 40.0),
+    ],
+)
 def test_p2_d8_plan_takes_count_and_memory_from_nvml(monkeypatch, spec, ids, total):
     monkeypatch.setenv(SIMULATED_ENV, spec)
     run = GpuRun(2, 8, TINYLLAMA)
@@ -141,8 +156,9 @@ def test_p2_d8_on_4_of_8_is_planned_and_launched_on_the_callers_gpus(monkeypatch
     assert run.placement("prefill").gpus == (4, 5) and run.placement("decode").gpus == (6, 7, 4, 5)
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3")
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, "decode", 4, TINYLLAMA, TINYLLAMA, None, None, tmp_path,
-                          placement=run.placement("decode"))
+        srv = make_server(
+            cfg, alloc, "decode", 4, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
+        )
     env = srv.proc.spec.env
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7,4,5" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
@@ -168,12 +184,15 @@ def test_unreadable_box_stops_a_gpu_run_with_one_line(monkeypatch):
 
 # --- a gpu_memory_utilization given by hand ---
 
+
 def test_a_given_share_is_every_servers_and_refused_where_shared_gpus_cannot_hold_it():
     tiny = ModelMemory(2.05, "given")
     with pytest.raises(UtilizationError) as e:
         plan_gpus(uniform_gpus(8, 80), 2, 8, tiny, util=0.8)
-    assert str(e.value) == ("GPUs 0,1 are shared by prefill0 and decode0: 2 x 0.8 = 1.60 > 0.9 per GPU; give at most "
-                            "0.45, or leave it unset (the plan then splits 0.9 between them)")
+    assert str(e.value) == (
+        "GPUs 0,1 are shared by prefill0 and decode0: 2 x 0.8 = 1.60 > 0.9 per GPU; give at most "
+        "0.45, or leave it unset (the plan then splits 0.9 between them)"
+    )
     plan = plan_gpus(uniform_gpus(8, 80), 2, 8, tiny, util=0.4)
     assert {s.gpu_memory_utilization for s in plan.servers} == {0.4} and plan.util_given == 0.4
     free = plan.required_free_gib("pd")
@@ -195,8 +214,13 @@ def test_gpu_run_checks_the_share_the_servers_are_given():
     with pytest.raises(ConfigError) as e:
         GpuRun(2, 8, TINYLLAMA, nvml=fake, gpu_memory_utilization=0.8)
     msg = str(e.value)
-    assert msg.startswith("gpu_memory_utilization 0.8 (--gpu-memory-utilization or GPU_MEMORY_UTILIZATION) does not "
-                          "fit P TP2 + D TP8 here: GPUs 0,1 are shared") and "\n" not in msg
+    assert (
+        msg.startswith(
+            "gpu_memory_utilization 0.8 (--gpu-memory-utilization or GPU_MEMORY_UTILIZATION) does not "
+            "fit P TP2 + D TP8 here: GPUs 0,1 are shared"
+        )
+        and "\n" not in msg
+    )
 
 
 def test_the_plan_command_takes_the_share_and_the_simulated_box(capsys, monkeypatch):

@@ -1,7 +1,7 @@
 import pytest
 
-from harness.gpu.plan import ModelMemory, plan_gpus, uniform_gpus
 from harness.gpu.nvml import GpuCheckFailed, GpuInfo, check_free, discover, wait_released
+from harness.gpu.plan import ModelMemory, plan_gpus, uniform_gpus
 from tests.unit.gpu.fake_nvml import FakeClock, FakeGpu, FakeNvml, gpus
 
 
@@ -62,9 +62,15 @@ def test_check_free_of_one_phase_and_missing_gpus():
 
 
 def test_wait_released_returns_once_pids_leave_and_memory_is_back():
-    states = [gpus(2, free_gib=40.0, pids=[11, 12]), gpus(2, free_gib=60.0, pids=[12]), gpus(2, free_gib=79.0, pids=[99])]
+    states = [
+        gpus(2, free_gib=40.0, pids=[11, 12]),
+        gpus(2, free_gib=60.0, pids=[12]),
+        gpus(2, free_gib=79.0, pids=[99]),
+    ]
     fake, clock = FakeNvml(states), FakeClock()
-    wait_released([11, 12], [0, 1], timeout_s=60, free_before={0: 79.0, 1: 79.0}, nvml=fake, clock=clock, sleep=clock.sleep)
+    wait_released(
+        [11, 12], [0, 1], timeout_s=60, free_before={0: 79.0, 1: 79.0}, nvml=fake, clock=clock, sleep=clock.sleep
+    )
     assert fake.sessions == 3 and clock.sleeps == 2  # PID 99 is not ours and does not hold us up
 
 
@@ -78,9 +84,13 @@ def test_wait_released_waits_for_memory_even_when_pids_are_gone():
 def test_wait_released_times_out_naming_what_is_still_held():
     fake, clock = FakeNvml([gpus(2, free_gib=40.0, pids=[11])]), FakeClock()
     with pytest.raises(GpuCheckFailed) as e:
-        wait_released([11], [0, 1], timeout_s=10, free_before={0: 79.0, 1: 79.0}, nvml=fake, clock=clock, sleep=clock.sleep)
+        wait_released(
+            [11], [0, 1], timeout_s=10, free_before={0: 79.0, 1: 79.0}, nvml=fake, clock=clock, sleep=clock.sleep
+        )
     msg = str(e.value)
-    assert "after 10 s" in msg and "GPU 0: PIDs 11 still running" in msg and "GPU 1: 40.0 GiB free, expected 79.0" in msg
+    assert (
+        "after 10 s" in msg and "GPU 0: PIDs 11 still running" in msg and "GPU 1: 40.0 GiB free, expected 79.0" in msg
+    )
     assert fake.open == 0
 
 

@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from harness.gpu import nvml
 from harness.cli import main
+from harness.gpu import nvml
 
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
@@ -26,11 +26,16 @@ def test_json_plan_p2_d8_on_8_gpus(capsys):
     assert sorted(servers["decode", 0]["gpus"]) == list(range(8))
     assert len(servers["prefill", 0]["gpus"]) == 2
     shared = set(servers["prefill", 0]["gpus"])
-    assert all(servers["prefill", 0]["gpu_memory_utilization"] + servers["decode", 0]["gpu_memory_utilization"] <= 0.9 for _ in shared)
+    assert all(
+        servers["prefill", 0]["gpu_memory_utilization"] + servers["decode", 0]["gpu_memory_utilization"] <= 0.9
+        for _ in shared
+    )
 
 
 def test_json_n_by_m(capsys):
-    rc, out, _ = run(capsys, "--gpus", "8", "--tp-p", "2", "--tp-d", "4", "--num-p", "2", "--model", TINYLLAMA, "--json")
+    rc, out, _ = run(
+        capsys, "--gpus", "8", "--tp-p", "2", "--tp-d", "4", "--num-p", "2", "--model", TINYLLAMA, "--json"
+    )
     d = json.loads(out)
     assert rc == 0 and d["colocated"] is False
     assert [s["role"] for s in d["servers"]] == ["baseline", "prefill", "prefill", "decode"]
@@ -47,13 +52,16 @@ def test_gpu_memory_flag_changes_the_verdict(capsys):
     assert rc == 2 and "needs GPUs of >= " in err
 
 
-@pytest.mark.parametrize("argv,what", [
-    (["--gpus", "8", "--tp-p", "2", "--tp-d", "16"], "largest TP here is 8"),
-    (["--gpus", "eight"], "--gpus 'eight' is not an integer"),
-    (["--gpus", "0"], "--gpus must be > 0"),
-    (["--gpus", "8", "--model", "nobody/nothing"], "unknown model"),
-    (["--gpus", "8", "--max-util", "2"], "max utilization"),
-])
+@pytest.mark.parametrize(
+    "argv,what",
+    [
+        (["--gpus", "8", "--tp-p", "2", "--tp-d", "16"], "largest TP here is 8"),
+        (["--gpus", "eight"], "--gpus 'eight' is not an integer"),
+        (["--gpus", "0"], "--gpus must be > 0"),
+        (["--gpus", "8", "--model", "nobody/nothing"], "unknown model"),
+        (["--gpus", "8", "--max-util", "2"], "max utilization"),
+    ],
+)
 def test_bad_input_is_one_line_on_stderr_and_exit_2(capsys, argv, what):
     rc, out, err = run(capsys, *argv)
     assert rc == 2 and out == ""
@@ -78,6 +86,7 @@ def nvml_result(available):
 
 # Issue 35 item 10: `plan --gpus 8` planned 80 GiB GPUs on a 40 GiB box, and a model sized from the hub cache was said
 # to be sized "from configs/models.yaml".
+
 
 def test_gpus_without_a_size_takes_nvmls_memory(capsys, monkeypatch):
     from harness.gpu.simulate import SIMULATED_ENV
@@ -110,9 +119,12 @@ def test_the_plan_says_where_the_model_size_came_from(capsys, monkeypatch, tmp_p
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    snap = add_model(tmp_path / "hf" / "hub", "acme/Widget-13B",
-                     {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 64},
-                     [{"lm_head.weight": ("BF16", [1000, 64])}])
+    snap = add_model(
+        tmp_path / "hf" / "hub",
+        "acme/Widget-13B",
+        {"model_type": "llama", "num_attention_heads": 8, "num_key_value_heads": 8, "hidden_size": 64},
+        [{"lm_head.weight": ("BF16", [1000, 64])}],
+    )
     rc, out, _ = run(capsys, "--gpus", "2", "--gpu-mem-gib", "80", "--model", "acme/Widget-13B")
     line = next(x for x in out.splitlines() if x.startswith("model weights"))
     assert rc == 0 and "configs/models.yaml" not in line

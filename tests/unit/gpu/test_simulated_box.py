@@ -14,7 +14,10 @@ from http.server import ThreadingHTTPServer
 import pytest
 import requests
 
-from harness.gpu import standin, standin_model as model
+from harness.checks.leak import state_of
+from harness.core.paths import REPO_ROOT
+from harness.gpu import standin
+from harness.gpu import standin_model as model
 from harness.gpu.claims import STATE_ENV, Claim, box_state, live_claims, proc_start, register, release
 from harness.gpu.nvml import discover
 from harness.gpu.run import GpuRun
@@ -23,8 +26,6 @@ from harness.run.config import E2EConfig
 from harness.run.launch import STANDIN_MODULE, make_server, simulated_spec
 from harness.serve.ports import PortAllocator
 from harness.serve.prometheus import parse_metrics
-from harness.checks.leak import state_of
-from harness.core.paths import REPO_ROOT
 from harness.workload.client import GenerationSettings, run_completions
 from harness.workload.completion import parse_completion
 from harness.workload.load_client import _Stream
@@ -49,6 +50,7 @@ def box_env(tmp_path, spec: str = "8x80", **more: str) -> dict[str, str]:
 
 
 # --- claims: what runs on a simulated box ---
+
 
 def test_a_live_claim_counts_and_dead_or_reused_pids_do_not(tmp_path):
     folder = tmp_path / "box"
@@ -108,6 +110,7 @@ def test_gpu_run_on_a_simulated_box_says_so(tmp_path, monkeypatch):
 
 # --- the stand-in's model and answers (pure) ---
 
+
 def test_answers_depend_on_the_prompt_ids_only():
     ids = model.tokenize("The capital of France is")
     assert ids[0] == model.BOS and len(ids) == 6
@@ -127,9 +130,9 @@ def test_a_completion_parses_as_the_harness_parses_vllms():
     assert c.token_ids == tuple(s.token for s in steps) and c.prompt_tokens == 3
     assert all(len(t) == 5 for t in c.top_logprobs) and c.finish_reason == "length"
     streamed = _Stream()
-    for chunk in model.stream_chunks("r1", "m", model.Request.from_body({**body, "stream": True,
-                                                                           "stream_options": {"include_usage": True}}),
-                                     steps):
+    for chunk in model.stream_chunks(
+        "r1", "m", model.Request.from_body({**body, "stream": True, "stream_options": {"include_usage": True}}), steps
+    ):
         streamed.feed(b"data: " + json.dumps(chunk).encode())
     assert streamed.feed(b"data: [DONE]")
     s = parse_completion("p", streamed.answer())
@@ -153,13 +156,16 @@ def test_metrics_show_an_idle_server_and_no_transfer_evidence():
 
 # --- the stand-in server ---
 
+
 def args(*extra: str):
     return standin.parse(["--model", TINYLLAMA, "--port", "0", "--tensor-parallel-size", "2", *extra])
 
 
 def test_it_takes_the_first_tp_of_its_visible_gpus_by_physical_id(tmp_path):
-    ranks, why = standin.take_gpus(args("--gpu-memory-utilization", "0.45"),
-                                   box_env(tmp_path, "8x80:visible=4,5,6,7", CUDA_VISIBLE_DEVICES="6,7,4,5"))
+    ranks, why = standin.take_gpus(
+        args("--gpu-memory-utilization", "0.45"),
+        box_env(tmp_path, "8x80:visible=4,5,6,7", CUDA_VISIBLE_DEVICES="6,7,4,5"),
+    )
     assert why is None and [g.index for g in ranks] == [6, 7]  # its own list, not the harness's visible=
 
 
@@ -197,8 +203,10 @@ def test_the_server_answers_what_the_harness_asks(server):
     assert not run.failures and [len(c.token_ids) for c in run.completions] == [4, 4, 4]
     again = run_completions(server, TINYLLAMA, prompts, GenerationSettings(max_tokens=4, logprobs=5))
     assert [c.token_ids for c in again.completions] == [c.token_ids for c in run.completions]
-    kv = requests.post(f"{server}/v1/completions", json={"prompt": "a b", "max_tokens": 1,
-                                                        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    kv = requests.post(
+        f"{server}/v1/completions",
+        json={"prompt": "a b", "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    ).json()
     assert kv["kv_transfer_params"]["do_remote_prefill"] is True
     long = requests.post(f"{server}/v1/completions", json={"prompt": [1] * 60, "max_tokens": 16})
     assert long.status_code == 400 and "maximum context length is 64" in long.text
@@ -207,8 +215,14 @@ def test_the_server_answers_what_the_harness_asks(server):
 
 
 def test_it_streams_and_survives_a_client_that_goes_away(server):
-    body = {"prompt": "a b c", "max_tokens": 5, "logprobs": 2, "return_tokens_as_token_ids": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "a b c",
+        "max_tokens": 5,
+        "logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with requests.post(f"{server}/v1/completions", json=body, stream=True) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == b"data: [DONE]" and json.loads(lines[-2][5:])["usage"]["completion_tokens"] == 5
@@ -219,16 +233,19 @@ def test_it_streams_and_survives_a_client_that_goes_away(server):
 
 # --- launch: a stand-in in vLLM's place, only under the switch ---
 
+
 def test_under_the_switch_a_stand_in_serves_with_vllms_arguments(tmp_path, monkeypatch):
     run = GpuRun(2, 8, TINYLLAMA, nvml=FakeNvml([gpus(8)]))
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3")
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        real = make_server(cfg, alloc, "decode", 8, TINYLLAMA, TINYLLAMA, None, None, tmp_path,
-                           placement=run.placement("decode"))
+        real = make_server(
+            cfg, alloc, "decode", 8, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
+        )
         monkeypatch.setenv(SIMULATED_ENV, "8x80")
         monkeypatch.setenv(STATE_ENV, str(tmp_path / "box"))
-        sim = make_server(cfg, alloc, "decode", 8, TINYLLAMA, TINYLLAMA, None, None, tmp_path,
-                          placement=run.placement("decode"))
+        sim = make_server(
+            cfg, alloc, "decode", 8, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
+        )
     assert real.proc.spec.argv[2] == "vllm.entrypoints.openai.api_server" and "stand-in" not in real.command
     argv = list(sim.proc.spec.argv)
     flags = [x for x in argv[3:] if x.startswith("--")]
@@ -241,8 +258,10 @@ def test_under_the_switch_a_stand_in_serves_with_vllms_arguments(tmp_path, monke
     assert "PD_HARNESS_SIMULATED_GPUS=8x80" in sim.command
 
 
-@pytest.mark.parametrize("device, spec, expected", [("gpu", "8x80", "8x80"), ("cpu", "8x80", None),
-                                                    ("gpu", "unreadable", None), ("gpu", "nonsense", None)])
+@pytest.mark.parametrize(
+    "device, spec, expected",
+    [("gpu", "8x80", "8x80"), ("cpu", "8x80", None), ("gpu", "unreadable", None), ("gpu", "nonsense", None)],
+)
 def test_which_runs_are_simulated(monkeypatch, device, spec, expected):
     monkeypatch.setenv(SIMULATED_ENV, spec)
     assert simulated_spec(E2EConfig(device=device, model=TINYLLAMA)) == expected
@@ -258,9 +277,25 @@ def test_a_stand_in_holds_its_memory_while_it_lives(tmp_path, sig):
     env = {**os.environ, **box_env(tmp_path), "CUDA_VISIBLE_DEVICES": "2,3", "PYTHONPATH": str(REPO_ROOT)}
     with Ports(lock_dir=tmp_path / "locks") as alloc:
         port = alloc.port()
-        p = subprocess.Popen([sys.executable, "-m", STANDIN_MODULE, "--model", TINYLLAMA, "--port", str(port),
-                              "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.5"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                STANDIN_MODULE,
+                "--model",
+                TINYLLAMA,
+                "--port",
+                str(port),
+                "--tensor-parallel-size",
+                "2",
+                "--gpu-memory-utilization",
+                "0.5",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             deadline = time.monotonic() + 30
             while not live_claims(tmp_path / "box") and time.monotonic() < deadline and p.poll() is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.accuracy.settings import AccuracySettings
 from harness.checks.check import Check
 from harness.gpu.run import GpuRun
 from harness.gpu.simulate import SIMULATED_ENV
@@ -13,7 +14,6 @@ from harness.run.config import E2EConfig
 from harness.run.context import RunContext
 from harness.run.report import Report, render_markdown, simulated_note
 from harness.workload.client import GenerationSettings
-from harness.accuracy.settings import AccuracySettings
 
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
@@ -28,13 +28,18 @@ def ctx_on(monkeypatch, box: str | None, accuracy: bool = False) -> RunContext:
     gpu = GpuRun(2, 8, TINYLLAMA) if box else GpuRun(2, 8, TINYLLAMA, nvml=FakeNvml([gpus(8)]))
     cfg = E2EConfig(device="gpu", model=TINYLLAMA)
     rep = Report(config={"gpu_plan": gpu.plan.to_dict()})
-    rep.checks = [Check("all_requests_answered", True, "18/18"), Check("outputs_match_baseline", True, "18 exact"),
-                  Check("nixl_transfers_counted", False, "no nixl"),
-                  Check("smoke_capital_of_france", False, "no Paris"),  # a stand-in's answer: not a data-path verdict
-                  Check("no_process_left", True, "ok"), Check("gpu_free_before_pd", True, "ok")]
+    rep.checks = [
+        Check("all_requests_answered", True, "18/18"),
+        Check("outputs_match_baseline", True, "18 exact"),
+        Check("nixl_transfers_counted", False, "no nixl"),
+        Check("smoke_capital_of_france", False, "no Paris"),  # a stand-in's answer: not a data-path verdict
+        Check("no_process_left", True, "ok"),
+        Check("gpu_free_before_pd", True, "ok"),
+    ]
     rep.comparison, rep.load = {"summary": "18 exact"}, {"requests": 4}
-    ctx = RunContext(cfg, Path("/runs/x"), rep, [], GenerationSettings(), model=TINYLLAMA, served_name=TINYLLAMA,
-                     gpu=gpu)
+    ctx = RunContext(
+        cfg, Path("/runs/x"), rep, [], GenerationSettings(), model=TINYLLAMA, served_name=TINYLLAMA, gpu=gpu
+    )
     if accuracy:
         ctx.accuracy = AccuracySettings(task="gsm8k")
     return ctx
@@ -46,8 +51,12 @@ def test_data_path_checks_are_skipped_never_passed(monkeypatch):
     rep = ctx.report
     assert [c.name for c in rep.checks] == ["all_requests_answered", "no_process_left", "gpu_free_before_pd"]
     skipped = {s["name"]: s["reason"] for s in rep.skipped_checks}
-    assert {"outputs_match_baseline", "nixl_transfers_counted", "smoke_capital_of_france",
-            "accuracy_pd_within_tolerance"} <= set(skipped)
+    assert {
+        "outputs_match_baseline",
+        "nixl_transfers_counted",
+        "smoke_capital_of_france",
+        "accuracy_pd_within_tolerance",
+    } <= set(skipped)
     assert all(r.startswith("simulated GPUs (PD_HARNESS_SIMULATED_GPUS=8x80)") for r in skipped.values())
     assert rep.comparison is None and rep.load is None and rep.verdict == "pass"
     d = rep.to_dict()

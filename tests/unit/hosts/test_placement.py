@@ -116,22 +116,44 @@ def fake_cluster(asked: list):
 def test_ray_hosts_are_the_nodes_the_resolver_finds():
     asked: list = []
     hosts = hosts_from_dict(RAY_FILE, resolve=fake_cluster(asked))
-    assert asked == [("ray://10.0.0.9:10001", "ray_node", "10.0.0.1"), ("ray://10.0.0.9:10001", "ray_resource",
-                                                                          "pd_decode")]
+    assert asked == [
+        ("ray://10.0.0.9:10001", "ray_node", "10.0.0.1"),
+        ("ray://10.0.0.9:10001", "ray_resource", "pd_decode"),
+    ]
     assert hosts.prefill.address == "10.0.0.1" and hosts.prefill.ray == RayNode(
-        "ray://10.0.0.9:10001", "n-1", "ray_node: 10.0.0.1")
+        "ray://10.0.0.9:10001", "n-1", "ray_node: 10.0.0.1"
+    )
     assert hosts.decode.address == "10.0.0.2" and hosts.decode.ray is not None
     assert hosts.decode.ray.chosen_by == "ray_resource: pd_decode"
     assert hosts.proxy.ray is None and hosts.on_ray and hosts.spans_hosts and hosts.over_network
-    assert hosts.to_dict()["decode"]["ray"] == {"cluster": "ray://10.0.0.9:10001", "node_id": "n-2",
-                                                "chosen_by": "ray_resource: pd_decode"}
+    assert hosts.to_dict()["decode"]["ray"] == {
+        "cluster": "ray://10.0.0.9:10001",
+        "node_id": "n-2",
+        "chosen_by": "ray_resource: pd_decode",
+    }
 
 
 def test_a_ray_host_runs_its_command_through_the_launcher_with_the_named_variables():
     hosts = hosts_from_dict(RAY_FILE, resolve=fake_cluster([]))
     argv = hosts.prefill.wrap(["python", "-m", "x"], env_names=("A", "B"), name="prefill")
-    assert argv[1:] == ("-m", REMOTE_MODULE, "--ray", "ray://10.0.0.9:10001", "--node-id", "n-1", "--env", "A",
-                        "--env", "B", "--name", "prefill", "--", "python", "-m", "x")
+    assert argv[1:] == (
+        "-m",
+        REMOTE_MODULE,
+        "--ray",
+        "ray://10.0.0.9:10001",
+        "--node-id",
+        "n-1",
+        "--env",
+        "A",
+        "--env",
+        "B",
+        "--name",
+        "prefill",
+        "--",
+        "python",
+        "-m",
+        "x",
+    )
     assert hosts.proxy.wrap(["python"], env_names=("A",)) == ("python",)  # not a Ray node: as it is
 
 

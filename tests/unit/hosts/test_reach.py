@@ -38,7 +38,9 @@ def test_a_host_cut_off_is_named_unreachable_from_another_host(tmp_path):
         lab.link("c", up=False)
         assert not lab.link_is_up("c")  # the fault is in place before the probe
         out = subprocess.run(
-            h["a"].wrap([sys.executable, "-c", code, h["b"].address, h["c"].address, port]), capture_output=True, text=True
+            h["a"].wrap([sys.executable, "-c", code, h["b"].address, h["c"].address, port]),
+            capture_output=True,
+            text=True,
         )
     assert out.stdout.strip() == f"host c ({h['c'].address}) is unreachable from the harness: no answer within 1 s", (
         out.stderr

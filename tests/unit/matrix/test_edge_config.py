@@ -48,28 +48,41 @@ def test_cpu_entries_cover_every_cpu_axis_crossed_with_hetero_tp_and_tp_above_k(
 
 
 def test_a_gpu_only_axis_on_a_cpu_entry_is_refused(tmp_path):
-    text = ("entries:\n  - id: x\n    model: tiny-llama\n    device: cpu\n    tp_p: 1\n    tp_d: 2\n"
-            "    axes: {attention_backend: FLASH_ATTN}\n    expected: {pre-fix: assert-45330, fixed: ok}\n")
+    text = (
+        "entries:\n  - id: x\n    model: tiny-llama\n    device: cpu\n    tp_p: 1\n    tp_d: 2\n"
+        "    axes: {attention_backend: FLASH_ATTN}\n    expected: {pre-fix: assert-45330, fixed: ok}\n"
+    )
     msg = config_error(load_matrix, tmp_path / "e.yaml", text)
     assert "GPU-only" in msg and "entries.0" in msg
 
 
 def test_unsupported_needs_a_note(tmp_path):
-    text = ("entries:\n  - id: x\n    model: tiny-llama\n    device: cpu\n    tp_p: 1\n    tp_d: 1\n"
-            "    kv_layout_d: NHD\n    expected: {pre-fix: unsupported, fixed: unsupported}\n")
+    text = (
+        "entries:\n  - id: x\n    model: tiny-llama\n    device: cpu\n    tp_p: 1\n    tp_d: 1\n"
+        "    kv_layout_d: NHD\n    expected: {pre-fix: unsupported, fixed: unsupported}\n"
+    )
     assert "note" in config_error(load_matrix, tmp_path / "e.yaml", text)
 
 
 def test_fp8_kv_on_a_cpu_without_avx512_or_amx_is_skipped_with_that_reason():
     def fp8(flags):
-        return next(p for p in plan(EDGE, MODELS, "0.32.0", "cpu", 0, cpu_flags=flags) if p.settings.get("kv_cache_dtype") == "fp8")
+        return next(
+            p
+            for p in plan(EDGE, MODELS, "0.32.0", "cpu", 0, cpu_flags=flags)
+            if p.settings.get("kv_cache_dtype") == "fp8"
+        )
+
     assert not fp8(frozenset({"sse4_2", "avx2"})).run and "AVX-512 or AMX" in fp8(frozenset({"avx2"})).skip_reason
     assert fp8(frozenset({"avx2", "avx512f"})).run and fp8(None).run  # unknown flags: let vLLM say it
 
 
 def test_amx_mla_on_a_cpu_without_amx_tiles_is_skipped_with_that_reason():
     def amx(flags):
-        return next(p for p in plan(EDGE, MODELS, "0.32.0", "cpu", 0, cpu_flags=flags)
-                    if p.settings.get("attention_backend") == "AMX_MLA")
+        return next(
+            p
+            for p in plan(EDGE, MODELS, "0.32.0", "cpu", 0, cpu_flags=flags)
+            if p.settings.get("attention_backend") == "AMX_MLA"
+        )
+
     assert not amx(frozenset({"avx512f"})).run and "AMX tiles" in amx(frozenset({"avx512f"})).skip_reason
     assert amx(frozenset({"avx512f", "amx_tile"})).run and amx(None).run

@@ -12,28 +12,61 @@ from harness.run.config import E2EConfig
 
 
 def pair(id_, tp, k=1, model="tiny-llama", expected="ok", run=True, predicted="ok"):
-    return PlannedPair(id_, model, "cpu", tp[0], tp[1], k, "B", predicted, expected, "fixed", run,
-                       None if run else "a gpu entry; this run is on cpu")
+    return PlannedPair(
+        id_,
+        model,
+        "cpu",
+        tp[0],
+        tp[1],
+        k,
+        "B",
+        predicted,
+        expected,
+        "fixed",
+        run,
+        None if run else "a gpu entry; this run is on cpu",
+    )
 
 
 def results(tmp_path):
     m = tmp_path / "matrix"
     return m, [
         PairResult(pair("tiny-k1-p1-d2", (1, 2)), "0.32.0", "ok", True, str(m / "vllm-0.32.0" / "tiny-k1-p1-d2")),
-        PairResult(pair("tiny-k1-p2-d1", (2, 1), expected="rejected"), "0.32.0", "rejected", True, str(m / "vllm-0.32.0" / "tiny-k1-p2-d1")),
-        PairResult(pair("tiny-k1-p2-d2", (2, 2)), "0.32.0", "server-exited", False, str(m / "vllm-0.32.0" / "tiny-k1-p2-d2"),
-                   detail="decode: exited before it was ready"),
+        PairResult(
+            pair("tiny-k1-p2-d1", (2, 1), expected="rejected"),
+            "0.32.0",
+            "rejected",
+            True,
+            str(m / "vllm-0.32.0" / "tiny-k1-p2-d1"),
+        ),
+        PairResult(
+            pair("tiny-k1-p2-d2", (2, 2)),
+            "0.32.0",
+            "server-exited",
+            False,
+            str(m / "vllm-0.32.0" / "tiny-k1-p2-d2"),
+            detail="decode: exited before it was ready",
+        ),
         PairResult(pair("tiny-k2-p2-d1", (2, 1), k=2), "0.32.0", None, None),
-        PairResult(pair("tiny-k1-p1-d2", (1, 2), expected="assert-45330"), "0.21.0", "assert-45330", True,
-                   str(m / "vllm-0.21.0" / "tiny-k1-p1-d2")),
+        PairResult(
+            pair("tiny-k1-p1-d2", (1, 2), expected="assert-45330"),
+            "0.21.0",
+            "assert-45330",
+            True,
+            str(m / "vllm-0.21.0" / "tiny-k1-p1-d2"),
+        ),
     ]
 
 
 def cells(page):
     """(grid title, tp_p, tp_d, classes, observed, link) of every filled cell, grid by grid."""
     out = []
-    for title, grid in re.findall(r'<h2 class="grid-title">(.*?)</h2><div class="grid-wrap"[^>]*>(.*?)</table></div>', page):
-        for cls, tp_p, tp_d, inner in re.findall(r'<td class="cell ([^"]+)" data-tp-p="(\d+)" data-tp-d="(\d+)">(.*?)</td>', grid):
+    for title, grid in re.findall(
+        r'<h2 class="grid-title">(.*?)</h2><div class="grid-wrap"[^>]*>(.*?)</table></div>', page
+    ):
+        for cls, tp_p, tp_d, inner in re.findall(
+            r'<td class="cell ([^"]+)" data-tp-p="(\d+)" data-tp-d="(\d+)">(.*?)</td>', grid
+        ):
             link = re.search(r'href="([^"]+)"', inner)
             observed = re.search(r'data-observed="([^"]*)"', inner).group(1)
             out.append((title, int(tp_p), int(tp_d), cls, observed, link.group(1) if link else None))
@@ -45,16 +78,30 @@ def test_one_grid_per_model_and_version_cells_coloured_and_linked(tmp_path):
     write_matrix_report(rs, ["0.32.0", "0.21.0"], m)
     page = (m / "report.html").read_text()
     got = cells(page)
-    assert [g[0] for g in got] == ["tiny-llama (K=1, cpu) on vLLM 0.32.0"] * 3 + ["tiny-llama (K=2, cpu) on vLLM 0.32.0",
-                                                                                  "tiny-llama (K=1, cpu) on vLLM 0.21.0"]
+    assert [g[0] for g in got] == ["tiny-llama (K=1, cpu) on vLLM 0.32.0"] * 3 + [
+        "tiny-llama (K=2, cpu) on vLLM 0.32.0",
+        "tiny-llama (K=1, cpu) on vLLM 0.21.0",
+    ]
     by = {(g[0].split(" on vLLM ")[1], g[0].split(",")[0], g[1], g[2]): g[3:] for g in got}
     assert by[("0.32.0", "tiny-llama (K=1", 1, 2)] == ("o-ok", "ok", "vllm-0.32.0/tiny-k1-p1-d2/report.html")
-    assert by[("0.32.0", "tiny-llama (K=1", 2, 1)] == ("o-rejected", "rejected", "vllm-0.32.0/tiny-k1-p2-d1/report.html")
-    assert by[("0.32.0", "tiny-llama (K=1", 2, 2)] == ("o-fail unexpected", "server-exited", "vllm-0.32.0/tiny-k1-p2-d2/report.html")
+    assert by[("0.32.0", "tiny-llama (K=1", 2, 1)] == (
+        "o-rejected",
+        "rejected",
+        "vllm-0.32.0/tiny-k1-p2-d1/report.html",
+    )
+    assert by[("0.32.0", "tiny-llama (K=1", 2, 2)] == (
+        "o-fail unexpected",
+        "server-exited",
+        "vllm-0.32.0/tiny-k1-p2-d2/report.html",
+    )
     assert by[("0.32.0", "tiny-llama (K=2", 2, 1)] == ("o-skipped", "", None)  # not run: no link, grey
-    assert by[("0.21.0", "tiny-llama (K=1", 1, 2)] == ("o-assert-45330", "assert-45330", "vllm-0.21.0/tiny-k1-p1-d2/report.html")
+    assert by[("0.21.0", "tiny-llama (K=1", 1, 2)] == (
+        "o-assert-45330",
+        "assert-45330",
+        "vllm-0.21.0/tiny-k1-p1-d2/report.html",
+    )
     # the K=1 grid on 0.32.0 is 2 x 2 with one pair missing (P1 -> D1): an empty cell, not a made-up one
-    grid = page[page.index("tiny-llama (K=1, cpu) on vLLM 0.32.0"):]
+    grid = page[page.index("tiny-llama (K=1, cpu) on vLLM 0.32.0") :]
     grid = grid[: grid.index("</table>")]
     assert grid.count("<th>P TP") == 2 and grid.count("<th>D TP") == 2 and grid.count('class="empty"') == 1
     assert 'id="verdict">UNEXPECTED<' in page and "#45330 REPRODUCED on vLLM 0.21.0" in page

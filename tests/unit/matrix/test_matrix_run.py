@@ -1,16 +1,30 @@
 """Judging a matrix run: outcomes, verdicts, the #45330 line per version, the report (no servers)."""
 
 import dataclasses
+import io
 import json
 
-from harness.run.config import E2EConfig
 from harness.matrix.plan import PlannedPair
 from harness.matrix.run import observed_outcome, pair_line, run_matrix, summary, version_line
+from harness.run.config import E2EConfig
 
 
 def pair(id_="tiny-k1-p1-d2", regime="B", predicted="ok", expected="ok", run=True, tp=(1, 2), tolerated=None):
-    return PlannedPair(id_, "tiny-llama", "cpu", tp[0], tp[1], 1, regime, predicted, expected, "fixed", run,
-                       None if run else "a gpu entry; this run is on cpu", tolerated)
+    return PlannedPair(
+        id_,
+        "tiny-llama",
+        "cpu",
+        tp[0],
+        tp[1],
+        1,
+        regime,
+        predicted,
+        expected,
+        "fixed",
+        run,
+        None if run else "a gpu entry; this run is on cpu",
+        tolerated,
+    )
 
 
 def report(verdict="pass", cls=None):
@@ -44,16 +58,20 @@ def run(plans, answers, tmp_path, monkeypatch):
     monkeypatch.setattr("harness.matrix.run.model_for", lambda p, models: f"/models/k{p.kv_heads}")
     fake = FakeRuns(answers)
     pythons = {v: f"/envs/{v}/python" for v in plans}
-    results = run_matrix(plans, pythons, {}, E2EConfig(), tmp_path, out=open("/dev/null", "w"), run_pair=fake)
+    results = run_matrix(plans, pythons, {}, E2EConfig(), tmp_path, out=io.StringIO(), run_pair=fake)
     return results, fake
 
 
 def test_0_21_reproduces_and_0_32_does_not(tmp_path, monkeypatch):
-    plans = {"0.21.0": [pair(predicted="assert-45330", expected="assert-45330"), pair("gpu-one", run=False)],
-             "0.32.0": [pair(), pair("tiny-k1-p2-d1", "D", "rejected", "rejected", tp=(2, 1))]}
-    answers = {("/envs/0.21.0/python", 1, 2): report("fail", "assert-45330"),
-               ("/envs/0.32.0/python", 1, 2): report(),
-               ("/envs/0.32.0/python", 2, 1): report("fail", "rejected-replicated-p-gt-d")}
+    plans = {
+        "0.21.0": [pair(predicted="assert-45330", expected="assert-45330"), pair("gpu-one", run=False)],
+        "0.32.0": [pair(), pair("tiny-k1-p2-d1", "D", "rejected", "rejected", tp=(2, 1))],
+    }
+    answers = {
+        ("/envs/0.21.0/python", 1, 2): report("fail", "assert-45330"),
+        ("/envs/0.32.0/python", 1, 2): report(),
+        ("/envs/0.32.0/python", 2, 1): report("fail", "rejected-replicated-p-gt-d"),
+    }
     results, fake = run(plans, answers, tmp_path, monkeypatch)
     assert [r.verdict for r in results] == ["as expected", "skipped", "as expected", "as expected"]
     assert version_line("0.21.0", results) == "#45330 REPRODUCED on vLLM 0.21.0 (tiny-k1-p1-d2)"
@@ -72,7 +90,10 @@ def test_another_failure_is_named_and_is_unexpected(tmp_path, monkeypatch):
     plans = {"0.32.0": [pair()]}
     results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "kv-lease-expired")}, tmp_path, monkeypatch)
     assert results[0].verdict == "UNEXPECTED" and "kv-lease-expired" in results[0].detail
-    assert version_line("0.32.0", results) == "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired (tiny-k1-p1-d2)"
+    assert (
+        version_line("0.32.0", results)
+        == "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired (tiny-k1-p1-d2)"
+    )
     assert "0/1 pairs as expected" in summary(results, ["0.32.0"])
     assert not json.loads((tmp_path / "report.json").read_text())["all_as_expected"]
 
@@ -82,9 +103,15 @@ def test_a_known_failure_of_another_bug_is_neither_a_45330_failure_nor_a_pass(tm
     answers = {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}
     results, _ = run({"0.32.0": plans["0.32.0"][:1]}, answers, tmp_path, monkeypatch)
     assert results[0].verdict == "as expected"
-    assert version_line("0.32.0", results).startswith("#45330 NOT TESTED on vLLM 0.32.0: every regime-B pair failed as its entry expects")
-    results.append(run({"0.32.0": plans["0.32.0"][1:]}, {("/envs/0.32.0/python", 1, 2): report()}, tmp_path, monkeypatch)[0][0])
-    assert version_line("0.32.0", results) == "#45330 NOT REPRODUCED on vLLM 0.32.0 (outputs match baseline: edge-prefix)"
+    assert version_line("0.32.0", results).startswith(
+        "#45330 NOT TESTED on vLLM 0.32.0: every regime-B pair failed as its entry expects"
+    )
+    results.append(
+        run({"0.32.0": plans["0.32.0"][1:]}, {("/envs/0.32.0/python", 1, 2): report()}, tmp_path, monkeypatch)[0][0]
+    )
+    assert (
+        version_line("0.32.0", results) == "#45330 NOT REPRODUCED on vLLM 0.32.0 (outputs match baseline: edge-prefix)"
+    )
 
 
 def test_no_regime_b_pair_is_not_a_pass(tmp_path, monkeypatch):
@@ -103,8 +130,10 @@ def test_a_known_intermittent_failure_is_accepted_but_never_called_a_pass(tmp_pa
     plans = {"0.32.0": [pair(tolerated="kv-lease-expired")]}
     results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): report("fail", "kv-lease-expired")}, tmp_path, monkeypatch)
     assert results[0].as_expected and results[0].verdict == "known intermittent"
-    assert version_line("0.32.0", results) == ("#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired "
-                                               "(tiny-k1-p1-d2) [known intermittent: see the entry's evidence]")
+    assert version_line("0.32.0", results) == (
+        "#45330 on vLLM 0.32.0: FAILED for another reason: kv-lease-expired "
+        "(tiny-k1-p1-d2) [known intermittent: see the entry's evidence]"
+    )
     assert "1/1 pairs as expected (1 with a known intermittent failure)" in summary(results, ["0.32.0"])
     md = (tmp_path / "report.md").read_text()
     assert "| ok (intermittent: kv-lease-expired) | kv-lease-expired | known intermittent |" in md
@@ -128,18 +157,22 @@ def test_stand_in_answers_are_never_read_as_45330_not_reproduced(tmp_path, monke
     sim = {**report(), "simulated": "SIMULATED GPUs (PD_HARNESS_SIMULATED_GPUS=8x80): stand-in servers in vLLM's place"}
     results, _ = run(plans, {("/envs/0.32.0/python", 1, 2): sim}, tmp_path, monkeypatch)
     assert results[0].observed == "ok" and results[0].simulated  # the night judges the step by it
-    assert version_line("0.32.0", results) == ("#45330 NOT TESTED on vLLM 0.32.0: simulated GPUs (stand-in servers; no "
-                                               "vLLM computed an output)")
+    assert version_line("0.32.0", results) == (
+        "#45330 NOT TESTED on vLLM 0.32.0: simulated GPUs (stand-in servers; no vLLM computed an output)"
+    )
     md = (tmp_path / "report.md").read_text()
     assert "| ok (simulated GPUs) | as expected |" in md and "NOT REPRODUCED" not in md
     assert json.loads((tmp_path / "report.json").read_text())["pairs"][0]["simulated"] is True
 
 
 def test_a_known_failure_already_reported_upstream_says_so(tmp_path, monkeypatch):
-    known = dataclasses.replace(pair("edge-conv", expected="output-mismatch"),
-                                upstream="known upstream: #55208 (open): the same offsets; PR #55306 (open)")
-    results, _ = run({"0.32.0": [known]}, {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}, tmp_path,
-                     monkeypatch)
+    known = dataclasses.replace(
+        pair("edge-conv", expected="output-mismatch"),
+        upstream="known upstream: #55208 (open): the same offsets; PR #55306 (open)",
+    )
+    results, _ = run(
+        {"0.32.0": [known]}, {("/envs/0.32.0/python", 1, 2): report("fail", "output-mismatch")}, tmp_path, monkeypatch
+    )
     assert results[0].verdict == "as expected"
     md = (tmp_path / "report.md").read_text()
     assert "- 0.32.0 edge-conv: output-mismatch in the decode log — known upstream: #55208 (open)" in md
@@ -170,8 +203,15 @@ def test_a_pair_interrupted_in_any_phase_leaves_its_own_interrupted_report(tmp_p
 
     monkeypatch.setattr("harness.matrix.run.model_for", model_for)
     with pytest.raises(Interrupted):
-        run_matrix({"0.32.0": [pair()]}, {"0.32.0": "/py"}, {}, E2EConfig(), tmp_path, out=open("/dev/null", "w"),
-                   run_pair=run_pair)
+        run_matrix(
+            {"0.32.0": [pair()]},
+            {"0.32.0": "/py"},
+            {},
+            E2EConfig(),
+            tmp_path,
+            out=io.StringIO(),
+            run_pair=run_pair,
+        )
     d = json.loads((tmp_path / "vllm-0.32.0" / "tiny-k1-p1-d2" / "report.json").read_text())
     assert d["failure"]["class"] == "interrupted"
     assert d["failure"].get("own") is (True if phase == "run-after-report" else None)

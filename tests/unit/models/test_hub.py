@@ -21,11 +21,20 @@ from tests.unit.gpu.fake_nvml import FakeNvml, gpus
 from tests.unit.models.hub_cache import add_model, write_safetensors
 
 WIDGET = "acme/Widget-13B"  # listed nowhere: only the cache knows it
-WIDGET_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 5120,
-                 "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 3}
+WIDGET_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 5120,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 3,
+}
 # two shards as the hub splits them: 2 x 3 x 4 + 5 bf16 parameters and 7 x 2 f32 ones
-SHARDS = [{"model.layers.0.weight": ("BF16", [2, 3, 4]), "model.norm.weight": ("BF16", [5])},
-          {"lm_head.weight": ("F32", [7, 2])}]
+SHARDS = [
+    {"model.layers.0.weight": ("BF16", [2, 3, 4]), "model.norm.weight": ("BF16", [5])},
+    {"lm_head.weight": ("F32", [7, 2])},
+]
 PARAMS, BYTES = 2 * 3 * 4 + 5 + 7 * 2, (2 * 3 * 4 + 5) * 2 + 7 * 2 * 4
 
 

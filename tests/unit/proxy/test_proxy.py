@@ -8,6 +8,7 @@ import toy_proxy_server
 from harness.proxy.app import corrupt_block_ids, prefill_body, wrong_engine_id
 from tests.unit.proxy.fakes import KV, Drop, Slow, chunked, client, http
 
+
 def test_two_hops_rewrite_body_and_share_request_id(b):
     body = {"model": "m", "prompt": "hi", "max_tokens": 9, "stream": False, "min_tokens": 2, "stream_options": {"x": 1}}
     with client(b) as c:
@@ -16,7 +17,9 @@ def test_two_hops_rewrite_body_and_share_request_id(b):
     (ph, pb, phd), (dh, db, dhd) = b.calls
     assert (ph, dh) == (b.url("p1"), b.url("d1"))
     assert pb["max_tokens"] == 1 and pb["stream"] is False and "min_tokens" not in pb and "stream_options" not in pb
-    assert pb["kv_transfer_params"]["do_remote_decode"] is True and pb["kv_transfer_params"]["do_remote_prefill"] is False
+    assert (
+        pb["kv_transfer_params"]["do_remote_decode"] is True and pb["kv_transfer_params"]["do_remote_prefill"] is False
+    )
     assert "max_completion_tokens" not in pb
     assert db == {**body, "kv_transfer_params": KV}
     assert phd["x-request-id"] == dhd["x-request-id"] == r.headers["x-request-id"] == "rid-1"
@@ -24,7 +27,9 @@ def test_two_hops_rewrite_body_and_share_request_id(b):
 
 def test_generated_request_id_is_shared(b):
     with client(b) as c:
-        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5})
+        r = c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5}
+        )
     assert r.status_code == 200
     assert b.calls[0][2]["x-request-id"] == b.calls[1][2]["x-request-id"] == r.headers["x-request-id"]
     assert b.calls[0][1]["max_completion_tokens"] == 1
@@ -59,22 +64,24 @@ def test_round_robin_over_2x2(b):
 def test_streaming_passthrough_in_order(b):
     chunks = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]
     b.override["d1"] = lambda body: chunked(chunks)
-    with client(b) as c:
-        with c.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
-            data = b"".join(r.iter_bytes())
+    with client(b) as c, c.stream("POST", "/v1/completions", json={"prompt": "hi", "stream": True}) as r:
+        data = b"".join(r.iter_bytes())
     assert r.status_code == 200 and data == b"".join(chunks)
     assert r.headers["content-type"].startswith("text/event-stream")
     assert b.calls[0][1]["stream"] is False and b.calls[1][1]["stream"] is True
 
 
-@pytest.mark.parametrize("path,raw", [
-    ("/v1/completions", b"{not json"),
-    ("/v1/completions", b"\xff\xfe"),
-    ("/v1/completions", b"[1, 2]"),
-    ("/v1/completions", b'{"model": "m"}'),
-    ("/v1/chat/completions", b'{"model": "m"}'),
-    ("/v1/chat/completions", b'{"model": "m", "messages": "hi"}'),
-])
+@pytest.mark.parametrize(
+    "path,raw",
+    [
+        ("/v1/completions", b"{not json"),
+        ("/v1/completions", b"\xff\xfe"),
+        ("/v1/completions", b"[1, 2]"),
+        ("/v1/completions", b'{"model": "m"}'),
+        ("/v1/chat/completions", b'{"model": "m"}'),
+        ("/v1/chat/completions", b'{"model": "m", "messages": "hi"}'),
+    ],
+)
 def test_malformed_body_is_400(b, path, raw):
     with client(b) as c:
         r = c.post(path, content=raw, headers={"content-type": "application/json"})
@@ -96,7 +103,9 @@ def test_body_over_the_limit_is_413(b):
     with client(b, max_body_bytes=4096) as c:
         r = c.post("/v1/completions", json=big)
         # Without a Content-Length (chunked upload) the limit holds while reading.
-        chunked_r = c.post("/v1/completions", content=iter([json.dumps(big).encode()]), headers={"content-type": "application/json"})
+        chunked_r = c.post(
+            "/v1/completions", content=iter([json.dumps(big).encode()]), headers={"content-type": "application/json"}
+        )
         ok = c.post("/v1/completions", json={"prompt": "x" * 100})
     assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
     assert chunked_r.status_code == 413 and "limit" in chunked_r.json()["error"]["message"]
@@ -108,14 +117,19 @@ def test_default_body_limit_is_16_mib(b):
     from harness.proxy.app import DEFAULT_MAX_BODY_BYTES
 
     assert DEFAULT_MAX_BODY_BYTES == 16 * 2**20
-    assert toy_proxy_server.parse_args(["--port", "1", "--prefill", "http://p", "--decode", "http://d"]).max_body_mib == 16
+    assert (
+        toy_proxy_server.parse_args(["--port", "1", "--prefill", "http://p", "--decode", "http://d"]).max_body_mib == 16
+    )
 
 
-@pytest.mark.parametrize("name,behaviour,status,hop", [
-    ("dead", None, 502, "prefill"),  # connection refused
-    ("d1", Drop(), 502, "decode"),  # connection dropped before an answer
-    ("d1", Slow(2.0, http(200, {})), 504, "decode"),
-])
+@pytest.mark.parametrize(
+    "name,behaviour,status,hop",
+    [
+        ("dead", None, 502, "prefill"),  # connection refused
+        ("d1", Drop(), 502, "decode"),  # connection dropped before an answer
+        ("d1", Slow(2.0, http(200, {})), 504, "decode"),
+    ],
+)
 def test_backend_errors_name_the_hop(b, name, behaviour, status, hop):
     if behaviour is not None:
         b.override[name] = lambda body: behaviour
@@ -208,7 +222,12 @@ def test_unexpected_error_is_json_without_traceback(b):
 def test_prefill_body_does_not_mutate_client_body():
     body = {"prompt": "x", "max_tokens": 5, "kv_transfer_params": {"a": 1}, "stream_options": {"include_usage": True}}
     prefill_body(body)
-    assert body == {"prompt": "x", "max_tokens": 5, "kv_transfer_params": {"a": 1}, "stream_options": {"include_usage": True}}
+    assert body == {
+        "prompt": "x",
+        "max_tokens": 5,
+        "kv_transfer_params": {"a": 1},
+        "stream_options": {"include_usage": True},
+    }
 
 
 def test_cli_builds_urls_both_styles():
@@ -217,13 +236,18 @@ def test_cli_builds_urls_both_styles():
     assert a.host == "127.0.0.1"
 
 
-@pytest.mark.parametrize("argv", [["--port", "1", "--decode", "http://d"], ["--port", "1", "--prefill", "http://p"],
-                                  ["--port", "1", "--prefill", "http://p", "--decoder-hosts", "a", "b", "--decoder-ports", "1", "2", "3"],
-                                  ["--port", "1", "--prefill", "http://p", "--decode", "http://d", "--max-body-mib", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--port", "1", "--decode", "http://d"],
+        ["--port", "1", "--prefill", "http://p"],
+        ["--port", "1", "--prefill", "http://p", "--decoder-hosts", "a", "b", "--decoder-ports", "1", "2", "3"],
+        ["--port", "1", "--prefill", "http://p", "--decode", "http://d", "--max-body-mib", "0"],
+    ],
+)
 def test_cli_rejects_bad_args(argv):
     with pytest.raises(SystemExit):
         toy_proxy_server.parse_args(argv)
-
 
 
 def test_fastapi_docs_and_schema_are_off(b):

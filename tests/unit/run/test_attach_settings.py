@@ -20,22 +20,40 @@ from harness.serve.servers import Attach, Served, read_attached, read_served, se
 from tests.unit.gpu.fake_nvml import FakeNvml, gpus
 
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"  # in this folder's stand-in hub cache (conftest.py)
-CACHE_INFO = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",gpu_memory_utilization="0.9",'
-              'num_gpu_blocks="9000"} 1.0\n')
+CACHE_INFO = (
+    'vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",gpu_memory_utilization="0.9",'
+    'num_gpu_blocks="9000"} 1.0\n'
+)
 
 
 class StandIn:
     """A vLLM server as seen over HTTP: /health, /v1/models, /metrics; /server_info only in ``dev_mode``
     (VLLM_SERVER_DEV_MODE=1), with ``device`` as vLLM names it (cuda, cpu) and the model ``dtype``."""
 
-    def __init__(self, root: str = TINYLLAMA, max_model_len: int = 4096, dev_mode: bool = False, device: str = "cuda",
-                 dtype: str = "torch.bfloat16", cache: str = CACHE_INFO, tp: int = 1):
-        info = {"vllm_config": {"model_config": {"dtype": dtype, "max_model_len": max_model_len},
-                                "device_config": {"device": device},
-                                "parallel_config": {"tensor_parallel_size": tp}}}
-        routes = {"/health": b"", "/metrics": cache.encode(),
-                  "/v1/models": json.dumps({"data": [{"id": "served", "root": root,
-                                                       "max_model_len": max_model_len}]}).encode()}
+    def __init__(
+        self,
+        root: str = TINYLLAMA,
+        max_model_len: int = 4096,
+        dev_mode: bool = False,
+        device: str = "cuda",
+        dtype: str = "torch.bfloat16",
+        cache: str = CACHE_INFO,
+        tp: int = 1,
+    ):
+        info = {
+            "vllm_config": {
+                "model_config": {"dtype": dtype, "max_model_len": max_model_len},
+                "device_config": {"device": device},
+                "parallel_config": {"tensor_parallel_size": tp},
+            }
+        }
+        routes = {
+            "/health": b"",
+            "/metrics": cache.encode(),
+            "/v1/models": json.dumps(
+                {"data": [{"id": "served", "root": root, "max_model_len": max_model_len}]}
+            ).encode(),
+        }
         if dev_mode:
             routes["/server_info"] = json.dumps(info).encode()
 
@@ -105,8 +123,9 @@ def test_what_a_server_says_about_itself(stand_in):
     assert (plain.device, plain.dtype, plain.max_model_len) == (None, None, 4096)
     assert len(plain.unread) == 1 and "/server_info" in plain.unread[0]
     # an older vLLM answers /server_info in text only
-    assert server_info_facts({"vllm_config": "model='m', dtype=torch.float16, max_seq_len=8, kv_cache_dtype=auto, "
-                                              "device_config=cpu, seed=0"}) == ("cpu", "float16")
+    assert server_info_facts(
+        {"vllm_config": "model='m', dtype=torch.float16, max_seq_len=8, kv_cache_dtype=auto, device_config=cpu, seed=0"}
+    ) == ("cpu", "float16")
 
 
 def test_a_gpu_less_head_node_attached_to_bf16_gpu_servers_compares_as_gpu(stand_in, remote, captured, tmp_path):
@@ -141,8 +160,10 @@ def test_a_device_given_is_taken_and_a_contradicted_one_refused(stand_in, remote
 
 
 def test_settings_rules():
-    gpu = [Served("http://10.0.0.5:8000", "m", "m", 4096, "gpu", "bfloat16"),
-           Served("http://10.0.0.6:8000", "m", "m", 2048, "gpu", "bfloat16")]
+    gpu = [
+        Served("http://10.0.0.5:8000", "m", "m", 4096, "gpu", "bfloat16"),
+        Served("http://10.0.0.6:8000", "m", "m", 2048, "gpu", "bfloat16"),
+    ]
     att = Attach(("http://10.0.0.5:8000",), ("http://10.0.0.6:8000",), None, tuple(gpu))
     s = attach_settings(att, None, None, None, None, lambda: "cpu")
     assert (s.model, s.device, s.dtype, s.max_model_len, s.baseline_here) == ("m", "gpu", "bfloat16", 2048, True)
@@ -154,8 +175,12 @@ def test_settings_rules():
     with pytest.raises(ConfigError, match="--dtype float32, but the attached servers serve bfloat16"):
         attach_settings(att, None, None, "float32", None, lambda: "cpu")
     # servers on this host share its hardware: its default applies when they do not say
-    local = Attach(("http://127.0.0.1:1",), ("http://localhost:2",), None,
-                   (Served("http://127.0.0.1:1", "m"), Served("http://localhost:2", "m")))
+    local = Attach(
+        ("http://127.0.0.1:1",),
+        ("http://localhost:2",),
+        None,
+        (Served("http://127.0.0.1:1", "m"), Served("http://localhost:2", "m")),
+    )
     assert attach_settings(local, None, None, None, None, lambda: "gpu").device == "gpu"
     with pytest.raises(ConfigError, match="cannot tell which model"):
         unread = Served("http://b", unread=("GET http://b/v1/models: 503",))
@@ -169,8 +194,9 @@ def test_a_local_baseline_on_gpu_gets_a_placement_of_its_own(stand_in, remote, m
     d = stand_in(dev_mode=True)
     attach = read_attached(Attach((stand_in(dev_mode=True),), (d,)))
     s = attach_settings(attach, None, None, None, None, lambda: "cpu")
-    cfg = E2EConfig(device=s.device, model=s.model, dtype=s.dtype, max_model_len=s.max_model_len, tp_d=2,
-                    run_dir=tmp_path / "run")
+    cfg = E2EConfig(
+        device=s.device, model=s.model, dtype=s.dtype, max_model_len=s.max_model_len, tp_d=2, run_dir=tmp_path / "run"
+    )
     run = PDRun(cfg, attach=attach)
     run._resolve()
     plan = run.report.config["gpu_plan"]
@@ -187,8 +213,9 @@ def test_a_local_baseline_this_host_cannot_run_stops_at_preflight(stand_in, remo
     run_dir = tmp_path / "run"
     assert main(attach_argv(gpu, gpu, "--run-dir", str(run_dir))) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the baseline runs here (no --baseline-url): "
-                          "--device gpu, but the GPUs cannot be read")
+    assert err.startswith(
+        "error: the baseline runs here (no --baseline-url): --device gpu, but the GPUs cannot be read"
+    )
     elsewhere = stand_in(dev_mode=True, root="/models/on-the-gpu-node")
     assert main(attach_argv(elsewhere, elsewhere, "--run-dir", str(run_dir))) == 2
     err = capsys.readouterr().err
@@ -204,8 +231,9 @@ def test_a_hand_given_share_is_the_local_baselines_alone():
     gpu = attached_baseline_gpu(cfg, TINYLLAMA, nvml=FakeNvml([gpus(2)]))
     assert gpu.placement("baseline").gpu_memory_utilization == 0.8 and len(gpu.plan.servers) == 1
     with pytest.raises(ConfigError, match="the baseline runs here .* needs"):
-        attached_baseline_gpu(E2EConfig(device="gpu", model=TINYLLAMA, gpu_memory_utilization=0.01), TINYLLAMA,
-                              nvml=FakeNvml([gpus(1)]))
+        attached_baseline_gpu(
+            E2EConfig(device="gpu", model=TINYLLAMA, gpu_memory_utilization=0.01), TINYLLAMA, nvml=FakeNvml([gpus(1)])
+        )
 
 
 def test_a_local_baseline_takes_a_gpu_a_colocated_pair_could_not_share():
@@ -215,25 +243,33 @@ def test_a_local_baseline_takes_a_gpu_a_colocated_pair_could_not_share():
     cfg = E2EConfig(device="gpu", model=TINYLLAMA)
     gpu = attached_baseline_gpu(cfg, TINYLLAMA, nvml=FakeNvml([gpus(1, total_gib=10.0, free_gib=9.8)]))
     base = gpu.placement("baseline")
-    assert base.gpus == (0,) and base.gpu_memory_utilization == 0.9 and [s.role for s in gpu.plan.servers] == ["baseline"]
+    assert (
+        base.gpus == (0,) and base.gpu_memory_utilization == 0.9 and [s.role for s in gpu.plan.servers] == ["baseline"]
+    )
     assert gpu.plan.order == ("baseline",) and not gpu.plan.colocated
     gpu.before("pd")  # P and D run elsewhere: nothing of theirs to check here
     gpu.after("pd", [])
     assert gpu.checks == []
     gpu.before("baseline")
     assert [c.name for c in gpu.checks] == ["gpu_free_before_baseline"]
-    with pytest.raises(ConfigError, match=r"the baseline runs here .*no GPU placement for the baseline at TP1: "
-                                          r"baseline0 \(TP 1\) needs"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the baseline runs here .*no GPU placement for the baseline at TP1: "
+        r"baseline0 \(TP 1\) needs",
+    ):
         attached_baseline_gpu(cfg, TINYLLAMA, nvml=FakeNvml([gpus(1, total_gib=6.0, free_gib=5.8)]))
 
 
 # -- what attach mode knows of TP and the servers' cache settings, or says it does not (issue 37) ----------------------
-UPSTREAM_CACHE = ('vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
-                  'num_gpu_blocks="900"} 1.0\n')  # vLLM's own defaults on CPU, as upstream's scripts start a pair
+UPSTREAM_CACHE = (
+    'vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
+    'num_gpu_blocks="900"} 1.0\n'
+)  # vLLM's own defaults on CPU, as upstream's scripts start a pair
 
 
-def test_a_tp_neither_served_nor_given_is_unknown_in_the_progress_line_and_the_report(stand_in, remote, captured,
-                                                                                        tmp_path):
+def test_a_tp_neither_served_nor_given_is_unknown_in_the_progress_line_and_the_report(
+    stand_in, remote, captured, tmp_path
+):
     from harness.core import progress
     from harness.run.pipeline import PDRun as FakeRun
     from harness.run.report import write_report
@@ -259,7 +295,11 @@ def test_a_tp_neither_served_nor_given_is_unknown_in_the_progress_line_and_the_r
     assert (d["config"]["tp_p"], d["config"]["tp_d"]) == ("unknown (not served)", "unknown (not served)")
     assert {x["setting"]: x for x in d["config"]["attach"]["differences"]} == {
         "block size": {"setting": "block size", "baseline": "32", "servers": {"prefill": "128", "decode": "128"}},
-        "prefix caching": {"setting": "prefix caching", "baseline": "off", "servers": {"prefill": "on", "decode": "on"}},
+        "prefix caching": {
+            "setting": "prefix caching",
+            "baseline": "off",
+            "servers": {"prefill": "on", "decode": "on"},
+        },
     }
     md = (run.run_dir / "report.md").read_text()
     assert "# P/D run: P TP unknown (not served) -> D TP unknown (not served)" in md and "TP1" not in md
@@ -301,8 +341,11 @@ def test_every_setting_the_baseline_and_the_attached_servers_differ_in_is_listed
     from harness.run.attach_report import attach_report
 
     upstream = {"block_size": "128", "enable_prefix_caching": "True", "cache_dtype": "auto"}
-    served = (Served("http://p:1", "m", cache=upstream), Served("http://d:2", "m", cache=upstream),
-              Served("http://d:3", "m", unread=("GET http://d:3/metrics: ConnectionError",)))
+    served = (
+        Served("http://p:1", "m", cache=upstream),
+        Served("http://d:2", "m", cache=upstream),
+        Served("http://d:3", "m", unread=("GET http://d:3/metrics: ConnectionError",)),
+    )
     attach = Attach(("http://p:1",), ("http://d:2", "http://d:3"), None, served)
     cfg = E2EConfig(tp_p=1, tp_d=2, device="cpu")  # TP given; the baseline launched here at D's TP, block size 32
     report = attach_report(cfg, attach)
@@ -320,8 +363,9 @@ def test_every_setting_the_baseline_and_the_attached_servers_differ_in_is_listed
     cfg = E2EConfig(device="cpu", tp_unknown=("tp_p", "tp_d"), axes=ServerAxes(kv_cache_dtype="fp8"))
     report = attach_report(cfg, Attach(("http://p:1",), ("http://d:2",), None, served[:2]))
     assert [x["setting"] for x in report["differences"]] == ["block size", "prefix caching", "KV cache dtype"]
-    assert report["not_compared"] == ["TP of the baseline: the baseline runs at TP 1, a guess: D's TP is unknown "
-                                      "(not served)"]
+    assert report["not_compared"] == [
+        "TP of the baseline: the baseline runs at TP 1, a guess: D's TP is unknown (not served)"
+    ]
 
 
 def test_the_health_grace_is_a_positive_number_of_seconds_for_attach_mode(stand_in, remote, captured, capsys, tmp_path):

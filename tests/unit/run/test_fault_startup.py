@@ -7,6 +7,7 @@ leave no process behind - including the child each fake starts, like vLLM's engi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,8 +20,8 @@ import psutil
 import pytest
 
 from harness.core.paths import REPO_ROOT
-from tests.fakes.fake_vllm import CRASH_LINE
 from harness.run.launch import RUN_TAG_ENV
+from tests.fakes.fake_vllm import CRASH_LINE
 from tests.helpers import processes_tagged
 
 FAKES = REPO_ROOT / "tests" / "fakes"
@@ -40,17 +41,34 @@ def run_e2e(fake: str, run_dir: Path, model: Path, *extra: str) -> tuple[subproc
     env = {**os.environ, "FAKE_VLLM_REAL_PYTHON": sys.executable, "FAKE_VLLM_MAX_LIFE_S": "120"}
     t0 = time.monotonic()
     try:
-        cp = subprocess.run([sys.executable, "-m", "harness", "e2e", "--device", "cpu", "--python", str(FAKES / fake),
-                             "--run-dir", str(run_dir), "--model", str(model), *extra],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=HANG_BOUND_S * 2)
+        cp = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "harness",
+                "e2e",
+                "--device",
+                "cpu",
+                "--python",
+                str(FAKES / fake),
+                "--run-dir",
+                str(run_dir),
+                "--model",
+                str(model),
+                *extra,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=HANG_BOUND_S * 2,
+        )
     finally:
         elapsed = time.monotonic() - t0
         leftovers = processes_tagged(run_dir / "logs")
         for pid in leftovers:  # never leave anything running, even when the assertions below fail
-            try:
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
     assert leftovers == [], f"processes of the run still running after the CLI exited: {leftovers}"
     return cp, elapsed
 

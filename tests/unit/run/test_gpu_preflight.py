@@ -18,13 +18,16 @@ def use_nvml(monkeypatch, fake: FakeNvml) -> None:
 
 def test_no_model_on_gpu_is_the_reported_case(monkeypatch):
     use_nvml(monkeypatch, FakeNvml([gpus(8)]))
-    cfg = config_from_args(build_parser().parse_args(["e2e", "--device", "gpu", "--tp-p", "2", "--tp-d", "8"]), env={},
-                           preflight=True)
+    cfg = config_from_args(
+        build_parser().parse_args(["e2e", "--device", "gpu", "--tp-p", "2", "--tp-d", "8"]), env={}, preflight=True
+    )
     assert cfg.model == GPU_DEFAULT_MODEL == "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
     note = default_model_note(cfg)
     assert "TinyLlama/TinyLlama-1.1B-Chat-v1.0" in note and "K=4: P2->D8 is regime B" in note
     # A model given is kept; on CPU no model still means the tiny local one.
-    given = config_from_args(build_parser().parse_args(["e2e", "--device", "gpu", "--model", "Qwen/Qwen3-0.6B"]), env={})
+    given = config_from_args(
+        build_parser().parse_args(["e2e", "--device", "gpu", "--model", "Qwen/Qwen3-0.6B"]), env={}
+    )
     assert given.model == "Qwen/Qwen3-0.6B"
     assert config_from_args(build_parser().parse_args(["e2e", "--device", "cpu"]), env={}).model is None
 
@@ -45,11 +48,17 @@ def test_the_run_says_which_model_it_picked(monkeypatch, capsys, tmp_path):
     assert out.startswith("model: no --model given, so the GPU run serves TinyLlama/TinyLlama-1.1B-Chat-v1.0")
 
 
-@pytest.mark.parametrize("fake, message", [
-    (FakeNvml(init_error="Driver Not Loaded"), "--device gpu, but the GPUs cannot be read: no NVIDIA driver: Driver Not Loaded"),
-    (FakeNvml([[]]), "--device gpu, but NVML lists no GPU"),
-    (FakeNvml([gpus(4)]), "no GPU placement for P TP2 + D TP8"),
-])
+@pytest.mark.parametrize(
+    "fake, message",
+    [
+        (
+            FakeNvml(init_error="Driver Not Loaded"),
+            "--device gpu, but the GPUs cannot be read: no NVIDIA driver: Driver Not Loaded",
+        ),
+        (FakeNvml([[]]), "--device gpu, but NVML lists no GPU"),
+        (FakeNvml([gpus(4)]), "no GPU placement for P TP2 + D TP8"),
+    ],
+)
 def test_unreadable_or_too_few_gpus_stop_at_preflight(monkeypatch, capsys, tmp_path, fake, message):
     use_nvml(monkeypatch, fake)
     run_dir = tmp_path / "run"
@@ -73,8 +82,23 @@ def test_a_hand_given_share_the_colocated_pair_cannot_hold_stops_the_run_at_pref
     # P2+D8 on 8 GPUs: P shares GPUs 0 and 1 with D, so 0.8 each would ask for 1.6 of those GPUs
     use_nvml(monkeypatch, FakeNvml([gpus(8)]))
     run_dir = tmp_path / "run"
-    rc = main(["e2e", "--device", "gpu", "--tp-p", "2", "--tp-d", "8", "--model", "Qwen/Qwen3-0.6B",
-               "--gpu-memory-utilization", "0.8", "--run-dir", str(run_dir)])
+    rc = main(
+        [
+            "e2e",
+            "--device",
+            "gpu",
+            "--tp-p",
+            "2",
+            "--tp-d",
+            "8",
+            "--model",
+            "Qwen/Qwen3-0.6B",
+            "--gpu-memory-utilization",
+            "0.8",
+            "--run-dir",
+            str(run_dir),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and not run_dir.exists()
     assert "0.8" in err and "shared" in err and len(err.strip().splitlines()) == 1, err

@@ -44,7 +44,9 @@ def test_one_host_stays_as_it_was(tmp_path):
 
 def test_the_proxy_runs_on_its_host(tmp_path):
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        proc, url = make_proxy("python", alloc, ["http://10.213.0.2:1"], ["http://10.213.0.3:2"], tmp_path, 30.0, host=C)
+        proc, url = make_proxy(
+            "python", alloc, ["http://10.213.0.2:1"], ["http://10.213.0.3:2"], tmp_path, 30.0, host=C
+        )
     argv = proc.spec.argv
     assert tuple(argv[:5]) == ("ip", "netns", "exec", "pdh-t-c", "python")
     assert argv[argv.index("--host") + 1] == "10.213.0.4" and url.startswith("http://10.213.0.4:")
@@ -59,8 +61,16 @@ def test_a_server_on_a_ray_node_starts_through_the_launcher_with_its_own_setting
         srv = make_server(cfg, alloc, "prefill", 1, "/m", "tiny", 32, None, tmp_path)
     spec = srv.proc.spec
     argv, env = list(spec.argv), spec.env
-    assert argv[1:9] == ["-m", REMOTE_MODULE, "--ray", "ray://10.213.0.9:10001", "--node-id", "node-r", "--env",
-                         argv[8]]
+    assert argv[1:9] == [
+        "-m",
+        REMOTE_MODULE,
+        "--ray",
+        "ray://10.213.0.9:10001",
+        "--node-id",
+        "node-r",
+        "--env",
+        argv[8],
+    ]
     taken = {argv[i + 1] for i, a in enumerate(argv[: argv.index("--")]) if a == "--env"}
     # every variable the harness sets for the server goes along (the node's environment gives the rest)
     assert taken == set(env) and {"VLLM_HOST_IP", "VLLM_NIXL_SIDE_CHANNEL_PORT", "UCX_TLS", RUN_TAG_ENV} <= taken

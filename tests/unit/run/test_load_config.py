@@ -29,8 +29,22 @@ def test_no_load_phase_means_vllms_own_pool_unless_asked():
 
 
 def test_flags_reach_the_config():
-    c = cfg(["--load-requests", "10", "--load-concurrency", "2", "--load-abort-every", "0", "--max-model-len", "1024",
-             "--proxy-fault-every", "16", "--logprob-threshold", "0.5"])
+    c = cfg(
+        [
+            "--load-requests",
+            "10",
+            "--load-concurrency",
+            "2",
+            "--load-abort-every",
+            "0",
+            "--max-model-len",
+            "1024",
+            "--proxy-fault-every",
+            "16",
+            "--logprob-threshold",
+            "0.5",
+        ]
+    )
     assert (c.load.requests, c.load.concurrency, c.load.abort_every) == (10, 2, 0)
     assert c.model_len == 1024 and c.proxy_fault_every == 16 and c.logprob_limit == 0.5
     assert c.pool_blocks(32) == 64
@@ -42,8 +56,10 @@ def test_an_fp8_kv_cache_gets_the_threshold_of_its_measured_noise_unless_one_is_
     assert cfg(["--kv-cache-dtype", "fp8_e5m2", "--logprob-threshold", "1e-3"]).logprob_limit == 1e-3
 
 
-@pytest.mark.parametrize("argv", [["--load-concurrency", "0"], ["--load-requests", "-1"], ["--proxy-fault-every", "0"],
-                                  ["--kv-pool-blocks", "x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--load-concurrency", "0"], ["--load-requests", "-1"], ["--proxy-fault-every", "0"], ["--kv-pool-blocks", "x"]],
+)
 def test_bad_load_flags_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(["e2e", *argv])
@@ -59,7 +75,9 @@ def test_a_context_too_short_for_a_decode_abort_is_refused():
 def test_servers_get_the_pool_and_request_logging_only_where_aborts_need_it(tmp_path):
     c = E2EConfig(python="/py")
     with PortAllocator() as alloc:
-        srv = make_server(c, alloc, "decode", 1, "/m", "m", 32, None, tmp_path, num_blocks=c.pool_blocks(32), log_requests=True)
+        srv = make_server(
+            c, alloc, "decode", 1, "/m", "m", 32, None, tmp_path, num_blocks=c.pool_blocks(32), log_requests=True
+        )
     argv = srv.proc.spec.argv
     assert argv[argv.index("--num-gpu-blocks-override") + 1] == "32" and "--enable-log-requests" in argv
     assert argv[argv.index("--max-model-len") + 1] == "512"

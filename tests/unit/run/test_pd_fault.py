@@ -256,8 +256,14 @@ class SideChannelServers(FakeServers):
 
 
 def side_channel_ctx(tmp_path: Path) -> RunContext:
-    hosts = {"hosts": {"a": {"address": "10.201.0.2", "netns": "pdh-t-a"},
-                       "b": {"address": "10.201.0.3", "netns": "pdh-t-b"}}, "prefill": "a", "decode": "b"}
+    hosts = {
+        "hosts": {
+            "a": {"address": "10.201.0.2", "netns": "pdh-t-a"},
+            "b": {"address": "10.201.0.3", "netns": "pdh-t-b"},
+        },
+        "prefill": "a",
+        "decode": "b",
+    }
     cfg = E2EConfig(net_fault="side-channel-blocked", hosts=hosts_from_dict(hosts))
     return RunContext(cfg, tmp_path / "run", Report(config={}), [], GenerationSettings())
 

@@ -3,6 +3,7 @@ import itertools
 import pytest
 
 from harness.core.errors import ConfigError
+from harness.models.topology import ModelShape, predict
 from harness.run.config import E2EConfig
 from harness.run.preflight import (
     check_config,
@@ -10,13 +11,14 @@ from harness.run.preflight import (
     preflight,
     preflight_config,
 )
-from harness.models.topology import ModelShape, predict
 
 GPU = dict(device="gpu")
 
 
 def problems_of(*args, **kw) -> list[str]:
     return list(preflight(*args, **kw).problems)
+
+
 CPU8 = dict(device="cpu", cpu_cores=8)
 
 

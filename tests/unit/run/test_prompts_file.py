@@ -7,12 +7,17 @@ from harness.workload.prompts import prompt_set
 
 
 def test_every_prompt_of_a_run_comes_back_by_its_id(tmp_path):
-    ctx = SimpleNamespace(prompts=prompt_set(0)[:2], load_prompts={"load000-t31": [1, 2, 3]},
-                          prefix_prompts={"prefix-hit": [4, 5]})
+    ctx = SimpleNamespace(
+        prompts=prompt_set(0)[:2], load_prompts={"load000-t31": [1, 2, 3]}, prefix_prompts={"prefix-hit": [4, 5]}
+    )
     write_prompts(ctx, tmp_path)
     got = read_prompts(tmp_path)
-    assert got == {prompt_set(0)[0].id: prompt_set(0)[0].text, prompt_set(0)[1].id: prompt_set(0)[1].text,
-                   "load000-t31": [1, 2, 3], "prefix-hit": [4, 5]}
+    assert got == {
+        prompt_set(0)[0].id: prompt_set(0)[0].text,
+        prompt_set(0)[1].id: prompt_set(0)[1].text,
+        "load000-t31": [1, 2, 3],
+        "prefix-hit": [4, 5],
+    }
     assert read_prompts(tmp_path / "no-such-run") == {}
 
 

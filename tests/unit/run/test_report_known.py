@@ -13,8 +13,9 @@ def report(cls: str, excerpt: str = "", version: str = "0.21.0") -> dict:
 
 def test_a_known_failure_names_its_threads_and_an_unknown_one_the_date_of_the_list():
     assert report("assert-45330")["known_upstream"].startswith("known upstream: #45330 (closed)")
-    assert report("output-mismatch")["known_upstream"] == ("no known upstream report as of 2026-12-05 "
-                                                           "(configs/known_issues.yaml)")
+    assert report("output-mismatch")["known_upstream"] == (
+        "no known upstream report as of 2026-12-05 (configs/known_issues.yaml)"
+    )
     line = "All kv cache tensors must have the same number of blocks"
     assert "#47816" in report("server-exited", line, "0.23.0")["known_upstream"]
     assert "#47816" not in report("server-exited", line, "0.32.0")["known_upstream"]

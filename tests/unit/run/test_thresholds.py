@@ -60,11 +60,14 @@ def test_the_default_store_is_beside_the_results_store(monkeypatch, tmp_path):
     assert ThresholdStore().path == tmp_path / "calibrated_thresholds.json"
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{not json", "not JSON"),
-    ('{"entries": {}}', "'entries' is {}, not a list"),
-    ('{"entries": [{"threshold": 0.2}]}', "entry 0: the key is None"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{not json", "not JSON"),
+        ('{"entries": {}}', "'entries' is {}, not a list"),
+        ('{"entries": [{"threshold": 0.2}]}', "entry 0: the key is None"),
+    ],
+)
 def test_a_broken_store_is_one_line_naming_the_file(tmp_path, text, message):
     path = tmp_path / "t.json"
     path.write_text(text)
@@ -73,8 +76,17 @@ def test_a_broken_store_is_one_line_naming_the_file(tmp_path, text, message):
     assert str(path) in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("field, value", [("threshold", 0), ("threshold", "0.2"), ("threshold", float("nan")),
-                                          ("noise_max", -1), ("folder", "x" * 400), ("date", None)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("threshold", 0),
+        ("threshold", "0.2"),
+        ("threshold", float("nan")),
+        ("noise_max", -1),
+        ("folder", "x" * 400),
+        ("date", None),
+    ],
+)
 def test_an_entry_the_harness_did_not_write_is_refused(tmp_path, field, value):
     entry = stored().to_dict() | {field: value}
     path = tmp_path / "t.json"
@@ -121,6 +133,7 @@ def test_an_fp8_kv_run_keeps_its_own_default(tmp_path):
 
 
 # Where a run resolves its config (run/pipeline.py _resolve): the store injected, the GPUs from a fake NVML.
+
 
 def resolved(monkeypatch, tmp_path, store, cfg, nvml):
     monkeypatch.setattr(pipeline, "GpuRun", lambda *a, **k: GpuRun(*a, nvml=nvml, env={}, **k))

@@ -1,4 +1,5 @@
-"""The timing breakdown of a run's report (harness/run/timing.py) and `python -m harness bench e2e`, on synthetic reports."""
+"""The timing breakdown of a run's report (harness/run/timing.py) and `python -m harness bench e2e`, on synthetic
+reports."""
 
 import json
 
@@ -9,9 +10,18 @@ from harness.run.timing import TARGET_HARNESS_SHARE, breakdown, render
 
 # The keys harness/run/pipeline.py records, with lm-eval on both sides.
 TIMINGS = {
-    "baseline_launch_to_ready": 40.0, "baseline_requests": 10.0, "lm_eval_baseline": 100.0, "baseline_phase": 155.0,
-    "prefill_launch_to_ready": 50.0, "decode_launch_to_ready": 60.0, "proxy_launch_to_ready": 2.0,
-    "pd_requests": 12.0, "lm_eval_pd": 110.0, "pd_teardown": 3.0, "pd_phase": 190.0, "wall": 350.0,
+    "baseline_launch_to_ready": 40.0,
+    "baseline_requests": 10.0,
+    "lm_eval_baseline": 100.0,
+    "baseline_phase": 155.0,
+    "prefill_launch_to_ready": 50.0,
+    "decode_launch_to_ready": 60.0,
+    "proxy_launch_to_ready": 2.0,
+    "pd_requests": 12.0,
+    "lm_eval_pd": 110.0,
+    "pd_teardown": 3.0,
+    "pd_phase": 190.0,
+    "wall": 350.0,
 }
 
 
@@ -23,7 +33,9 @@ def test_parallel_launches_count_once_and_the_rest_is_harness_time():
     assert not b.within_target and TARGET_HARNESS_SHARE == 0.03
     items = {i.name: i for i in b.items}
     assert items["decode launch->ready"].counted_s == 60 and items["prefill launch->ready"].counted_s == 0
-    assert b.by_category == pytest.approx({"launch_to_ready": 102.0, "requests": 22.0, "evaluation": 210.0, "teardown": 3.0})
+    assert b.by_category == pytest.approx(
+        {"launch_to_ready": 102.0, "requests": 22.0, "evaluation": 210.0, "teardown": 3.0}
+    )
 
 
 def test_phase_remainders_are_the_harness_work_inside_each_phase():
@@ -63,8 +75,18 @@ def test_failed_run_and_inconsistent_timings():
 def test_to_dict_and_render():
     b = breakdown(TIMINGS)
     d = b.to_dict()
-    assert {"wall_s", "items", "by_category_s", "phases", "external_s", "harness_own_s", "harness_own_share",
-            "target_share", "within_target", "notes"} <= set(d)
+    assert {
+        "wall_s",
+        "items",
+        "by_category_s",
+        "phases",
+        "external_s",
+        "harness_own_s",
+        "harness_own_share",
+        "target_share",
+        "within_target",
+        "notes",
+    } <= set(d)
     assert json.loads(json.dumps(d)) == d
     text = render(b, "runs/x/report.json")
     assert "harness own" in text and "MISSED" in text and "prefill launch->ready" in text
@@ -92,8 +114,14 @@ def test_staggered_gpu_launches_add_up():
 
 def test_several_servers_per_role_overlap():
     t = {k: v for k, v in TIMINGS.items() if not k.startswith(("prefill", "decode"))}
-    t.update({"prefill[0]_launch_to_ready": 30.0, "prefill[1]_launch_to_ready": 45.0, "decode[0]_launch_to_ready": 60.0,
-              "decode[1]_launch_to_ready": 20.0})
+    t.update(
+        {
+            "prefill[0]_launch_to_ready": 30.0,
+            "prefill[1]_launch_to_ready": 45.0,
+            "decode[0]_launch_to_ready": 60.0,
+            "decode[1]_launch_to_ready": 20.0,
+        }
+    )
     b = breakdown(t)
     assert b.by_category["launch_to_ready"] == pytest.approx(40 + 60 + 2)
     assert len([i for i in b.items if i.category == "launch_to_ready"]) == 6

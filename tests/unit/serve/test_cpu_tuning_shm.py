@@ -69,6 +69,7 @@ def test_engine_idle_steps_sleep_longer_and_nothing_else_changes(monkeypatch, ca
         spec.loader.exec_module(mod)
         core = types.ModuleType("vllm.v1.engine.core")
         import time
+
         core.time = time
         slept = []
         monkeypatch.setattr(time, "sleep", slept.append)

@@ -23,12 +23,14 @@ from tests.helpers import FULL, processes_tagged
 @contextlib.contextmanager
 def bound_elsewhere(port: int, host: str):
     """``port`` bound and listening by an unrelated child process (not the harness, no lock file)."""
-    code = ("import socket, sys, time\n"
-            "s = socket.socket()\n"
-            f"s.bind(({host!r}, {port}))\n"
-            "s.listen()\n"
-            "print('bound', flush=True)\n"
-            "time.sleep(120)\n")
+    code = (
+        "import socket, sys, time\n"
+        "s = socket.socket()\n"
+        f"s.bind(({host!r}, {port}))\n"
+        "s.listen()\n"
+        "print('bound', flush=True)\n"
+        "time.sleep(120)\n"
+    )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "bound"
@@ -52,9 +54,8 @@ def test_a_port_bound_by_another_program_is_never_handed_out(tmp_path, host):
                     assert alloc.port() == free
                     with pytest.raises(PortExhausted):
                         alloc.port()  # the only other port is the bound one
-            with PortAllocator(lock_dir=tmp_path, port_range=(busy, busy + 2)) as alloc:
-                with pytest.raises(PortExhausted):
-                    alloc.block(2)  # a block never spans the bound port either
+            with PortAllocator(lock_dir=tmp_path, port_range=(busy, busy + 2)) as alloc, pytest.raises(PortExhausted):
+                alloc.block(2)  # a block never spans the bound port either
         # Once the other program is gone, the port is free again.
         with PortAllocator(lock_dir=tmp_path, port_range=(busy, busy + 2)) as alloc:
             assert alloc.block(2).base == busy
@@ -118,10 +119,17 @@ def test_many_proxy_start_stop_cycles_leak_no_process_port_or_fd(tmp_path):
             assert time.monotonic() - t0 < CYCLES_BOUND_S, f"only {i} of {CYCLES} cycles in {CYCLES_BOUND_S} s"
             with PortAllocator(lock_dir=lock_dir) as alloc, contextlib.ExitStack() as stack:
                 port = alloc.port()
-                backend = ManagedProcess(ProcessSpec(
-                    name="backend", argv=[sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
-                    log_path=logs / "backend.log", env={RUN_TAG_ENV: str(logs)}, health_url=f"http://127.0.0.1:{port}/",
-                    ready_timeout_s=60, stop_grace_s=10))
+                backend = ManagedProcess(
+                    ProcessSpec(
+                        name="backend",
+                        argv=[sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                        log_path=logs / "backend.log",
+                        env={RUN_TAG_ENV: str(logs)},
+                        health_url=f"http://127.0.0.1:{port}/",
+                        ready_timeout_s=60,
+                        stop_grace_s=10,
+                    )
+                )
                 url = f"http://127.0.0.1:{port}"
                 proxy, proxy_url = make_proxy(sys.executable, alloc, [url], [url], logs, timeout_s=5)
                 ports |= {port, int(proxy_url.rsplit(":", 1)[1])}

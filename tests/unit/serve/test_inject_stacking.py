@@ -71,8 +71,14 @@ def test_digest_fault_and_tuning_hooks_stack(tmp_path, worker, probe):
         "PD_HARNESS_KV_DIGEST_SIDE": "decode",
         "PD_HARNESS_FAULT_KV_SCALE": "1.5",
     }
-    out = subprocess.run([sys.executable, "-c", probe.format(mod=mod)], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", probe.format(mod=mod)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "calls ['register', 'inner']" in out.stdout, out.stdout + out.stderr[-2000:]
     assert "digest saw the worker True" in out.stdout and "fault kept caches True" in out.stdout

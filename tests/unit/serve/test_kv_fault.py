@@ -71,7 +71,9 @@ def test_received_blocks_of_the_first_layer_are_scaled_and_logged(fault, capsys)
     w.next_results = Results({"r1", "r2"}, {"r2"})
     w.get_transfer_results()
     first = caches["layers.0"]
-    assert torch.all(first[:, [1, 3]] == 2.0) and torch.all(first[:, [0, 2, 4, 5]] == 1.0), "only r1's blocks, both K and V"
+    assert torch.all(first[:, [1, 3]] == 2.0) and torch.all(first[:, [0, 2, 4, 5]] == 1.0), (
+        "only r1's blocks, both K and V"
+    )
     assert torch.all(caches["layers.1"] == 1.0), "the other layers are untouched"
     err = capsys.readouterr().err
     assert "scaled the received KV of layer layers.0 by 2.0: 2 blocks of request r1" in err and "r2" not in err

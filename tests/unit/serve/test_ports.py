@@ -33,12 +33,12 @@ def test_two_allocators_never_collide(tmp_path):
 
 def test_other_process_holding_lock_is_respected(tmp_path):
     code = (
-        "import sys,time; sys.path.insert(0, %r)\n"
+        "import sys,time; sys.path.insert(0, {!r})\n"
         "from harness.serve.ports import PortAllocator\n"
-        "a = PortAllocator(lock_dir=%r, port_range=(32100, 32110))\n"
+        "a = PortAllocator(lock_dir={!r}, port_range=(32100, 32110))\n"
         "ports = [a.port() for _ in range(10)]\n"
         "print('held', flush=True); time.sleep(30)\n"
-    ) % (str(__import__('pathlib').Path(__file__).resolve().parents[3]), str(tmp_path))
+    ).format(str(__import__("pathlib").Path(__file__).resolve().parents[3]), str(tmp_path))
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "held"

@@ -28,8 +28,15 @@ def alloc(tmp_path):
 
 
 def server(tmp_path, port, delay=0.0, name="srv", **kw):
-    return ManagedProcess(ProcessSpec(name=name, argv=[sys.executable, "-c", SERVER, str(port), str(delay)],
-                                      log_path=tmp_path / "logs" / f"{name}.log", health_url=f"http://127.0.0.1:{port}/", **kw))
+    return ManagedProcess(
+        ProcessSpec(
+            name=name,
+            argv=[sys.executable, "-c", SERVER, str(port), str(delay)],
+            log_path=tmp_path / "logs" / f"{name}.log",
+            health_url=f"http://127.0.0.1:{port}/",
+            **kw,
+        )
+    )
 
 
 def test_ready_then_torn_down_with_log(tmp_path, alloc):
@@ -42,8 +49,15 @@ def test_ready_then_torn_down_with_log(tmp_path, alloc):
 
 
 def test_dead_process_fails_at_once_with_exit_code_and_tail(tmp_path):
-    p = ManagedProcess(ProcessSpec("bad", [sys.executable, "-c", "print('boom: config error'); raise SystemExit(3)"],
-                                   tmp_path / "bad.log", health_url="http://127.0.0.1:9/", ready_timeout_s=60))
+    p = ManagedProcess(
+        ProcessSpec(
+            "bad",
+            [sys.executable, "-c", "print('boom: config error'); raise SystemExit(3)"],
+            tmp_path / "bad.log",
+            health_url="http://127.0.0.1:9/",
+            ready_timeout_s=60,
+        )
+    )
     t0 = time.monotonic()
     with pytest.raises(ProcessFailed) as e, p:
         p.wait_ready()
@@ -53,8 +67,15 @@ def test_dead_process_fails_at_once_with_exit_code_and_tail(tmp_path):
 
 def test_fatal_log_pattern_fails_readiness_even_if_alive(tmp_path):
     code = "import time; print('EngineCore failed to start.', flush=True); time.sleep(60)"
-    p = ManagedProcess(ProcessSpec("fatal", [sys.executable, "-c", code], tmp_path / "f.log",
-                                   health_url="http://127.0.0.1:9/", fatal_patterns=[r"EngineCore failed to start"]))
+    p = ManagedProcess(
+        ProcessSpec(
+            "fatal",
+            [sys.executable, "-c", code],
+            tmp_path / "f.log",
+            health_url="http://127.0.0.1:9/",
+            fatal_patterns=[r"EngineCore failed to start"],
+        )
+    )
     with pytest.raises(ProcessFailed, match="fatal log line"), p:
         p.wait_ready()
     assert not p.alive()
@@ -91,10 +112,13 @@ def test_failed_start_tears_down_the_others(tmp_path, alloc):
     import contextlib
 
     good = server(tmp_path, alloc.port(), name="good")
-    bad = ManagedProcess(ProcessSpec("bad", [sys.executable, "-c", "raise SystemExit(1)"], tmp_path / "b.log", health_url="http://127.0.0.1:9/"))
-    with pytest.raises(ProcessFailed, match="bad"):
-        with contextlib.ExitStack() as stack:
-            start_all([good, bad], stack, timeout_s=30)
+    bad = ManagedProcess(
+        ProcessSpec(
+            "bad", [sys.executable, "-c", "raise SystemExit(1)"], tmp_path / "b.log", health_url="http://127.0.0.1:9/"
+        )
+    )
+    with pytest.raises(ProcessFailed, match="bad"), contextlib.ExitStack() as stack:
+        start_all([good, bad], stack, timeout_s=30)
     assert not good.alive() and good.leftover_pids() == []
 
 
@@ -112,13 +136,19 @@ def test_a_retried_failure_is_fatal_only_once_it_has_come_back_n_times(tmp_path)
     (its log line as vLLM writes it) fails it, naming the line."""
     from harness.checks.classify import HANDSHAKE_FAILURES_FATAL, REPEATED_FATAL
 
-    line = ("ERROR 12-05 10:00:00 [base_worker.py:1261] NIXL transfer failure: handshake_setup_failed | "
-            "Context: {'remote_engine_id': 'e1'}")
+    line = (
+        "ERROR 12-05 10:00:00 [base_worker.py:1261] NIXL transfer failure: handshake_setup_failed | "
+        "Context: {'remote_engine_id': 'e1'}"
+    )
     go = tmp_path / "go"
-    code = (f"import os, time; [print({line!r}, flush=True) for _ in range({HANDSHAKE_FAILURES_FATAL - 1})]\n"
-            f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
-            f"print({line!r}, flush=True); time.sleep(60)")
-    p = ManagedProcess(ProcessSpec("d", [sys.executable, "-c", code], tmp_path / "d.log", repeated_fatal=REPEATED_FATAL))
+    code = (
+        f"import os, time; [print({line!r}, flush=True) for _ in range({HANDSHAKE_FAILURES_FATAL - 1})]\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+        f"print({line!r}, flush=True); time.sleep(60)"
+    )
+    p = ManagedProcess(
+        ProcessSpec("d", [sys.executable, "-c", code], tmp_path / "d.log", repeated_fatal=REPEATED_FATAL)
+    )
     with p:
         deadline = time.monotonic() + 20
         while p.log_tail().count("handshake_setup_failed") < HANDSHAKE_FAILURES_FATAL - 1:

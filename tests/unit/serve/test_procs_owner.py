@@ -80,10 +80,17 @@ def test_the_sweep_stops_what_a_gone_harness_left_and_nothing_else(spawned, monk
 
 def test_the_sweep_never_stops_the_harness_itself(tmp_path, spawned):
     """A harness started by a harness that is gone (a nightly step, say) carries the dead tag itself."""
-    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from harness.serve.procs import orphans\n"
-            "print(os.getpid() in orphans())")
-    got = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[3])], capture_output=True,
-                         text=True, timeout=60, env={**os.environ, OWNER_ENV: dead_harness_tag(spawned)})
+    code = (
+        "import os, sys; sys.path.insert(0, sys.argv[1]); from harness.serve.procs import orphans\n"
+        "print(os.getpid() in orphans())"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", code, str(Path(__file__).resolve().parents[3])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, OWNER_ENV: dead_harness_tag(spawned)},
+    )
     assert got.stdout.strip() == "False", got.stderr
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from harness.serve.prometheus import first_present, metric_sum, parse_metrics
 
-TEXT = '''# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV Cache transfers.
+TEXT = """# HELP vllm:nixl_xfer_time_seconds Histogram of transfer duration for NIXL KV Cache transfers.
 # TYPE vllm:nixl_xfer_time_seconds histogram
 vllm:nixl_xfer_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 3.0
 vllm:nixl_xfer_time_seconds_count{engine="0",model_name="m"} 3.0
@@ -15,7 +15,7 @@ vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compu
 weird{a="x\\"y,z",b="back\\\\slash"} NaN 1700000000
 inf_metric -Inf
 
-'''
+"""
 
 
 def test_parse_and_sum():
@@ -38,7 +38,10 @@ def test_escapes_nan_inf_and_timestamp():
 
 def test_first_present_follows_renames():
     s = parse_metrics(TEXT)
-    assert first_present(s, ["vllm:old_name", "vllm:nixl_num_failed_transfers_total"]) == ("vllm:nixl_num_failed_transfers_total", 0.0)
+    assert first_present(s, ["vllm:old_name", "vllm:nixl_num_failed_transfers_total"]) == (
+        "vllm:nixl_num_failed_transfers_total",
+        0.0,
+    )
     assert first_present(s, ["a", "b"]) is None
 
 

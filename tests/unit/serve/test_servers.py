@@ -54,7 +54,10 @@ def fake():
 
 def test_endpoint_names_are_unique_per_role():
     assert [e.name for e in endpoints("decode", ["http://a/", "http://b"])] == ["decode[0]", "decode[1]"]
-    assert endpoints("prefill", ["http://a/"])[0].url == "http://a" and endpoints("prefill", ["http://a/"])[0].name == "prefill"
+    assert (
+        endpoints("prefill", ["http://a/"])[0].url == "http://a"
+        and endpoints("prefill", ["http://a/"])[0].name == "prefill"
+    )
 
 
 def test_attached_servers_ready_and_alive(fake):

@@ -27,8 +27,13 @@ def test_a_block_size_failure_shrinks_to_p1_d1_with_unequal_blocks():
     r = shrink(START, "output-mismatch", probe)
     assert r.minimal == Settings(1, 1, 32, 64, False, 0, None) and r.cut is None
     verdicts = {a.axis: a.verdict for a in r.axes}
-    assert verdicts == {"load": "irrelevant", "prefix cache": "irrelevant", "KV dtype": "minimal", "TP": "irrelevant",
-                        "block sizes": "needed"}
+    assert verdicts == {
+        "load": "irrelevant",
+        "prefix cache": "irrelevant",
+        "KV dtype": "minimal",
+        "TP": "irrelevant",
+        "block sizes": "needed",
+    }
     needed = next(a for a in r.axes if a.axis == "block sizes")
     assert needed.words.startswith("needs block_size_p 32 != block_size_d 64 (simpler: ")
     assert "block 32/32: ok" in needed.words and "block 64/64: ok" in needed.words
@@ -60,15 +65,38 @@ def test_settings_validate_when_built_and_become_e2e_flags():
     with pytest.raises(ValueError, match="TP sizes must be >= 1"):
         Settings(0, 1, None, None)
     assert Settings(2, 4, 32, 64, True, 0, "fp8").flags() == [
-        "--tp-p", "2", "--tp-d", "4", "--load-requests", "0", "--block-size-p", "32", "--block-size-d", "64",
-        "--kv-cache-dtype", "fp8", "--prefix-caching-d"]
+        "--tp-p",
+        "2",
+        "--tp-d",
+        "4",
+        "--load-requests",
+        "0",
+        "--block-size-p",
+        "32",
+        "--block-size-d",
+        "64",
+        "--kv-cache-dtype",
+        "fp8",
+        "--prefix-caching-d",
+    ]
 
 
 def report(top=None, **over):
-    cfg = {"tp_p": 1, "tp_d": 2, "block_size_p": 32, "block_size_d": 64, "device": "cpu", "python": "/venv/bin/python",
-           "model": None, "resolved_model": "/no/such/folder", "max_tokens": 16, "proxy_fault": "none",
-           "decode_kv_fault": None, "load": {"requests": 96},
-           "axes": {"prefix_caching_d": False, "kv_cache_dtype": None, "attention_backend": "CPU_MLA"}}
+    cfg = {
+        "tp_p": 1,
+        "tp_d": 2,
+        "block_size_p": 32,
+        "block_size_d": 64,
+        "device": "cpu",
+        "python": "/venv/bin/python",
+        "model": None,
+        "resolved_model": "/no/such/folder",
+        "max_tokens": 16,
+        "proxy_fault": "none",
+        "decode_kv_fault": None,
+        "load": {"requests": 96},
+        "axes": {"prefix_caching_d": False, "kv_cache_dtype": None, "attention_backend": "CPU_MLA"},
+    }
     cfg.update(over)
     return {"verdict": "fail", "failure": {"class": "output-mismatch"}, "config": cfg, **(top or {})}
 
@@ -78,10 +106,12 @@ def test_what_a_run_folder_gives_the_search_and_what_is_refused():
     assert cls == "output-mismatch" and start == Settings(1, 2, 32, 64, False, 96, None) and bad == ()
     assert carried[:2] == ["--device", "cpu"] and "--attention-backend" in carried and "CPU_MLA" in carried
     assert "--model" not in carried  # the run's default model: the probes build the same one
-    for top, cfg, said in (({"verdict": "pass", "failure": None}, {}, "the run passed"),
-                           ({}, {"attach": {"x": 1}}, "attach"),
-                           ({}, {"proxy_fault": "corrupt-block-ids"}, "injected fault"),
-                           ({"simulated": "SIMULATED"}, {}, "simulated")):
+    for top, cfg, said in (
+        ({"verdict": "pass", "failure": None}, {}, "the run passed"),
+        ({}, {"attach": {"x": 1}}, "attach"),
+        ({}, {"proxy_fault": "corrupt-block-ids"}, "injected fault"),
+        ({"simulated": "SIMULATED"}, {}, "simulated"),
+    ):
         with pytest.raises(ConfigError, match=said):
             start_of(report(top, **cfg))
 
@@ -90,8 +120,9 @@ def test_the_report_page_names_the_minimal_command(tmp_path):
     probe, _ = oracle(lambda s: "output-mismatch" if s.block_size_p != s.block_size_d else "ok")
     r = shrink(START, "output-mismatch", probe)
     md = render(r, ["--device", "cpu"], tmp_path)
-    assert ("`python -m harness e2e --device cpu --tp-p 1 --tp-d 1 --load-requests 0 --block-size-p 32 "
-            "--block-size-d 64`") in md
+    assert (
+        "`python -m harness e2e --device cpu --tp-p 1 --tp-d 1 --load-requests 0 --block-size-p 32 --block-size-d 64`"
+    ) in md
     assert "- **block sizes** (needed): needs block_size_p 32 != block_size_d 64" in md
     assert json.dumps(r.to_dict())  # shrink.json is plain JSON
 
@@ -108,10 +139,24 @@ def test_one_failing_prompt_alone_is_tried_shortest_first():
 
 def test_the_failing_prompts_of_a_run_come_shortest_first():
     d = report()
-    d["comparison"] = {"top_k": 5, "prompts": [
-        {"prompt_id": "p09-w32", "status": "mismatch", "max_logprob_delta": None, "divergence": {"position": 0}},
-        {"prompt_id": "p02-w3", "status": "mismatch", "max_logprob_delta": None, "divergence": {"position": 0}},
-        {"prompt_id": "p00-w1", "status": "exact", "max_logprob_delta": 0.0}]}
-    d["load"] = {"comparison": {"prompts": [{"prompt_id": "load001-t31", "status": "mismatch", "max_logprob_delta": 0.1,
-                                             "divergence": {"position": 0}}]}}
+    d["comparison"] = {
+        "top_k": 5,
+        "prompts": [
+            {"prompt_id": "p09-w32", "status": "mismatch", "max_logprob_delta": None, "divergence": {"position": 0}},
+            {"prompt_id": "p02-w3", "status": "mismatch", "max_logprob_delta": None, "divergence": {"position": 0}},
+            {"prompt_id": "p00-w1", "status": "exact", "max_logprob_delta": 0.0},
+        ],
+    }
+    d["load"] = {
+        "comparison": {
+            "prompts": [
+                {
+                    "prompt_id": "load001-t31",
+                    "status": "mismatch",
+                    "max_logprob_delta": 0.1,
+                    "divergence": {"position": 0},
+                }
+            ]
+        }
+    }
     assert start_of(d)[3] == ("p02-w3", "p09-w32")  # load requests are not sequential prompts

@@ -67,7 +67,9 @@ def test_yaml_names_absolute_data_files_and_builtin_gsm8k_settings(tmp_path):
     assert cfg["task"] == "gsm8k_offline" and cfg["output_type"] == "generate_until"
     assert cfg["doc_to_text"] == "Question: {{question}}\nAnswer:" and cfg["doc_to_target"] == " {{answer}}"
     assert cfg["generation_kwargs"] == {"until": ["Question:", "</s>", "\n\n"], "do_sample": False, "temperature": 0.0}
-    assert cfg["fewshot_split"] == "train" and cfg["fewshot_config"] == {"sampler": "first_n"} and cfg["num_fewshot"] == 3
+    assert (
+        cfg["fewshot_split"] == "train" and cfg["fewshot_config"] == {"sampler": "first_n"} and cfg["num_fewshot"] == 3
+    )
     strict = cfg["filter_list"][0]
     assert strict["name"] == "strict-match" and strict["filter"][0]["regex_pattern"] == r"#### (\-?[0-9\.\,]+)"
     assert cfg["metric_list"][0]["metric"] == "exact_match"

@@ -54,8 +54,14 @@ VLLM_REQUIRES = {
 
 
 def _file(name: str, version: str, tag: str = f"cp312-cp312-{PLATFORM}") -> IndexFile:
-    return IndexFile(f"{name.replace('-', '_')}-{version}-{tag}.whl", f"https://files.example/{name}-{version}.whl",
-                     1, None, None, False)
+    return IndexFile(
+        f"{name.replace('-', '_')}-{version}-{tag}.whl",
+        f"https://files.example/{name}-{version}.whl",
+        1,
+        None,
+        None,
+        False,
+    )
 
 
 class FakeIndex:
@@ -96,8 +102,16 @@ def _gpu_plan(chosen: str, index: FakeIndex) -> Plan:
 
 
 def _request(**kw) -> Request:
-    args = dict(out=None, device="gpu", python_version="3.12", platform=PLATFORM, resolver_python=sys.executable,
-                sources=Sources(), torch="2.14.0+cu130", dry_run=True)
+    args = dict(
+        out=None,
+        device="gpu",
+        python_version="3.12",
+        platform=PLATFORM,
+        resolver_python=sys.executable,
+        sources=Sources(),
+        torch="2.14.0+cu130",
+        dry_run=True,
+    )
     return Request(**{**args, **kw})
 
 
@@ -144,8 +158,12 @@ def test_an_unservable_pin_names_why_and_the_older_release_pip_confirms(pip_aske
 
 def test_when_pip_disagrees_the_next_release_is_tried_and_the_asks_are_bounded(pip_asked):
     index = FakeIndex({**VLLM_REQUIRES, "0.32.0": ["torch==2.14.0", "numpy"]})  # as if 0.32.0 pinned torch 2.14 too
-    pip_asked.answers.update({"0.33.0": "pip finds no distribution of x==1 for that target",
-                              "0.32.0": "pip finds no distribution of y==2 for that target"})
+    pip_asked.answers.update(
+        {
+            "0.33.0": "pip finds no distribution of x==1 for that target",
+            "0.32.0": "pip finds no distribution of y==2 for that target",
+        }
+    )
     _, got, _ = _error(_gpu_plan("0.34.0", index), index)
     assert isinstance(got, ReleaseUnavailable) and got.suggestion is None
     assert len(pip_asked.asked) == build.MAX_PIP_CONFIRMS
@@ -165,8 +183,14 @@ def test_a_failure_that_is_not_the_releases_doing_is_left_as_it_was(pip_asked):
 
 
 def test_the_suggested_command_keeps_the_request(pip_asked):
-    req = _request(out=Path("/data/wh"), dry_run=False, freeze_file="/tmp/freeze.txt", drop_kernels=("fa2",),
-                   stubs=("tilelang",), sources=Sources("https://mirror/simple", ("https://extra/simple",), ("/w",)))
+    req = _request(
+        out=Path("/data/wh"),
+        dry_run=False,
+        freeze_file="/tmp/freeze.txt",
+        drop_kernels=("fa2",),
+        stubs=("tilelang",),
+        sources=Sources("https://mirror/simple", ("https://extra/simple",), ("/w",)),
+    )
     assert build.command_line(req, "0.33.0") == (
         "python -m harness wheelhouse --out /data/wh --image-freeze /tmp/freeze.txt --python 3.12 --platform "
         f"{PLATFORM} --vllm 0.33.0 --drop-kernels fa2 --stub tilelang --index-url https://mirror/simple "
@@ -178,11 +202,27 @@ def test_the_command_says_it_on_one_line_and_exits_1(monkeypatch, capsys):
     from harness.cli import main
 
     def refuse(req):
-        raise ReleaseUnavailable("vllm 0.34.0 cannot be installed ...; vllm 0.33.0 can: python -m harness ...",
-                                 "0.33.0")
+        raise ReleaseUnavailable(
+            "vllm 0.34.0 cannot be installed ...; vllm 0.33.0 can: python -m harness ...", "0.33.0"
+        )
 
     monkeypatch.setattr(build, "build", refuse)
-    assert main(["wheelhouse", "--dry-run", "--torch", "2.14.0+cu130", "--python", "%d.%d" % sys.version_info[:2],
-                 "--platform", PLATFORM, "--resolver-python", sys.executable]) == 1
+    assert (
+        main(
+            [
+                "wheelhouse",
+                "--dry-run",
+                "--torch",
+                "2.14.0+cu130",
+                "--python",
+                "{}.{}".format(*sys.version_info[:2]),
+                "--platform",
+                PLATFORM,
+                "--resolver-python",
+                sys.executable,
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert err == "error: vllm 0.34.0 cannot be installed ...; vllm 0.33.0 can: python -m harness ...\n"

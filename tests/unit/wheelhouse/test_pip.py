@@ -10,8 +10,9 @@ from harness.wheelhouse.pip import Sources, isolated_env
 
 
 def test_pip_runs_without_this_machines_config():
-    env = isolated_env({"PIP_FIND_LINKS": "/opt/wheels", "PIP_INDEX_URL": "file:///x", "PIP_CERT": "/ca.pem",
-                        "HOME": "/root"})
+    env = isolated_env(
+        {"PIP_FIND_LINKS": "/opt/wheels", "PIP_INDEX_URL": "file:///x", "PIP_CERT": "/ca.pem", "HOME": "/root"}
+    )
     assert env["PIP_CONFIG_FILE"] == os.devnull
     assert "PIP_FIND_LINKS" not in env and "PIP_INDEX_URL" not in env
     assert env["PIP_CERT"] == "/ca.pem" and env["HOME"] == "/root"

@@ -91,8 +91,11 @@ def test_torch_image_leaves_out_torch_what_it_pins_and_what_only_it_needs(graph)
 
 
 def test_freeze_image_leaves_out_what_satisfies_every_requirement(graph):
-    freeze = wh.parse_freeze("torch==2.11.0+cu130\ntyping_extensions==4.9.0\nnumpy==" + graph.dists["numpy"].version +
-                             "\nsympy==1.13.3\nsomething-else==1.0\n")
+    freeze = wh.parse_freeze(
+        "torch==2.11.0+cu130\ntyping_extensions==4.9.0\nnumpy=="
+        + graph.dists["numpy"].version
+        + "\nsympy==1.13.3\nsomething-else==1.0\n"
+    )
     kept, left = wh.split_by_image(graph, freeze, ROOTS, {})
     left_names = {x.name for x in left}
     kept_by = {k.name: k for k in kept}
@@ -105,8 +108,10 @@ def test_freeze_image_leaves_out_what_satisfies_every_requirement(graph):
 
 
 def test_parse_freeze():
-    got = wh.parse_freeze("# comment\nTorch==2.11.0+cu130\nmy_pkg @ file:///build/my_pkg-1.0-py3-none-any.whl\n"
-                          "-e git+https://x/y#egg=y\nzipp===3.20\nnumba\n")
+    got = wh.parse_freeze(
+        "# comment\nTorch==2.11.0+cu130\nmy_pkg @ file:///build/my_pkg-1.0-py3-none-any.whl\n"
+        "-e git+https://x/y#egg=y\nzipp===3.20\nnumba\n"
+    )
     assert got == {"torch": "2.11.0+cu130", "my-pkg": None, "zipp": "3.20", "numba": None}
     with pytest.raises(ConfigError, match="not a `name==version` line"):
         wh.parse_freeze("numpy>=1\n")
@@ -121,12 +126,17 @@ def test_an_image_package_of_unknown_version_does_only_where_no_version_is_asked
 
 
 def test_harness_pins_that_vllm_excludes_are_reported():
-    dists = [wh.Dist("transformers", "5.5.3", ("tokenizers<0.23,>=0.22",)), wh.Dist("tokenizers", "0.22.2", ()),
-             wh.Dist("requests", "2.34.2", ()), wh.Dist("vllm", "0.26.0", ("transformers>=5.5.3", "requests>=2.26"))]
+    dists = [
+        wh.Dist("transformers", "5.5.3", ("tokenizers<0.23,>=0.22",)),
+        wh.Dist("tokenizers", "0.22.2", ()),
+        wh.Dist("requests", "2.34.2", ()),
+        wh.Dist("vllm", "0.26.0", ("transformers>=5.5.3", "requests>=2.26")),
+    ]
     g = wh.build_graph(dists, ENV, ["vllm==0.26.0", "tokenizers", "requests"])
     got = wh.pin_conflicts(["tokenizers==0.23.3", "requests==2.34.2"], g)
     assert [(c.pin, c.resolved, c.needed_by) for c in got] == [
-        ("tokenizers==0.23.3", "0.22.2", ("transformers: tokenizers<0.23,>=0.22",))]
+        ("tokenizers==0.23.3", "0.22.2", ("transformers: tokenizers<0.23,>=0.22",))
+    ]
     assert wh.unpin("lm_eval[api]==0.4.13") == "lm_eval[api]"
 
 
@@ -138,15 +148,19 @@ def test_extras_switch_on_requirements(graph):
 
 
 def test_closure_check_finds_what_the_folder_and_image_lack():
-    wheels = {"app": ("1.0", ["lib>=2", "torch==2.11.0", "extra-only; extra == 'x'",
-                              "win-only; sys_platform == 'win32'"]),
-              "lib": ("2.1", ["six; python_version > '3.11'"]), "six": ("1.17.0", [])}
+    wheels = {
+        "app": ("1.0", ["lib>=2", "torch==2.11.0", "extra-only; extra == 'x'", "win-only; sys_platform == 'win32'"]),
+        "lib": ("2.1", ["six; python_version > '3.11'"]),
+        "six": ("1.17.0", []),
+    }
     image = {"torch": "2.11.0+cu130"}
     assert wh.check_closure(["app==1.0"], wheels, image, ENV) == []
-    assert wh.check_closure(["app==1.0"], {k: v for k, v in wheels.items() if k != "six"}, image, ENV) == \
-        ["lib 2.1 needs six: not in the folder, not in the image"]
-    assert wh.check_closure(["app==1.0"], wheels, {"torch": "2.13.0"}, ENV) == \
-        ["app 1.0 needs torch==2.11.0, the image has torch 2.13.0"]
+    assert wh.check_closure(["app==1.0"], {k: v for k, v in wheels.items() if k != "six"}, image, ENV) == [
+        "lib 2.1 needs six: not in the folder, not in the image"
+    ]
+    assert wh.check_closure(["app==1.0"], wheels, {"torch": "2.13.0"}, ENV) == [
+        "app 1.0 needs torch==2.11.0, the image has torch 2.13.0"
+    ]
     assert "extra-only" in wh.check_closure(["app[x]==1.0"], wheels, image, ENV)[0]
     # A dist installed with --no-deps: its requirements are not followed (nixl's on both CUDA backends).
     assert wh.check_closure(["app==1.0"], {"app": wheels["app"]}, image, ENV, no_deps={"app"}) == []
@@ -200,8 +214,10 @@ def served(name: str) -> list:
 def test_unserved_names_the_requirement_and_what_the_index_has_near_it():
     got = wh.unserved(RELEASES[0][1], ENV, served)
     assert got == wh.Unserved("flashinfer-python==0.7.3", ("0.7.2.post1", "0.7.4"))
-    assert got.why() == ("it needs flashinfer-python==0.7.3, which the index does not serve for that target "
-                         "(nearest there: 0.7.2.post1, 0.7.4)")
+    assert got.why() == (
+        "it needs flashinfer-python==0.7.3, which the index does not serve for that target "
+        "(nearest there: 0.7.2.post1, 0.7.4)"
+    )
     assert wh.unserved(RELEASES[2][1], ENV, served) is None
     # Requirements that do not apply on the target are not looked at; a project the index lacks has no near versions.
     assert wh.unserved(["win-only; sys_platform == 'win32'", "flashinfer-python[x]>=0.7"], ENV, served) is None
@@ -245,8 +261,10 @@ def test_the_search_is_bounded_and_lazy():
 
 
 def test_the_advice_says_why_and_which_release_can_with_the_command():
-    checked = [wh.ReleaseCheck("0.33.1", "==2.14.0", "it needs flashinfer-python==0.7.3, which ..."),
-               wh.ReleaseCheck("0.33.0", "==2.14.0", None)]
+    checked = [
+        wh.ReleaseCheck("0.33.1", "==2.14.0", "it needs flashinfer-python==0.7.3, which ..."),
+        wh.ReleaseCheck("0.33.0", "==2.14.0", None),
+    ]
     why = wh.Unserved("flashinfer-python==0.7.3", ("0.7.2.post1", "0.7.4")).why()
     cmd = "python -m harness wheelhouse --dry-run --torch 2.14.0+cu130 --vllm 0.33.0"
     msg = wh.release_advice("0.34.0", "2.14.0+cu130", "python 3.12 manylinux_2_31_x86_64", why, checked, "0.33.0", cmd)

@@ -14,8 +14,11 @@ from tests.unit.wheelhouse.wheels import make_wheel
 
 
 def test_drop_kernels_repacks_the_wheel_and_its_record(tmp_path):
-    files = {"vllm/__init__.py": b"x = 1\n", "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"\0" * 5000,
-             "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"\1" * 3000}
+    files = {
+        "vllm/__init__.py": b"x = 1\n",
+        "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": b"\0" * 5000,
+        "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": b"\1" * 3000,
+    }
     w = make_wheel(tmp_path, "vllm", "0.26.0", files=files)
     dropped = drop_files(w, kernel_patterns(("fa2",)))
     assert [(d.path, d.size) for d in dropped] == [("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", 5000)]

@@ -54,7 +54,7 @@ def write_manifest(folder: Path, wheels: list[Path], roots: list[str], left_out:
         entries.append(
             {"name": name, "version": version, "file": p.name, "sha256": sha256_of(p), "size": p.stat().st_size}
         )
-    py = "%d.%d" % sys.version_info[:2]
+    py = "{}.{}".format(*sys.version_info[:2])
     (folder / "manifest.json").write_text(
         json.dumps(
             {

@@ -30,8 +30,18 @@ class FakeServer:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i in range(body["max_tokens"]):
-                chunk = {"choices": [{"text": f"t{i} ", "finish_reason": "length" if i == body["max_tokens"] - 1 else None,
-                                      "logprobs": {"tokens": [f"token_id:{100 + i}"], "top_logprobs": [{f"token_id:{100 + i}": -0.5}]}}]}
+                chunk = {
+                    "choices": [
+                        {
+                            "text": f"t{i} ",
+                            "finish_reason": "length" if i == body["max_tokens"] - 1 else None,
+                            "logprobs": {
+                                "tokens": [f"token_id:{100 + i}"],
+                                "top_logprobs": [{f"token_id:{100 + i}": -0.5}],
+                            },
+                        }
+                    ]
+                }
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 await asyncio.sleep(0.02)
             await resp.write(b'data: {"choices": [], "usage": {"prompt_tokens": %d}}\n\n' % len(body["prompt"]))
@@ -98,7 +108,9 @@ def test_a_decode_abort_closes_the_stream_after_k_tokens(server):
 def test_a_prefill_abort_closes_before_any_answer(server):
     fake, url = server
     req = LoadRequest("slow-start", 4, "other", 4, abort="prefill")
-    run = run_load(url, "m", [req], {"slow-start": [1, 2, 3, 4]}, GenerationSettings(), 1, prefill_abort_s=0.1, run_tag="x-")
+    run = run_load(
+        url, "m", [req], {"slow-start": [1, 2, 3, 4]}, GenerationSettings(), 1, prefill_abort_s=0.1, run_tag="x-"
+    )
     o = run.outcomes[0]
     assert o.status == "aborted" and "before any answer" in o.detail
     assert wait_until(lambda: "x-slow-start" in fake.cut)
@@ -106,8 +118,13 @@ def test_a_prefill_abort_closes_before_any_answer(server):
 
 def test_a_reference_server_gets_no_abort_requests(server):
     fake, url = server
-    reqs = [LoadRequest("keep", 2, "other", 2), LoadRequest("drop", 2, "other", 2, abort="decode", abort_after_tokens=1)]
-    run = run_load(url, "m", reqs, {"keep": [1, 2], "drop": [1, 2]}, GenerationSettings(), 2, run_tag="ref-", with_aborts=False)
+    reqs = [
+        LoadRequest("keep", 2, "other", 2),
+        LoadRequest("drop", 2, "other", 2, abort="decode", abort_after_tokens=1),
+    ]
+    run = run_load(
+        url, "m", reqs, {"keep": [1, 2], "drop": [1, 2]}, GenerationSettings(), 2, run_tag="ref-", with_aborts=False
+    )
     assert [o.status for o in run.outcomes] == ["ok", "skipped"]
     assert "ref-drop" not in fake.bodies
 

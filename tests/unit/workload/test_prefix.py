@@ -33,7 +33,7 @@ def test_case_prompts_share_exactly_what_the_plan_says():
     by_id = {c.id: c for c in cases}
     for c in cases:
         assert len(prompts[c.id]) == c.length
-    assert prompts["pfx-partial"][:2 * bs] == prompts["pfx-3bs-cold"][:2 * bs]
+    assert prompts["pfx-partial"][: 2 * bs] == prompts["pfx-3bs-cold"][: 2 * bs]
     assert prompts["pfx-partial"][2 * bs] != prompts["pfx-3bs-cold"][2 * bs]
     assert prompts["pfx-3bs-again"] == prompts["pfx-3bs-cold"] and by_id["pfx-3bs-again"].scenario == "full-hit"
 
@@ -43,9 +43,18 @@ def test_expected_split_matches_what_vllm_032_measured():
     b = 32
     x, y, z, short = seq(0, 4 * b), seq(10_000, 3 * b + 1), seq(20_000, 3 * b - 1), seq(30_000, 5)
     tail = seq(40_000, 10)
-    got = expected_sources([x, x, x[:2 * b] + tail, y, y, z, z, short, short], b)
-    assert got == [Expected(0, 128), Expected(96, 32), Expected(64, 10), Expected(0, 97), Expected(96, 1),
-                   Expected(0, 95), Expected(64, 31), Expected(0, 5), Expected(0, 5)]
+    got = expected_sources([x, x, x[: 2 * b] + tail, y, y, z, z, short, short], b)
+    assert got == [
+        Expected(0, 128),
+        Expected(96, 32),
+        Expected(64, 10),
+        Expected(0, 97),
+        Expected(96, 1),
+        Expected(0, 95),
+        Expected(64, 31),
+        Expected(0, 5),
+        Expected(0, 5),
+    ]
 
 
 def test_a_hit_never_covers_the_whole_prompt():

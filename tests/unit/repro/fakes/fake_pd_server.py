@@ -29,8 +29,18 @@ else:
 max_life = float(os.environ.get("FAKE_PD_MAX_LIFE_S", "120"))
 child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({max_life})"])
 with open(os.environ["FAKE_PD_RECORD"], "a") as f:  # what the test checks: the argv and env each server got
-    f.write(json.dumps({"role": role, "argv": args, "pid": os.getpid(), "child": child.pid,
-                        "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "PD_HARNESS_", "PYTHONPATH"))}}) + "\n")
+    f.write(
+        json.dumps(
+            {
+                "role": role,
+                "argv": args,
+                "pid": os.getpid(),
+                "child": child.pid,
+                "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "PD_HARNESS_", "PYTHONPATH"))},
+            }
+        )
+        + "\n"
+    )
 print(f"fake {role} server on 127.0.0.1:{port}", flush=True)
 
 
@@ -42,12 +52,22 @@ def write_digest(request_id, ids):
     import pd_kv_digest  # the bundle's copy: on PYTHONPATH through repro.sh's hooks/ folder
 
     n = len(ids)
-    d = np.array([[[[sum(ids[: p + 1]) * 1009 + s * 101 + h * 11 + 1 for p in range(n)] for h in range(2)]
-                   for s in range(2)]], dtype=np.int64)
+    d = np.array(
+        [[[[sum(ids[: p + 1]) * 1009 + s * 101 + h * 11 + 1 for p in range(n)] for h in range(2)] for s in range(2)]],
+        dtype=np.int64,
+    )
     if role == "consumer" and os.environ.get("FAKE_PD_KV_SWAP") == "1":
         d = d[:, :, ::-1, :].copy()
-    pd_kv_digest.write_record(0, request_id, ["model.layers.0.self_attn.attn"], ["K", "V"], [0, 1], np.arange(n), d,
-                              {"block_size": 4, "num_tokens": n})
+    pd_kv_digest.write_record(
+        0,
+        request_id,
+        ["model.layers.0.self_attn.attn"],
+        ["K", "V"],
+        [0, 1],
+        np.arange(n),
+        d,
+        {"block_size": 4, "num_tokens": n},
+    )
 
 
 def completion(ids, n, wrong):
@@ -62,8 +82,10 @@ def completion(ids, n, wrong):
         top = {f"token_id:{t}": -0.1 + shift, f"token_id:{t + 1}": -2.5, f"token_id:{t + 2}": -3.5}
         toks.append(f"token_id:{t}")
         tops.append(top)
-    return {"choices": [{"text": " x" * n, "finish_reason": "length",
-                         "logprobs": {"tokens": toks, "top_logprobs": tops}}], "usage": {"prompt_tokens": len(ids)}}
+    return {
+        "choices": [{"text": " x" * n, "finish_reason": "length", "logprobs": {"tokens": toks, "top_logprobs": tops}}],
+        "usage": {"prompt_tokens": len(ids)},
+    }
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -84,8 +106,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         request_id = f"cmpl-{self.headers.get('X-Request-Id')}-0"  # vLLM's id of a completion holds the client's
         if self.path == "/tokenize":
             self._send(200, {"tokens": [1] + [len(w) for w in body["prompt"].split()], "count": 0})
-        elif role == "baseline" or (role == "consumer" and isinstance(body["prompt"], list)
-                                    and os.environ.get("FAKE_PD_ASSERT") != "1"):
+        elif role == "baseline" or (
+            role == "consumer" and isinstance(body["prompt"], list) and os.environ.get("FAKE_PD_ASSERT") != "1"
+        ):
             assert isinstance(body["prompt"], list), "prompts reach the servers as token ids"
             wrong = os.environ.get("FAKE_PD_WRONG", "") if role == "consumer" else ""
             if role == "baseline" and body["max_tokens"] == 1 and os.environ.get("FAKE_PD_BACKEND_SPLIT") == "1":
@@ -96,12 +119,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif role == "producer":
             assert body["max_tokens"] == 1 and kv.get("do_remote_decode") is True
             write_digest(request_id, body["prompt"] if isinstance(body["prompt"], list) else [1, 2, 3])
-            self._send(200, {"choices": [{"text": " a"}], "kv_transfer_params": {
-                "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1]], "remote_engine_id": "e",
-                "remote_host": "127.0.0.1", "remote_port": 1, "tp_size": 1}})
+            self._send(
+                200,
+                {
+                    "choices": [{"text": " a"}],
+                    "kv_transfer_params": {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_block_ids": [[1]],
+                        "remote_engine_id": "e",
+                        "remote_host": "127.0.0.1",
+                        "remote_port": 1,
+                        "tp_size": 1,
+                    },
+                },
+            )
         elif os.environ.get("FAKE_PD_ASSERT") == "1":
-            print("AssertionError: Remote P worker KV layer cache must be of shape [2, N, local_kv_heads*tp_ratio, "
-                  "page_size, head_dim] and same dtype.", flush=True)
+            print(
+                "AssertionError: Remote P worker KV layer cache must be of shape [2, N, local_kv_heads*tp_ratio, "
+                "page_size, head_dim] and same dtype.",
+                flush=True,
+            )
             self._send(500, {"error": {"message": "Internal server error"}})
         else:
             assert kv.get("do_remote_prefill") is True
