@@ -81,6 +81,10 @@ class Explore:
             return None if dry_run else base
         t0 = time.monotonic()
         ran = self.runner(p, self.version)
+        failure = ran.report.get("failure") or {}
+        if failure.get("source") == "preflight":  # refused before anything launched: not a run, not a finding
+            base.why = f"refused before launch: {failure.get('reason')}"
+            return base
         found = sig.signature_of(ran.observed, ran.report)
         verdict, why = sig.classify(
             ran.observed,

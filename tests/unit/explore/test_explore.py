@@ -112,3 +112,14 @@ def test_a_resumed_explore_runs_none_of_the_samples_it_has(tmp_path):
     assert len({r.sample["id"] for r in ex.results.samples}) == len(ex.results.samples) >= 8
     with pytest.raises(ConfigError, match="seed"):
         Results.open(tmp_path / "explore.json", 6, "0.32.0", resume=True)
+
+
+def test_a_sample_the_harness_refuses_before_launch_is_skipped_not_a_finding(tmp_path):
+    def refuse(p, version):
+        failure = {"class": "config-error", "source": "preflight", "reason": "block size 16 on this CPU"}
+        return Ran("config-error", {"verdict": "fail", "failure": failure, "checks": []}, f"/runs/{p.id}")
+
+    ex = new_explore(tmp_path, refuse)
+    assert explore(ex, Sampler(ex.space, 2), runs=2, hours=None) == 0  # nothing ran: the space is exhausted
+    assert findings(ex.results) == []
+    assert all(r.status == "skipped" and "refused before launch" in r.why for r in ex.results.samples)
