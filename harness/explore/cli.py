@@ -95,6 +95,8 @@ class Explore:
             self.edge,
             str(ran.report.get("reason") or ""),
             self.version,
+            s.model,
+            s.kv_heads,
         )
         return SampleResult(
             s.to_dict(),

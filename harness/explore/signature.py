@@ -37,14 +37,21 @@ def signature_of(observed: str, report: Mapping[str, Any]) -> Signature | None:
     return Signature(observed, tuple(failed))
 
 
-def known_edge_failure(edge: MatrixFile, outcome: str, settings: Mapping[str, Any]) -> str | None:
-    """The edge entry that records a known failure of ``outcome`` on settings the sample also has (None: none)."""
+def known_edge_failure(
+    edge: MatrixFile, outcome: str, settings: Mapping[str, Any], model: str | None = None, kv_heads: int | None = None
+) -> str | None:
+    """The edge entry that records a known failure of ``outcome`` on settings the sample also has: the same model
+    family (its K where both name one) with a subset of its settings, or, for an entry of another model, settings
+    of its own that the sample has (None: none)."""
     for e in edge.entries:
         kf = e.known_failure
         if kf is None or kf.cls != outcome:
             continue
         mine = e.settings()
-        if mine and all(settings.get(k) == v for k, v in mine.items()):
+        if not all(settings.get(k) == v for k, v in mine.items()):
+            continue
+        same_model = e.model == model and (e.kv_heads is None or kv_heads is None or e.kv_heads == kv_heads)
+        if same_model or mine:
             return e.id
     return None
 
@@ -58,6 +65,8 @@ def classify(
     edge: MatrixFile,
     text: str = "",
     version: str | None = None,
+    model: str | None = None,
+    kv_heads: int | None = None,
 ) -> tuple[str, str]:
     """(pass | expected | known | new, why)."""
     if signature is None:
@@ -67,7 +76,7 @@ def classify(
     reports = known.for_failure(observed, text, version)
     if reports:
         return KNOWN, known.line(reports)
-    entry = known_edge_failure(edge, observed, settings)
+    entry = known_edge_failure(edge, observed, settings, model, kv_heads)
     if entry:
         return KNOWN, f"the known failure of edge entry {entry} (configs/edge_cases.yaml)"
     return NEW, "no known upstream report or edge entry matches"

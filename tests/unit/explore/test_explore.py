@@ -123,3 +123,26 @@ def test_a_sample_the_harness_refuses_before_launch_is_skipped_not_a_finding(tmp
     assert explore(ex, Sampler(ex.space, 2), runs=2, hours=None) == 0  # nothing ran: the space is exhausted
     assert findings(ex.results) == []
     assert all(r.status == "skipped" and "refused before launch" in r.why for r in ex.results.samples)
+
+
+def test_a_failure_an_edge_entry_records_for_that_model_family_is_known_not_new():
+    from harness.explore.signature import KNOWN, NEW, Signature, classify
+    from harness.upstream.known import load_known
+
+    edge, _ = load_matrix(EDGE_YAML)
+    sig = Signature("logprob-mismatch", ("logprobs_match_baseline",))
+    settings = {"prefix_caching_d": True, "block_size_p": 32, "block_size_d": 32}
+    known = classify("logprob-mismatch", "ok", sig, settings, load_known(), edge, model="tiny-mistral", kv_heads=None)
+    assert known[0] == KNOWN and "edge-mistral" in known[1]  # the sliding-window finding's entries
+    other = classify("logprob-mismatch", "ok", sig, settings, load_known(), edge, model="tiny-qwen2", kv_heads=None)
+    assert other[0] == NEW
+    bs = classify(
+        "output-mismatch",
+        "ok",
+        Signature("output-mismatch", ()),
+        {"block_size_p": 32, "block_size_d": 64},
+        load_known(),
+        edge,
+        model="tiny-qwen3",
+    )
+    assert bs[0] == KNOWN  # the block-size finding's entries name the settings, whatever the model
