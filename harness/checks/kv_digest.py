@@ -21,6 +21,7 @@ from harness.checks.check import Check
 
 CHECK_NAME = "kv_digest_match"
 UNAVAILABLE = "unavailable"  # a server rank's file saying why it could not digest (its vLLM's internals)
+STATE_PARTS = ("conv-x", "conv-B", "conv-C", "ssm")  # a Mamba state's parts (serve/inject/pd_kv_state.py)
 MAX_EXPLAINED = 2000  # mismatches looked up among P's digests: enough to name a pattern, bounded on big models
 
 
@@ -42,6 +43,7 @@ class DigestRecord:
     skipped_layers: tuple[str, ...] = ()  # layers the hook does not digest (Mamba), by name
     window: int = 0  # a sliding-window group's window: only the positions it keeps are recorded
     num_tokens: int = 0  # the prompt's length: D's layer needs [left_out, num_tokens), each position received
+    kind: str = "kv"  # "state": a Mamba layer's per-request state, one row per channel or head, at position 0
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class Key:
     position: int
 
     def text(self) -> str:
+        if self.part in STATE_PARTS:
+            row = "head" if self.part == "ssm" else "channel"
+            return f"request {self.request_id}, {self.layer} {self.part} state, {row} {self.head}"
         return f"request {self.request_id}, {self.layer} {self.part}, head {self.head}, position {self.position}"
 
 
@@ -63,6 +68,8 @@ class DigestComparison:
     heads: set[int] = field(default_factory=set)
     compared: int = 0  # keys compared
     positions: int = 0  # (request, position) pairs compared
+    state_rows: int = 0  # Mamba state rows (conv channels, SSM heads) compared, over layers and requests
+    state_layers: set[str] = field(default_factory=set)
     left_out: int = 0
     differ: int = 0
     first: Key | None = None
@@ -107,6 +114,7 @@ def read_record(path: Path) -> DigestRecord:
             skipped_layers=tuple(sorted(meta.get("skipped_layers") or {})),
             window=int(meta.get("window", 0)),
             num_tokens=int(meta.get("num_tokens", 0)),
+            kind=str(meta.get("kind", "kv")),
         )
 
 
@@ -186,9 +194,15 @@ def explain(expected: Key, value: int, found: Key | None, block_size: int) -> tu
     off = found.position - expected.position
     shift = f" ({off:+d} tokens)" if off else ""
     if found.part != expected.part:
-        return "K/V swapped", f"P's {found.part} of head {found.head} position {found.position}{shift}"
+        if {found.part, expected.part} == {"K", "V"}:
+            return "K/V swapped", f"P's {found.part} of head {found.head} position {found.position}{shift}"
+        row = "head" if found.part == "ssm" else "channel" if found.part in STATE_PARTS else "head"
+        return "another part", f"P's {found.part} {row} {found.head}"
     if found.head != expected.head:
         where = "" if found.position == expected.position else f" position {found.position}"
+        if expected.part in STATE_PARTS:
+            row = "head" if expected.part == "ssm" else "channel"
+            return f"another {row}", f"P's {found.part} {row} {found.head}"
         return "another head", f"P's head {found.head}{where}"
     blocks = f" = {off // block_size:+d} blocks" if block_size and off % block_size == 0 else ""
     return "another position", f"P's position {found.position} ({off:+d} tokens{blocks})"
@@ -207,11 +221,17 @@ def compare(records: Sequence[DigestRecord]) -> DigestComparison:
         if r.request_id not in index.requests:
             out.unmatched_requests.append(r.request_id)
             continue
-        seen[r.request_id].update(int(p) for p in r.positions)
-        if not r.window:  # a sliding-window group's left out is the part before its window, not D's own compute
+        if r.kind == "state":
+            out.state_layers.update(r.layers)
+            out.state_rows += r.digest.size
+            seen.setdefault(r.request_id, set())
+        else:
+            seen[r.request_id].update(int(p) for p in r.positions)
+            out.layers.update(r.layers)
+            out.heads.update(r.heads)
+        # a sliding-window group's left out is the part before its window, not D's own compute (a state has none)
+        if not r.window and r.kind != "state":
             left[r.request_id] = max(left.get(r.request_id, 0), r.left_out)
-        out.layers.update(r.layers)
-        out.heads.update(r.heads)
         _missing(r, out, layer_pos, differing)
         for li, layer in enumerate(r.layers):
             for si, part in enumerate(r.parts):
@@ -290,9 +310,16 @@ def check(result: DigestComparison) -> Check:
         "differ": result.differ,
         "hook_seconds": {k: round(v, 4) for k, v in sorted(result.seconds.items())},
     }
+    if result.state_rows:
+        data["state_layers"] = len(result.state_layers)
+        data["state_rows"] = result.state_rows
+        counts += (
+            f"; {len(result.state_layers)} state layers: {result.state_rows} state rows compared "
+            f"(conv channels, SSM heads)"
+        )
     if result.skipped_layers:
         data["layers_not_digested"] = sorted(result.skipped_layers)
-        counts += f"; {len(result.skipped_layers)} layers not digested (state layers)"
+        counts += f"; {len(result.skipped_layers)} layers not digested"
     if result.unmatched_requests:
         data["unmatched_requests"] = result.unmatched_requests[:20]
     if result.requests == 0:
@@ -315,7 +342,10 @@ def check(result: DigestComparison) -> Check:
     data["holds"] = dict(result.holds)
     data["differing_requests"] = result.differing_requests
     data["by_layer"] = {k: {"differ": n, "positions": [a, b]} for k, (n, a, b) in result.by_layer.items()}
-    layers = "; ".join(f"{k}: {n} at positions {a}-{b}" for k, (n, a, b) in sorted(result.by_layer.items()))
+    layers = "; ".join(
+        f"{k}: {n} state rows" if k in result.state_layers else f"{k}: {n} at positions {a}-{b}"
+        for k, (n, a, b) in sorted(result.by_layer.items())
+    )
     holds = ", ".join(f"{k} {n}" for k, n in result.holds.most_common())
     assert result.first is not None
     detail = (

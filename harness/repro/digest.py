@@ -12,7 +12,7 @@ from pathlib import Path
 from harness.serve.vllm_cmd import INJECT_DIR
 
 HOOKS = "hooks"  # the bundle's folder of the servers' hooks, first on P's and D's PYTHONPATH
-HOOK_FILES = ("sitecustomize.py", "pd_kv_digest.py")
+HOOK_FILES = ("sitecustomize.py", "pd_kv_digest.py", "pd_kv_state.py")
 FAULT_MODULE = "pd_kv_fault.py"
 FAULT_ENV_PREFIX = "PD_HARNESS_FAULT_"
 # sitecustomize.py imports the fault module whatever the run did: a run without a fault gets this, not the fault code

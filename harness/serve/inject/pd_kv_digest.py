@@ -39,6 +39,25 @@ _LOCK = threading.Lock()
 _COUNT = [0]
 
 
+def _load_state_module():
+    """pd_kv_state.py, the file beside this one (the inject folder, or a repro bundle's hooks/), by path: this
+    module is also loaded by path, outside any package."""
+    import importlib.util
+
+    name = "pd_kv_state"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pd_kv_state.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+state = _load_state_module()
+
+
 def log(msg: str) -> None:
     print(f"[pd-harness digest] {msg}", file=sys.stderr, flush=True)
 
@@ -134,24 +153,33 @@ def window_of(worker, group: int) -> int:
     return int(getattr(spec, "sliding_window", 0) or 0) if "SlidingWindow" in type(spec).__name__ else 0
 
 
-def plan_layers(worker) -> tuple[dict[int, list[str]], dict[str, str]]:
-    """The layers to digest by transfer group (one record per group: its layers share positions), and the layers
-    left out with why."""
+def layer_spec(worker, name: str, group: int):
+    """A layer's own KV cache spec (the connector keeps one per layer), else its transfer group's."""
+    spec = (getattr(worker, "_layer_specs", None) or {}).get(name)
+    return spec if spec is not None else _spec(worker, group)
+
+
+def plan_layers(worker) -> tuple[dict[int, list[str]], dict[str, str], dict[int, list[str]]]:
+    """The attention layers to digest by transfer group (one record per group: its layers share positions), the
+    layers left out with why, and the state (Mamba) layers by transfer group (pd_kv_state.py)."""
     caches = _STATE.get("caches") or {}
     by_layer = getattr(worker.kv_cache_config, "transfer_group_index_by_layer", {})
     groups: dict[int, list[str]] = {}
+    states: dict[int, list[str]] = {}
     skipped: dict[str, str] = {}
     for name in sorted(caches, key=lambda s: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]):
         cache = caches[name]
         group = by_layer.get(name, 0)
-        kind = type(_spec(worker, group)).__name__
+        kind = type(layer_spec(worker, name, group)).__name__
         if not hasattr(cache, "dim") or cache.dim() != 4:
             skipped[name] = f"cache is not [blocks, heads, tokens, row] ({type(cache).__name__})"
-        elif "Mamba" in kind or "ChunkedLocal" in kind:
+        elif "Mamba" in kind:
+            states.setdefault(group, []).append(name)
+        elif "ChunkedLocal" in kind:
             skipped[name] = f"{kind} layers are not digested yet"
         else:
             groups.setdefault(group, []).append(name)
-    return groups, skipped
+    return groups, skipped, states
 
 
 def _read_plan(blocks: list[int], first_block: int, bs: int, start: int, n_tokens: int):
@@ -209,21 +237,23 @@ def write_record(rank: int, request_id: str, layers, parts, heads, positions, di
 
 
 def digest_request(worker, request_id: str, block_ids, layout, meta: dict) -> None:
-    """Digest one request on this rank, one record per transfer group. ``block_ids[g]``: kernel block ids of
-    transfer group g; ``layout(group, blocks, window)`` -> (blocks to read, offsets into their tokens, positions, left
-    out)."""
+    """Digest one request on this rank, one record per transfer group (and per state part). ``block_ids[g]``:
+    kernel block ids of transfer group g; ``layout(group, blocks, window)`` -> (blocks to read, offsets into their
+    tokens, positions, left out)."""
     import time
 
     import torch
 
-    groups, skipped = plan_layers(worker)
-    if not groups:
+    groups, skipped, states = plan_layers(worker)
+    state_plans = plan_states(worker, states, skipped)
+    if not groups and not state_plans:
         _unavailable(worker.tp_rank, f"no layer this hook can digest: {skipped}")
         return
     mla = bool(getattr(worker, "use_mla", False))
     cpu_attn = str(getattr(worker, "backend_name", "")).upper().startswith("CPU")
     tp = int(worker.world_size)
     total = 1 if mla else int(worker.model_config.get_total_num_kv_heads())
+    base = {**meta, "tp": tp, "skipped_layers": skipped, "backend": str(getattr(worker, "backend_name", ""))}
     for group, names in sorted(groups.items()):
         t0 = time.perf_counter()
         window = window_of(worker, group)
@@ -233,11 +263,55 @@ def digest_request(worker, request_id: str, block_ids, layout, meta: dict) -> No
             continue
         tensors = [digest_layer(_STATE["caches"][n], read, offsets, cpu_attn, mla).cpu() for n in names]
         heads = global_heads(worker.tp_rank, tp, total, tensors[0].shape[1], mla)
-        body = {**meta, "tp": tp, "skipped_layers": skipped, "backend": str(getattr(worker, "backend_name", ""))}
-        body.update(group=group, window=window, left_out=int(left_out))
+        body = {**base, "group": group, "window": window, "left_out": int(left_out)}
         body["seconds"] = time.perf_counter() - t0  # the hook's own time in the server's step (docs/kv-digest.md)
         parts = ["L"] if mla else ["K", "V"]
         write_record(worker.tp_rank, request_id, names, parts, heads, positions, torch.stack(tensors).numpy(), body)
+    for group, (names, plan, spec_blocks) in sorted(state_plans.items()):
+        blocks = list(block_ids[group]) if group < len(block_ids) else []
+        digest_states(worker.tp_rank, request_id, names, plan, state.state_block(blocks, spec_blocks), base, group)
+
+
+def plan_states(worker, states: dict[int, list[str]], skipped: dict[str, str]) -> dict:
+    """group -> (layers, StateLayout, speculative scratch blocks) of the state layers this hook can digest; the
+    others go into ``skipped`` with why."""
+    plans = {}
+    for group, names in states.items():
+        spec = layer_spec(worker, names[0], group)
+        plan = state.plan_state(
+            spec, worker.tp_rank, int(worker.world_size), state.n_groups_of(worker.model_config), conv_dim_first()
+        )
+        if isinstance(plan, str):
+            skipped.update((n, plan) for n in names)
+        else:
+            plans[group] = (names, plan, int(getattr(spec, "num_speculative_blocks", 0) or 0))
+    return plans
+
+
+def conv_dim_first() -> bool:
+    """vLLM's conv state layout: DS (channel-major) unless it says otherwise (NIXL's Mamba transfer requires DS)."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:
+        return True
+    return bool(is_conv_state_dim_first())
+
+
+def digest_states(rank: int, request_id: str, names, plan, block, base: dict, group: int) -> None:
+    """One record per state part: digest [layers, 1, rows, 1] of the request's state ``block`` of each layer."""
+    import time
+
+    import numpy as np
+
+    if block is None:
+        return
+    t0 = time.perf_counter()
+    per_layer = [state.digest_state(_STATE["caches"][n], block, plan, digest_rows) for n in names]
+    seconds = (time.perf_counter() - t0) / len(plan.parts)
+    for part in plan.parts:
+        digests = np.stack([d[part].cpu().numpy() for d in per_layer])[:, None, :, None]
+        body = {**base, "group": group, "kind": "state", "num_tokens": 0, "left_out": 0, "seconds": seconds}
+        write_record(rank, request_id, names, [part], plan.globals_[part], [state.STATE_POSITION], digests, body)
 
 
 def after_step(runner, scheduler_output) -> None:

@@ -174,7 +174,7 @@ def test_the_replays_p_and_d_digest_with_the_copied_hooks_and_the_plain_server_d
         } <= set(words[p])
     assert not [w for w in words["B"] if w.startswith("PD_HARNESS_KV_DIGEST") or "hooks" in w], words["B"]
     assert "PD_HARNESS_KV_DIGEST=" in env_words(sh, REPRO_KV_DIGEST="0")["P"]  # off: the hooks stay inert
-    for name in ("sitecustomize.py", "pd_kv_digest.py"):
+    for name in ("sitecustomize.py", "pd_kv_digest.py", "pd_kv_state.py"):  # the state half too
         assert (bundle / "hooks" / name).read_text() == (INJECT_DIR / name).read_text()
     stand_in = (bundle / "hooks" / "pd_kv_fault.py").read_text()  # the run injected no fault: no fault code
     assert "ARMED = False" in stand_in and "def " not in stand_in
