@@ -3,8 +3,10 @@ entries the other axes a run takes (block sizes, D's layout, KV dtype, D's prefi
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -12,7 +14,8 @@ from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
 from harness.models.config import ModelEntry, load_models, load_yaml, require_unique_ids
 from harness.models.topology import ModelShape
-from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes, speculative_problem
+from harness.run.config import E2EConfig
+from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 
 MATRIX_YAML = REPO_ROOT / "configs" / "gqa_replication.yaml"
 EDGE_YAML = REPO_ROOT / "configs" / "edge_cases.yaml"  # the edge-case matrix: axes beyond TP
@@ -75,12 +78,8 @@ class Axes(BaseModel):
     permute_local_kv_d: bool = False
     speculative_config: str | None = None  # JSON, every server (serve/axes.py)
     max_num_batched_tokens_p: int | None = Field(default=None, ge=1)
-
-    @model_validator(mode="after")
-    def _speculative(self) -> Axes:
-        if self.speculative_config is not None:
-            speculative_problem(self.speculative_config)
-        return self
+    # A value a run cannot take (a speculative_config without a "method", ...) is refused by E2EConfig.validate when
+    # the file is loaded (load_matrix), as e2e refuses the flag.
 
     def server_axes(self) -> ServerAxes:
         return ServerAxes(**self.model_dump())
@@ -117,6 +116,8 @@ class MatrixEntry(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> MatrixEntry:
+        """What only an entry says (its model, GPUs, expectations); what its run's config makes impossible (block
+        sizes that do not divide, an axis value) is E2EConfig.validate's, checked by load_matrix."""
         if self.kv_heads is not None and not self.model.startswith("tiny-"):
             raise ValueError("kv_heads is only for the tiny local models (tiny-*; other models have their own K)")
         if self.device == "gpu" and self.gpus is None:
@@ -125,8 +126,6 @@ class MatrixEntry(BaseModel):
             raise ValueError("a cpu entry takes no gpus")
         if self.device == "cpu" and self.axes.gpu_only():
             raise ValueError(f"{', '.join(self.axes.gpu_only())} is GPU-only: make it a gpu entry")
-        if self.block_size_p and self.block_size_d and self.block_size_d % self.block_size_p:
-            raise ValueError(f"block_size_p {self.block_size_p} must divide block_size_d {self.block_size_d}")
         if "unsupported" in (self.expected.pre_fix, self.expected.fixed) and not self.note:
             raise ValueError("an entry expecting unsupported needs a note saying what vLLM refuses")
         return self
@@ -201,19 +200,70 @@ def shape_of(entry: MatrixEntry, model: ModelEntry) -> ModelShape:
     )
 
 
+# The settings of an entry that are fields of the run's config; the others are its axes (ServerAxes).
+CONFIG_SETTINGS = ("block_size_p", "block_size_d", "kv_layout_d")
+
+
+def pair_config(
+    base: E2EConfig,
+    tp_p: int,
+    tp_d: int,
+    device: str,
+    settings: Mapping[str, Any],
+    model: str,
+    python: str,
+    run_dir: Path | None,
+) -> E2EConfig:
+    """The run of one pair: its TP sizes, device and settings (``MatrixEntry.settings``: block sizes, D's layout, the
+    axes) over ``base``, serving ``model`` from ``python``. matrix/run.py config_for runs a pair with it; load_matrix
+    judges every entry's with it."""
+    axes = dict(settings)
+    sizes = {k: axes.pop(k) for k in CONFIG_SETTINGS if k in axes}
+    return replace(
+        base,
+        tp_p=tp_p,
+        tp_d=tp_d,
+        model=model,
+        device=device,
+        python=python,
+        run_dir=run_dir,
+        axes=replace(base.axes, **axes),
+        **sizes,
+    )
+
+
+def entry_config(entry: MatrixEntry, model: ModelEntry, base: E2EConfig | None = None) -> E2EConfig:
+    """The config a pair of ``entry`` runs with over ``base`` (default: E2EConfig's defaults), the model's hub id
+    standing for the local model a CPU pair builds: nothing here reads the machine, so what ``validate()`` refuses of
+    it, the config itself makes impossible."""
+    base = base or E2EConfig()
+    hub = model.hub_id or model.id
+    return pair_config(base, entry.tp_p, entry.tp_d, entry.device, entry.settings(), hub, base.python, base.run_dir)
+
+
+def _entry_problem(path: Path, i: int, e: MatrixEntry, models: dict[str, ModelEntry]) -> str | None:
+    """What makes entry ``i`` impossible, as one line naming the file, the entry and the field or the run's own
+    refusal (E2EConfig.validate, as e2e says it of the same flags); None: it can run somewhere."""
+    if e.model not in models:
+        return f"{path}: entries.{i}.model: unknown model {e.model!r} (known: {', '.join(sorted(models))})"
+    k = e.kv_heads if e.kv_heads is not None else models[e.model].kv_heads
+    if models[e.model].attention_heads % k:
+        return f"{path}: entries.{i}.kv_heads: {k} does not divide {models[e.model].attention_heads} attention heads"
+    try:
+        entry_config(e, models[e.model]).validate()
+    except ConfigError as err:
+        return f"{path}: entries.{i} ({e.id}): {err}"
+    return None
+
+
 def load_matrix(path: Path = MATRIX_YAML) -> tuple[MatrixFile, dict[str, ModelEntry]]:
-    """The matrix and the models its entries name; any problem is one line naming the file and field."""
+    """The matrix and the models its entries name, each entry's run config validated before anything starts; any
+    problem is one line naming the file and the field or entry."""
     path = Path(path)
     matrix = load_yaml(path, MatrixFile)
     models = {m.id: m for m in load_models().models}
     for i, e in enumerate(matrix.entries):
-        if e.model not in models:
-            raise ConfigError(
-                f"{path}: entries.{i}.model: unknown model {e.model!r} (known: {', '.join(sorted(models))})"
-            )
-        k = e.kv_heads if e.kv_heads is not None else models[e.model].kv_heads
-        if models[e.model].attention_heads % k:
-            raise ConfigError(
-                f"{path}: entries.{i}.kv_heads: {k} does not divide {models[e.model].attention_heads} attention heads"
-            )
+        problem = _entry_problem(path, i, e, models)
+        if problem:
+            raise ConfigError(problem)
     return matrix, models

@@ -11,12 +11,13 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.core import progress
 from harness.core.files import write_atomic
 from harness.matrix import html as matrix_html
+from harness.matrix.config import pair_config
 from harness.matrix.plan import PlannedPair
 from harness.models.config import ModelEntry
 from harness.run.config import E2EConfig
@@ -165,20 +166,9 @@ def model_for(pair: PlannedPair, models: dict[str, ModelEntry]) -> str:
 
 
 def config_for(base: E2EConfig, pair: PlannedPair, model: str, python: str, run_dir: Path) -> E2EConfig:
-    """The run of one pair: the TP sizes and the entry's other settings over the matrix's base config."""
-    s = dict(pair.settings)
-    sizes = {k: s.pop(k) for k in ("block_size_p", "block_size_d", "kv_layout_d") if k in s}
-    return replace(
-        base,
-        tp_p=pair.tp_p,
-        tp_d=pair.tp_d,
-        model=model,
-        device=pair.device,
-        python=python,
-        run_dir=run_dir,
-        axes=replace(base.axes, **s),
-        **sizes,
-    )
+    """The run of one pair: the TP sizes and the entry's other settings over the matrix's base config (load_matrix
+    validated each entry's through the same pair_config)."""
+    return pair_config(base, pair.tp_p, pair.tp_d, pair.device, pair.settings, model, python, run_dir)
 
 
 def new_matrix_dir(runs_root: Path) -> Path:

@@ -87,11 +87,12 @@ def serving_python(version: str | None, default: str) -> str:
 
 
 def e2e_config(argv: Sequence[str], python: str) -> E2EConfig:
-    """The config an e2e step's run builds from its arguments and this environment (harness/cli.py config_from_args),
-    served by ``python``: without installing its version's environment or claiming its run folder."""
-    from harness.cli import build_parser, config_from_args
+    """The config an e2e step's run builds from its arguments and this environment (harness/e2e/args.py
+    config_from_args, what `python -m harness e2e` runs), served by ``python``: without installing its version's
+    environment or claiming its run folder."""
+    from harness.e2e.args import config_from_args, e2e_parser
 
-    a = build_parser().parse_args(list(argv))
+    a = e2e_parser().parse_args(list(argv))
     run_dir, a.run_dir, a.vllm_version = a.run_dir, None, None  # ensure_env and the folder's claim: the run's own
     env = {k: v for k, v in os.environ.items() if k != "VLLM_VERSION"}
     return replace(config_from_args(a, env), run_dir=run_dir, python=python)
