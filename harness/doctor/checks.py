@@ -1,15 +1,17 @@
 """The doctor's checks (pure): each reads the ``Inventory`` and gives lines, ok or problem with the one thing to do.
-A check this box cannot make (no GPU here) gives an ``unchecked`` line, never an ok."""
+A check this box cannot make (no GPU here) gives an ``unchecked`` line, never an ok; a probe the box gives no ground
+for (fewer than 2 GPUs for an all-reduce, a simulated box) a ``skipped`` line with the reason."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from harness.doctor import fabric
 from harness.doctor.driver import driver_problem
 from harness.doctor.inventory import Inventory
 from harness.gpu.plan import MAX_UTIL, PlanError, describe_gpus, model_memory, plan_gpus
 
-OK, PROBLEM, UNCHECKED = "ok", "problem", "unchecked"
+OK, PROBLEM, UNCHECKED, SKIPPED = "ok", "problem", "unchecked", "skipped"
 DISK_MARGIN_GIB = 10.0  # logs, run folders, pip's unpacking
 
 
@@ -99,6 +101,64 @@ def check_driver(inv: Inventory) -> list[Line]:
     return out
 
 
+NCCL_WHAT, UCX_WHAT = "NCCL all-reduce", "NIXL UCX transports"
+P2P_TODO = (
+    f"run the doctor again with {fabric.P2P_ENV}=1: if it passes then, GPU peer-to-peer is what fails (check the "
+    "driver, and IOMMU/ACS in the BIOS); if not, check the driver (nvidia-smi) and rerun with NCCL_DEBUG=INFO"
+)
+
+
+def check_nccl(inv: Inventory) -> list[Line]:
+    """Two of the night's GPUs all-reduce through NCCL (what every TP group of a server does first)."""
+    s = inv.nccl
+    if s is None:
+        return []
+    if s.outcome == fabric.SKIPPED:
+        return [Line(SKIPPED, NCCL_WHAT, s.detail)]
+    p2p = f" with {fabric.P2P_ENV}=1" if s.p2p_disabled else ""
+    if s.outcome == fabric.PASSED:
+        untested = f"; peer-to-peer not tested ({fabric.P2P_ENV}=1 is set)" if s.p2p_disabled else ""
+        return [Line(OK, NCCL_WHAT, s.detail + untested)]
+    what = "hung" if s.outcome == fabric.HUNG else "failed"
+    todo = "check the driver (nvidia-smi) and rerun with NCCL_DEBUG=INFO" if s.p2p_disabled else P2P_TODO
+    return [Line(PROBLEM, NCCL_WHAT, f"{what}{p2p}: {s.detail}", todo)]
+
+
+def check_ucx(inv: Inventory) -> list[Line]:
+    """A NIXL agent with the UCX backend, and the transports KV takes: cuda_ipc and cuda_copy between this box's GPUs
+    (a problem when listed absent), rc between hosts (only said). Which source listed them is part of the line."""
+    s = inv.ucx
+    if s is None:
+        return []
+    if s.outcome == fabric.SKIPPED:
+        return [Line(SKIPPED, UCX_WHAT, s.detail)]
+    if s.outcome != fabric.PASSED:
+        return [Line(PROBLEM, UCX_WHAT, f"no NIXL agent with UCX: {s.detail}", "`make setup DEVICE=gpu` (nixl)")]
+    agent = f"NIXL agent with UCX made ({', '.join(s.mem_types) or 'no memory types reported'})"
+    if s.transports is None:
+        return [
+            Line(
+                UNCHECKED,
+                UCX_WHAT,
+                f"{agent}; cuda_ipc, cuda_copy, rc not listed: NIXL's API lists no transports and ucx_info is not "
+                f"on PATH; NIXL's UCX ships the modules {fabric.bundled_text(s.bundled)}",
+            )
+        ]
+    have = {t: fabric.has_transport(s.transports, t) for t in (*fabric.GPU_TRANSPORTS, fabric.HOST_TRANSPORT)}
+    said = ", ".join(f"{t} {'present' if ok else 'absent'}" for t, ok in have.items())
+    if not have[fabric.HOST_TRANSPORT]:
+        said += " (only KV between hosts needs rc)"
+    detail = f"{said}, from {s.source}; {agent}"
+    missing = [t for t in fabric.GPU_TRANSPORTS if not have[t]]
+    if missing:
+        todo = (
+            f"KV between this box's GPUs needs {' and '.join(missing)}: check the NVIDIA driver (nvidia-smi) and, "
+            "in a container, --ipc=host"
+        )
+        return [Line(PROBLEM, UCX_WHAT, detail, todo)]
+    return [Line(OK, UCX_WHAT, detail)]
+
+
 def check_envs(inv: Inventory) -> list[Line]:
     """lm-eval importable in every environment that serves an accuracy step (it runs with the serving interpreter)."""
     out = []
@@ -179,11 +239,13 @@ def check_disk(inv: Inventory) -> list[Line]:
 
 
 def diagnose(inv: Inventory) -> list[Line]:
-    """Every line, in the order a person fixes them: GPUs, driver, environments, models, dataset, disk."""
+    """Every line, in the order a person fixes them: GPUs, driver, fabric, environments, models, dataset, disk."""
     return [
         check_nvml(inv),
         *check_gpus(inv),
         *check_driver(inv),
+        *check_nccl(inv),
+        *check_ucx(inv),
         *check_envs(inv),
         *check_models(inv),
         check_dataset(inv),

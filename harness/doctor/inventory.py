@@ -1,5 +1,6 @@
 """The box as the doctor sees it: a small typed record (``Inventory``) that the pure checks (checks.py) read, and
-``gather``, which reads it from this machine (NVML, each environment's interpreter, the hub cache, the disk)."""
+``gather``, which reads it from this machine (NVML, each environment's interpreter, the GPU fabric through
+fabric.py's probes, the hub cache, the disk)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from harness.core.paths import REPO_ROOT
+from harness.doctor.fabric import FabricProbe, NcclState, SubprocessFabric, UcxState, probe_fabric
 from harness.doctor.needs import NightNeeds
 from harness.envs.manage import GIB, INSTALL_NEED_GIB
 from harness.gpu.nvml import Discovery
@@ -74,6 +76,8 @@ class Inventory:
     dataset_cached: bool = False
     token: bool = False  # a Hugging Face token is set (HF_TOKEN or the token file)
     disks: tuple[DiskState, ...] = ()
+    nccl: NcclState | None = None  # the two-GPU all-reduce (None: not probed, no line)
+    ucx: UcxState | None = None  # NIXL's UCX backend and transports (None: not probed, no line)
 
 
 def hf_token_set(env: Mapping[str, str]) -> bool:
@@ -148,8 +152,26 @@ def disks(models: list[ModelState], envs: list[EnvState], env: Mapping[str, str]
     return out
 
 
-def gather(needs: NightNeeds, env: Mapping[str, str] | None = None, nvml=None, root: Path = REPO_ROOT) -> Inventory:
-    """The box as it is (``nvml``: a stand-in module; PD_HARNESS_SIMULATED_GPUS is honoured as everywhere)."""
+def fabric_env(envs: list[EnvState], root: Path) -> tuple[EnvState | None, Path | None, str | None]:
+    """The environment the fabric is probed with (.venv when the night serves from it, else its first environment),
+    its interpreter, and why it cannot be (None: it can)."""
+    e = next((e for e in envs if e.name == ".venv"), envs[0] if envs else None)
+    if e is None or not e.installed:
+        return e, None, f"{e.name if e else '.venv'} is not installed: nothing to probe with"
+    if e.problem:
+        return e, None, f"{e.name}: {e.problem}"
+    return e, root / e.name / "bin" / "python", None
+
+
+def gather(
+    needs: NightNeeds,
+    env: Mapping[str, str] | None = None,
+    nvml=None,
+    root: Path = REPO_ROOT,
+    probe: FabricProbe | None = None,
+) -> Inventory:
+    """The box as it is (``nvml``: a stand-in module; PD_HARNESS_SIMULATED_GPUS is honoured as everywhere; ``probe``:
+    the fabric's, default the subprocesses of fabric.py with the probing environment's interpreter)."""
     from harness.accuracy.lm_eval import hub_dataset_reachable
     from harness.gpu.detect import has_nvidia_gpu
     from harness.gpu.nvml import discover
@@ -159,9 +181,22 @@ def gather(needs: NightNeeds, env: Mapping[str, str] | None = None, nvml=None, r
     present = nvml is not None or has_nvidia_gpu(env)
     d = discover(nvml, env) if present else Discovery(False, reason="no NVIDIA GPU on this machine")
     envs = night_envs(needs.versions, root)
+    fenv, python, why = fabric_env(envs, root)
+    if probe is None and python is not None:
+        probe = SubprocessFabric(python)
+    nccl, ucx = probe_fabric(d, present, why, bool(fenv and fenv.torch_cuda), probe, env)
     models = [model_state(m, env) for m in needs.models]
     # in the cache only: what the servers' HF_HUB_OFFLINE=1 world sees
     cached = hub_dataset_reachable(env, cache_root=hub_cache_dir(env), probe=lambda: False)
     return Inventory(
-        needs, d, present, tuple(envs), tuple(models), cached, hf_token_set(env), tuple(disks(models, envs, env, root))
+        needs,
+        d,
+        present,
+        tuple(envs),
+        tuple(models),
+        cached,
+        hf_token_set(env),
+        tuple(disks(models, envs, env, root)),
+        nccl,
+        ucx,
     )

@@ -149,7 +149,23 @@ def _checks_markdown(d: dict[str, Any]) -> list[str]:
         lines.append(f"| {c['name']} | {'pass' if c['passed'] else 'FAIL'} | {detail} |")
     for c in d.get("skipped_checks", []):
         lines.append(f"| {c['name']} | not checked | {c['reason']} |")
-    return lines
+    return lines + threshold_markdown(d)
+
+
+def threshold_markdown(d: dict[str, Any]) -> list[str]:
+    """Below the checks that compare logprobs against it: the threshold and where it came from (config
+    ``logprob_threshold_source``: given, calibrated <date> (<folder>) or default (<why>), run/thresholds.py)."""
+    cfg = d.get("config") or {}
+    source = cfg.get("logprob_threshold_source")
+    if not source:
+        return []
+    value = cfg.get("logprob_threshold")
+    if value is None:  # the device's default: the checks that used it say which
+        value = next(
+            (c["data"]["threshold"] for c in d.get("checks", []) if "threshold" in (c.get("data") or {})), None
+        )
+    shown = "the device's default" if value is None else f"{value:g}"
+    return ["", f"Logprob threshold {shown}, source: {source}."]
 
 
 def _failure_markdown(f: dict[str, Any] | None) -> list[str]:
