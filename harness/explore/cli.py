@@ -16,6 +16,7 @@ from harness.core.argtypes import non_negative_int, positive, positive_int
 from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.explore import signature as sig
+from harness.explore.follow_up import FindingFollowUp, FollowUp, real_follow_up, run_follow_ups
 from harness.explore.results import Results, SampleResult, render
 from harness.explore.sample import Sample, Sampler
 from harness.explore.space import SPACE_YAML, Space, entry_of, load_space
@@ -38,6 +39,14 @@ def add_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue the explore in --run-dir, skipping its samples")
     p.add_argument("--load-requests", type=non_negative_int, default=0, help="each sample's load phase (default 0)")
     p.add_argument("--dry-run", action="store_true", help="draw and plan the samples, run nothing, write nothing")
+    p.add_argument(
+        "--no-follow-up",
+        action="store_true",
+        help="for a new signature, skip the control without P/D, shrink and the repro bundle (recorded as skipped)",
+    )
+    p.add_argument(
+        "--shrink-probes", type=positive_int, default=8, help="a new signature's shrink: at most this many probe runs"
+    )
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,24 @@ class Explore:
     results: Results
     runner: Runner
     out: Any = sys.stdout
+    follow_up: FollowUp | None = None  # None: a new signature's follow-ups are recorded as skipped (--no-follow-up)
+
+    def follow(self) -> None:
+        """The pending follow-ups of every new signature, once per signature (from its first sample); each step is
+        saved as it ends. A second sample of a signature is counted in its finding, not followed up again."""
+        for r in self.results.samples:
+            if r.status != "ran" or r.verdict != sig.NEW or not r.signature:
+                continue
+            rec = self.results.follow_ups.get(r.signature)
+            if rec is None:
+                rec = FindingFollowUp(r.signature, r.sample["id"], r.outcome or "", r.run_dir)
+                self.results.follow_ups[r.signature] = rec
+            pending = rec.pending(self.follow_up is not None)
+            if not pending:
+                continue
+            if self.follow_up is not None:
+                print(f"explore: new {r.signature}: {', '.join(pending)} of {rec.sample}", file=self.out, flush=True)
+            run_follow_ups(rec, self.follow_up, self.results.save)
 
     def step(self, s: Sample, dry_run: bool = False) -> SampleResult | None:
         """Plan one sample and run it (or say why not); None on a dry run."""
@@ -118,6 +145,9 @@ def explore(ex: Explore, sampler: Sampler, runs: int | None, hours: float | None
     samples ran."""
     deadline = time.monotonic() + hours * 3600 if hours else None
     ran = repeats = 0
+    if not dry_run and ex.results.samples:  # a resumed explore first ends the follow-ups it was killed in
+        ex.follow()
+        write_atomic(ex.results.path.with_suffix(".md"), render(ex.results, ex.space))
     while (runs is None or ran < runs) and (deadline is None or time.monotonic() < deadline):
         s = sampler.draw()
         if ex.results.done(s.id):
@@ -133,6 +163,7 @@ def explore(ex: Explore, sampler: Sampler, runs: int | None, hours: float | None
             continue
         assert r is not None
         ex.results.add(r)
+        ex.follow()
         write_atomic(ex.results.path.with_suffix(".md"), render(ex.results, ex.space))
         ran += r.status == "ran"
         print(
@@ -187,13 +218,16 @@ def main(a: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"explore folder: {run_dir}", flush=True)
-    ex = Explore(space, edge, models, version, results, runner)
+    follow_up = None if a.no_follow_up else real_follow_up(a.shrink_probes)
+    ex = Explore(space, edge, models, version, results, runner, follow_up=follow_up)
     try:
         explore(ex, sampler, a.runs, a.hours, a.dry_run)
     except KeyboardInterrupt:
         print(f"interrupted; --resume continues it: {results.path}", file=sys.stderr)
         return 130
     if not a.dry_run:
+        if a.no_follow_up:
+            print("follow-ups of new signatures: skipped (--no-follow-up), recorded as such")
         print(f"report: {results.path.with_suffix('.md')}")
     return 0
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
+from harness.explore.follow_up import DONE, NEEDS_NO_PD, STEPS, FindingFollowUp
 from harness.explore.signature import EXPECTED, KNOWN, NEW, PASS, values_that_matter
 from harness.explore.space import Space
 
@@ -39,6 +40,7 @@ class Results:
     seed: int
     version: str
     samples: list[SampleResult] = field(default_factory=list)
+    follow_ups: dict[str, FindingFollowUp] = field(default_factory=dict)  # by signature: the new ones' follow-ups
 
     @classmethod
     def open(cls, path: Path, seed: int, version: str, resume: bool) -> Results:
@@ -48,6 +50,7 @@ class Results:
         try:
             d = json.loads(path.read_text())
             samples = [SampleResult(**s) for s in d["samples"]]
+            follow_ups = {f["signature"]: FindingFollowUp.from_dict(f) for f in d.get("follow_ups") or []}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"{path}: not an explore results file ({type(e).__name__}: {e})") from None
         if (d.get("seed"), d.get("version")) != (seed, version):
@@ -55,7 +58,7 @@ class Results:
                 f"{path} is of seed {d.get('seed')} on vLLM {d.get('version')}, not seed {seed} on {version}: "
                 "resume with the same --seed and version, or give a new --run-dir"
             )
-        return cls(path, seed, version, samples)
+        return cls(path, seed, version, samples, follow_ups)
 
     def done(self, sample_id: str) -> bool:
         return any(r.sample["id"] == sample_id for r in self.samples)
@@ -70,7 +73,13 @@ class Results:
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        d = {"format": FORMAT, "seed": self.seed, "version": self.version, "samples": [asdict(s) for s in self.samples]}
+        d = {
+            "format": FORMAT,
+            "seed": self.seed,
+            "version": self.version,
+            "samples": [asdict(s) for s in self.samples],
+            "follow_ups": [{**asdict(f), "pd": f.pd_words()} for f in self.follow_ups.values()],
+        }
         write_atomic(self.path, json.dumps(d, indent=1) + "\n")
 
 
@@ -93,10 +102,23 @@ def findings(results: Results) -> list[dict[str, Any]]:
                 "why": g[0].why,
                 "matters": values_that_matter([r.axis_values for r in g], passing),
                 "run_dir": g[0].run_dir,
+                "follow_up": results.follow_ups.get(str(sig)),
             }
         )
-    order = {NEW: 0, KNOWN: 1, EXPECTED: 2}
-    return sorted(rows, key=lambda x: (order.get(str(x["verdict"]), 3), -int(x["count"])))
+    return sorted(rows, key=lambda x: (_rank(x), -int(x["count"])))
+
+
+def pd_finding(row: dict[str, Any]) -> bool:
+    """A new finding that counts as a P/D one: not one whose control without P/D failed as the run did."""
+    fu = row.get("follow_up")
+    return row["verdict"] == NEW and not (fu is not None and fu.needs_pd is False)
+
+
+def _rank(row: dict[str, Any]) -> int:
+    """New P/D findings first, then new ones that need no P/D, known, expected."""
+    if row["verdict"] == NEW:
+        return 0 if pd_finding(row) else 1
+    return {KNOWN: 2, EXPECTED: 3}.get(str(row["verdict"]), 4)
 
 
 def pair_coverage(results: Results, space: Space) -> tuple[int, int]:
@@ -123,6 +145,7 @@ def render(results: Results, space: Space) -> str:
         "",
         f"{len(results.samples)} samples: {len(ran)} ran ({by[PASS]} pass, {by[EXPECTED]} expected, {by[KNOWN]} known, "
         f"{by[NEW]} new), {len(skipped)} skipped (vLLM refuses them, or this machine cannot run them).",
+        summary_line(results),
         f"Pairs of axis values run together: {seen} of {declared} the space declares.",
         "",
         "## Findings (new first)",
@@ -133,10 +156,14 @@ def render(results: Results, space: Space) -> str:
         lines.append("No sample failed.")
     for f in rows:
         matters = ", ".join(f"{k}={v}" for k, v in f["matters"].items()) or "none shared by every failing sample alone"
+        fu = f["follow_up"]
+        tag = f"{f['verdict']}, {NEEDS_NO_PD}" if f["verdict"] == NEW and not pd_finding(f) else f["verdict"]
         lines.append(
-            f"- **{f['verdict']}** `{f['signature']}` x{f['count']} (first {f['first']}, {f['run_dir']}): "
+            f"- **{tag}** `{f['signature']}` x{f['count']} (first {f['first']}, {f['run_dir']}): "
             f"values that matter: {matters}" + (f"; {f['why']}" if f["why"] else "")
         )
+        if fu is not None:
+            lines += follow_up_lines(fu)
     lines += ["", "## Coverage (samples run, by axis value)", ""]
     cov = Counter(kv for r in ran for kv in r.axis_values.items())
     for axis in sorted({a for a, _ in cov}):
@@ -145,6 +172,38 @@ def render(results: Results, space: Space) -> str:
         lines += ["", "## Skipped", ""]
         lines += [f"- {r.sample['id']}: {r.why}" for r in skipped]
     return "\n".join(lines) + "\n"
+
+
+def summary_line(results: Results) -> str:
+    """The findings by kind: a new one whose control without P/D fails alike is not counted as a P/D finding."""
+    rows = findings(results)
+    new = [f for f in rows if f["verdict"] == NEW]
+    pd = sum(pd_finding(f) for f in new)
+    by = Counter(f["verdict"] for f in rows)
+    return (
+        f"Findings (one per signature): {pd} new P/D finding(s), {len(new) - pd} new that need no P/D (the control "
+        f"without P/D fails alike), {by[KNOWN]} known, {by[EXPECTED]} expected."
+    )
+
+
+def follow_up_lines(fu: FindingFollowUp) -> list[str]:
+    """A new finding's follow-ups: each step's result, or why it did not run."""
+    lines = [f"  - P/D: {fu.pd_words()}"]
+    for name in STEPS:
+        s = fu.steps.get(name)
+        if s is None:
+            lines.append(f"  - {name}: not run yet (an interrupted explore: --resume runs it)")
+        elif s.status != DONE:
+            lines.append(f"  - {name}: {s.status}: {s.why}")
+        elif name == "control":
+            lines.append(f"  - control without P/D: {s.outcome} ({s.path})" + (f": {s.why}" if s.why else ""))
+        elif name == "shrink":
+            at = s.run_dir or "the sample's own run"
+            cut = f"; cut short: {s.why}" if s.why else ""
+            lines.append(f"  - shrink: smallest still failing: {s.outcome} ({at}; {s.path}){cut}")
+        else:
+            lines.append(f"  - {name}: {s.path}")
+    return lines
 
 
 def _w(v: Any) -> str:
