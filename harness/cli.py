@@ -99,6 +99,8 @@ def default_model_note(cfg: E2EConfig) -> str:
 def attach_from_args(a: argparse.Namespace):
     """The Attach spec when --prefill-url/--decode-url are given, else None."""
     if not (a.prefill_url or a.decode_url or a.baseline_url):
+        if getattr(a, "attached_kv_digest", None) is not None:
+            raise ConfigError("--attached-kv-digest is for attach mode (--prefill-url/--decode-url)")
         return None
     from harness.serve.servers import Attach
 
@@ -112,7 +114,15 @@ def attach_from_args(a: argparse.Namespace):
         return out
 
     baseline = urls(a.baseline_url, "--baseline-url")[0] if a.baseline_url else None
-    return Attach(urls(a.prefill_url, "--prefill-url"), urls(a.decode_url, "--decode-url"), baseline)
+    digest_dir = getattr(a, "attached_kv_digest", None)
+    if digest_dir is not None and not Path(digest_dir).is_dir():
+        raise ConfigError(f"--attached-kv-digest: no such folder: {digest_dir}")
+    return Attach(
+        urls(a.prefill_url, "--prefill-url"),
+        urls(a.decode_url, "--decode-url"),
+        baseline,
+        digest_dir=str(Path(digest_dir).resolve()) if digest_dir is not None else None,
+    )
 
 
 def attach_config(a: argparse.Namespace, attach, env=None):

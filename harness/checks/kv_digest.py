@@ -83,13 +83,19 @@ class DigestComparison:
     missing_first: Key | None = None  # the first position a layer needs that D did not receive
 
 
-def load(folder: Path) -> tuple[list[DigestRecord], list[str]]:
-    """Every record under ``folder`` (recursively) and every reason a rank gave for not digesting."""
+def record_files(folder: Path) -> frozenset[Path]:
+    """The record files under ``folder`` now (attach mode: what was there before a run is not the run's)."""
+    return frozenset(folder.rglob("*.npz")) if folder.is_dir() else frozenset()
+
+
+def load(folder: Path, before: frozenset[Path] = frozenset()) -> tuple[list[DigestRecord], list[str]]:
+    """Every record under ``folder`` (recursively) but those in ``before``, and every reason a rank gave for not
+    digesting."""
     records: list[DigestRecord] = []
     unavailable: list[str] = []
     if not folder.is_dir():
         return records, unavailable
-    for path in sorted(folder.rglob("*.npz")):
+    for path in sorted(set(folder.rglob("*.npz")) - before):
         records.append(read_record(path))
     for path in sorted(folder.rglob(f"{UNAVAILABLE}*.txt")):
         unavailable.append(f"{path.parent.name}/{path.stem}: {path.read_text().strip()}")

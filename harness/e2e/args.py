@@ -61,6 +61,11 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
         '"prompt_lookup_max":3}\') for every server, the baseline included',
     )
     g.add_argument(
+        "--compilation-config",
+        help='vLLM --compilation-config (JSON, e.g. \'{"custom_ops":["-rotary_embedding"]}\') for every server, '
+        "the baseline included",
+    )
+    g.add_argument(
         "--max-num-batched-tokens-p",
         type=positive_int,
         help="P's --max-num-batched-tokens: below a prompt's length P prefills in chunks",
@@ -125,6 +130,12 @@ def _e2e_where_args(e: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="attach mode: an attached server that answers no /health for this long is dead; until then it is "
         "unresponsive, and the run goes on (default: 30)",
+    )
+    g.add_argument(
+        "--attached-kv-digest",
+        metavar="DIR",
+        help="attach mode: the folder the attached P and D write KV digest records to (started with the hook: "
+        "docs/kv-digest.md#attach-mode); the records this run's requests add are compared",
     )
 
 
@@ -313,6 +324,7 @@ def config_from_args(
             permute_local_kv_d=a.permute_local_kv_d,
             speculative_config=a.speculative_config,
             max_num_batched_tokens_p=a.max_num_batched_tokens_p,
+            compilation_config=a.compilation_config,
         ),
     )
     cfg.validate()

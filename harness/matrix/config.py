@@ -78,6 +78,7 @@ class Axes(BaseModel):
     permute_local_kv_d: bool = False
     speculative_config: str | None = None  # JSON, every server (serve/axes.py)
     max_num_batched_tokens_p: int | None = Field(default=None, ge=1)
+    compilation_config: str | None = None  # JSON, every server (serve/axes.py)
     # A value a run cannot take (a speculative_config without a "method", ...) is refused by E2EConfig.validate when
     # the file is loaded (load_matrix), as e2e refuses the flag.
 

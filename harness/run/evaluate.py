@@ -176,13 +176,18 @@ def digest_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
     why = None
     if not ctx.cfg.kv_digest:
         why = "turned off (--no-kv-digest)"
-    elif pd.attached:
-        why = "attach mode: the attached servers were not started with the digest hook (docs/kv-digest.md)"
+    elif pd.attached and pd.digests is None:
+        why = (
+            "attach mode: no --attached-kv-digest folder given (servers started with the digest hook write one: "
+            "docs/kv-digest.md#attach-mode)"
+        )
     elif simulated.simulated(ctx):
         why = "stand-in servers compute no KV"
     records, unavailable = pd.digests if why is None and pd.digests is not None else ([], [])
     if why is None and unavailable:
         why = "the hook could not digest on this vLLM: " + "; ".join(unavailable)
+    elif why is None and not records and pd.attached:
+        why = "attach mode: the attached servers wrote no digest record during this run (started with the hook?)"
     elif why is None and not records:  # the hook never armed: this vLLM's NIXL worker is not the one it patches
         vllm = (ctx.report.versions or {}).get("vllm") or "?"
         why = f"no server wrote a digest record: the hook knows no NIXL worker in vLLM {vllm} to patch"

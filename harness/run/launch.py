@@ -165,6 +165,7 @@ def _spec(
         async_scheduling=cfg.axes.async_scheduling,
         attention_backend=cfg.axes.attention_backend,
         speculative_config=speculative_for(cfg.axes.speculative_config, model),
+        compilation_config=cfg.axes.compilation_config,
         max_num_batched_tokens=cfg.axes.max_num_batched_tokens_p if role == "prefill" else None,
         kv_buffer_device=cfg.axes.kv_buffer_device,
         prefix_caching=role == "decode" and cfg.axes.prefix_caching_d,

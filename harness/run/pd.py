@@ -10,6 +10,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import requests
 
@@ -17,7 +18,7 @@ from harness.accuracy.checks import check_through_pd
 from harness.accuracy.lm_eval import EvalRun
 from harness.checks import smoke, transfer
 from harness.checks.check import Check
-from harness.checks.kv_digest import DigestRecord
+from harness.checks.kv_digest import DigestRecord, record_files
 from harness.checks.kv_digest import load as load_digests
 from harness.checks.leak import (
     FAULT_CHECK_NAME,
@@ -85,6 +86,8 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
     t0 = time.monotonic()
     if ctx.gpu is not None:
         ctx.gpu.before("pd")
+    digest_dir = getattr(servers, "digest_dir", None) if servers.attached else None
+    earlier = record_files(Path(digest_dir)) if digest_dir else frozenset()  # another run's records are not this one's
     with contextlib.ExitStack() as stack:
         for role, secs in servers.start(stack).items():
             ctx.report.timings_s[f"{role}_launch_to_ready"] = secs
@@ -107,6 +110,8 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
     out.logs = servers.logs()  # after teardown, so the logs are complete
     if not servers.attached and ctx.cfg.kv_digest:
         out.digests = load_digests(ctx.run_dir / "kv_digest")  # after teardown, so every record is written
+    elif digest_dir and ctx.cfg.kv_digest:  # attached: written before each request's first token, so all are there
+        out.digests = load_digests(Path(digest_dir), earlier)
     return out
 
 

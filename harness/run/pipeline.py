@@ -119,7 +119,12 @@ class PDRun:
                 else phase("baseline", run_baseline, ctx, alloc, bs_d, binds[1], attached_baseline, self.baseline_cache)
             )
             servers = (
-                AttachedServers(self.attach.prefill_urls, self.attach.decode_urls, health_grace_s=cfg.health_grace_s)
+                AttachedServers(
+                    self.attach.prefill_urls,
+                    self.attach.decode_urls,
+                    health_grace_s=cfg.health_grace_s,
+                    digest_dir=self.attach.digest_dir,
+                )
                 if self.attach
                 else local_servers(ctx, alloc, (bs_p, bs_d), binds)
             )

@@ -30,6 +30,9 @@ class ServerAxes:
     speculative_config: str | None = None
     # P's --max-num-batched-tokens: below the prompt length, P prefills in chunks (D and the baseline keep theirs)
     max_num_batched_tokens_p: int | None = None
+    # --compilation-config (JSON) on every server, the baseline included: e.g. a custom op turned off (the CPU
+    # rotary-embedding op that mis-rotates MLA's strided views), so that an entry tests P/D and not that op
+    compilation_config: str | None = None
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -45,6 +48,8 @@ class ServerAxes:
 
         if self.speculative_config is not None:
             speculative_problem(self.speculative_config)
+        if self.compilation_config is not None:
+            json_object_problem("compilation_config", self.compilation_config)
         if self.max_num_batched_tokens_p is not None and self.max_num_batched_tokens_p < 1:
             raise ValueError(f"max_num_batched_tokens_p must be >= 1, got {self.max_num_batched_tokens_p!r}")
 
@@ -55,6 +60,17 @@ class ServerAxes:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def json_object_problem(name: str, text: str) -> dict:
+    """The JSON object ``text`` holds; ValueError (one line naming ``name``) when it is not one."""
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{name} is not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+    return obj
 
 
 def speculative_problem(text: str) -> None:

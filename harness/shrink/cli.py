@@ -77,6 +77,7 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
         ("--kv-buffer-device", axes.get("kv_buffer_device")),
         ("--speculative-config", axes.get("speculative_config")),
         ("--max-num-batched-tokens-p", axes.get("max_num_batched_tokens_p")),
+        ("--compilation-config", axes.get("compilation_config")),
     ):
         if value is not None:
             carried += [flag, str(value)]

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from harness.checks.transfer import XFER_COUNT
-from harness.run.launch import make_server
+from harness.run.launch import kv_digest_dir, make_server
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.prometheus import metric_sum, parse_metrics
@@ -96,7 +96,9 @@ def run_attached(ext, run_dir: Path, *extra: str, decode: str = "decode") -> tup
 
 
 def test_attach_mode_passes_against_external_servers(external, tmp_path):
-    proc, report = run_attached(external, tmp_path / "run")
+    # the external P and D were started with the digest hook (make_server's default): the run reads what they write
+    digests = kv_digest_dir(external["prefill"].proc.spec.log_path.parent, "prefill").parent
+    proc, report = run_attached(external, tmp_path / "run", "--attached-kv-digest", str(digests))
     assert report["verdict"] == "pass" and proc.returncode == 0, report.get("reason")
     checks = {c["name"]: c for c in report["checks"]}
     # the proof of transfer comes from the external servers' /metrics and the proxy
@@ -124,8 +126,11 @@ def test_attach_mode_passes_against_external_servers(external, tmp_path):
         "load_kv_blocks_reused",
         "no_usage_reporting",
         "kv_over_network",
-        "kv_digest_match",
     } and not skipped & set(checks)
+    # D's KV is P's, byte for byte, read from the records the attached servers wrote during this run
+    digest = checks["kv_digest_match"]
+    assert digest["passed"] and digest["data"]["requests"] >= report["config"]["prompts"], digest
+    assert report["config"]["attach"]["digest_dir"] == str(digests.resolve())
     # the leak check ran, in blocks, and said what it saw (an abort's lease hold is a pass it names)
     assert checks["no_kv_leak"]["data"]["outcome"] in ("idle", "lease-hold"), checks["no_kv_leak"]
     # the harness launched only its proxy, and named the servers it used

@@ -69,3 +69,26 @@ def test_model_in_a_speculative_config_is_the_runs_own_model(tmp_path):
     assert value(argv_of(cfg, "decode", tmp_path), "--speculative-config") == (
         '{"method":"draft_model","model":"/m","num_speculative_tokens":2}'
     )
+
+
+NOROPE = '{"custom_ops":["-rotary_embedding"]}'
+
+
+def test_a_compilation_config_reaches_every_server_the_baseline_included(tmp_path):
+    cfg = E2EConfig(python="python3", axes=ServerAxes(compilation_config=NOROPE))
+    for role in ("prefill", "decode", "baseline"):  # the baseline computes alike, so the comparison tests P/D only
+        assert value(argv_of(cfg, role, tmp_path / role), "--compilation-config") == NOROPE
+    assert "--compilation-config" not in argv_of(E2EConfig(python="python3"), "decode", tmp_path / "plain")
+
+
+def test_the_compilation_config_flag_and_entry_axis_are_validated_where_declared(tmp_path):
+    assert cli("--compilation-config", NOROPE).axes.set() == {"compilation_config": NOROPE}
+    for bad, says in (("{oops", "compilation_config is not JSON"), ('["-rotary_embedding"]', "JSON object")):
+        with pytest.raises(ConfigError, match=says):
+            cli("--compilation-config", bad)
+    head = "entries:\n  - id: x\n    model: tiny-llama\n    device: cpu\n    tp_p: 1\n    tp_d: 2\n"
+    tail = "    expected: {pre-fix: assert-45330, fixed: ok}\n"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(head + "    axes: {compilation_config: 'custom_ops'}\n" + tail)
+    with pytest.raises(ConfigError, match=r"entries\.0 \(x\): compilation_config is not JSON"):
+        load_matrix(bad)
