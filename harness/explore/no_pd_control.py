@@ -178,13 +178,16 @@ def serve_and_ask(
 
 
 def run_prompts(run_dir: Path) -> list[Prompt | TokenPrompt]:
-    """The run's sequential prompts (text) and prefix-cache scenarios (token ids), from its prompts.json."""
+    """The run's sequential prompts (text, or token ids for a model the harness did not make) and prefix-cache
+    scenarios (token ids), from its prompts.json."""
     try:
         data = json.loads((run_dir / PROMPTS_FILE).read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{run_dir / PROMPTS_FILE}: the run's prompts cannot be read ({e})") from None
     out: list[Prompt | TokenPrompt] = [
-        Prompt(str(k), str(v), len(str(v).split())) for k, v in (data.get("sequential") or {}).items()
+        # a model the harness did not make gets its sequential prompts as token ids (token-exact lengths)
+        TokenPrompt(str(k), [int(t) for t in v]) if isinstance(v, list) else Prompt(str(k), str(v), len(str(v).split()))
+        for k, v in (data.get("sequential") or {}).items()
     ]
     out += [TokenPrompt(str(k), [int(t) for t in v]) for k, v in (data.get("prefix") or {}).items()]
     if not out:

@@ -290,7 +290,8 @@ def key_inputs(
         "served_model_name": ctx.served_name,
         "python": python_identity(cfg.python),
         "cpu": cpu_identity(),
-        "prompts": [[p.id, p.text] for p in ctx.prompts],
+        # what is sent: the text (the harness's own models: keys as ever), or the model's token ids
+        "prompts": [[p.id, p.payload] for p in ctx.prompts],
         "generation": {**gen, "body": ctx.gen.body(ctx.served_name, "<prompt>")},
         "load": load,
         # D's prefix-cache scenarios (their prompts follow from the plan, the tokenizer and the seed, all keyed)

@@ -24,6 +24,7 @@ from harness.run.evaluate import evaluate
 from harness.run.launch import new_run_dir, resolve_model
 from harness.run.pd import local_servers, run_pd
 from harness.run.preflight import attached_baseline_gpu, preflight, require_model
+from harness.run.prompt_fit import model_prompts, selected_prompts
 from harness.run.prompts_file import write_prompts
 from harness.run.report import Report, write_report
 from harness.run.thresholds import ThresholdStore, apply_threshold
@@ -33,7 +34,6 @@ from harness.serve.ports import PortAllocator
 from harness.serve.servers import Attach, AttachedServers, card_max_model_len, model_card
 from harness.serve.vllm_cmd import plan_cpu_binding
 from harness.workload.client import GenerationSettings
-from harness.workload.prompts import Prompt, prompt_set
 from harness.workload.token_text import divergence_spans, load_decoder
 
 
@@ -175,7 +175,11 @@ class PDRun:
         config["resolved_model"] = ctx.model
         config["served_model_name"] = ctx.served_name
         heads = config["model_heads"] = model_heads(ctx.model)
+        # in the served model's own tokens where the harness did not make it (attach: what D serves)
+        built = model_prompts(cfg, ctx.model)
+        ctx.prompts = built.prompts
         config["prompts"] = len(ctx.prompts)
+        config["sequential_prompts"] = built.record()
         if (
             self.attach is None
         ):  # refuse what cannot run before anything starts (the CLI checked the same, if it was used)
@@ -226,9 +230,3 @@ def add_token_spans(ctx: RunContext, baseline: BaselineResult | None, pd) -> Non
         comp["token_spans"] = divergence_spans(comp["prompts"], ids, comp.get("texts", {}), decode)
     except Exception as e:  # a decoration of the report: never what decides a verdict, but said when it fails
         comp["token_spans_note"] = f"token spans could not be computed: {type(e).__name__}: {e}"
-
-
-def selected_prompts(cfg: E2EConfig) -> list[Prompt]:
-    """The sequential prompts of the run: every one, or those --prompts names (in the set's order)."""
-    prompts = prompt_set(cfg.seed)
-    return prompts if cfg.prompt_ids is None else [p for p in prompts if p.id in cfg.prompt_ids]

@@ -1,7 +1,9 @@
 """prompts.json in a run folder: every prompt the run sent, so that a repro bundle can replay any request of it.
 
-The sequential prompts are text (the servers tokenize them; the bundle asks the baseline's /tokenize and sends the
-ids to both sides); the load and prefix-cache prompts are already token ids (made with the served tokenizer).
+The sequential prompts are text for the harness's own models (the servers tokenize them; the bundle asks the
+baseline's /tokenize and sends the ids to both sides) and token ids for any other model (built to their intended
+lengths in its tokenizer, run/prompt_fit.py); ``sequential_tokens`` records each one's length in tokens where it is
+exact. The load and prefix-cache prompts are already token ids (made with the served tokenizer).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ PROMPTS_FILE = "prompts.json"
 
 def write_prompts(ctx: RunContext, run_dir: Path) -> None:
     data = {
-        "sequential": {p.id: p.text for p in ctx.prompts},
+        "sequential": {p.id: p.payload for p in ctx.prompts},
+        "sequential_tokens": {p.id: len(p.ids) for p in ctx.prompts if p.ids is not None},
         "load": dict(ctx.load_prompts),
         "prefix": dict(ctx.prefix_prompts),
     }

@@ -20,6 +20,10 @@ class TokenPrompt:
     id: str
     text: list[int]
 
+    @property
+    def payload(self) -> list[int]:
+        return self.text
+
 
 @dataclass(frozen=True)
 class GenerationSettings:
@@ -86,7 +90,10 @@ def run_completions(
             after = around(p.id) if around is not None else None
             try:
                 r = s.post(
-                    f"{base_url}/v1/completions", json=gen.body(model, p.text), headers=headers, timeout=gen.timeout_s
+                    f"{base_url}/v1/completions",
+                    json=gen.body(model, p.payload),
+                    headers=headers,
+                    timeout=gen.timeout_s,
                 )
             except requests.RequestException as e:
                 out.failures.append(RequestFailed(p.id, None, f"{type(e).__name__}: {e}"))

@@ -209,5 +209,8 @@ def test_the_control_sends_the_runs_sequential_prompts_and_prefix_scenarios(tmp_
     )
     prompts = run_prompts(tmp_path)
     assert [(p.id, p.text) for p in prompts] == [("s0", "a b c"), ("x0", [5, 6])]
+    # a model the harness did not make: its sequential prompts were sent as token ids, and are sent so again
+    (tmp_path / "prompts.json").write_text(json.dumps({"sequential": {"s0": [1, 7, 9]}}))
+    assert [(p.id, p.text) for p in run_prompts(tmp_path)] == [("s0", [1, 7, 9])]
     with pytest.raises(ConfigError, match="cannot be read"):
         run_prompts(tmp_path / "nowhere")
