@@ -115,8 +115,9 @@ def attach_from_args(a: argparse.Namespace):
 
     baseline = urls(a.baseline_url, "--baseline-url")[0] if a.baseline_url else None
     digest_dir = getattr(a, "attached_kv_digest", None)
-    if digest_dir is not None and not Path(digest_dir).is_dir():
-        raise ConfigError(f"--attached-kv-digest: no such folder: {digest_dir}")
+    # the hook makes its folder with its first record: a folder not there yet is fine, a file is not
+    if digest_dir is not None and Path(digest_dir).exists() and not Path(digest_dir).is_dir():
+        raise ConfigError(f"--attached-kv-digest: not a folder: {digest_dir}")
     return Attach(
         urls(a.prefill_url, "--prefill-url"),
         urls(a.decode_url, "--decode-url"),

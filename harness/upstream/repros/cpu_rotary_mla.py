@@ -57,8 +57,11 @@ def rotate(kernel: bool, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> int:
     ref_q, ref_k = rotate(kernel=False, layout="2d")
     worst = {}
-    for name, layout in (("[T, H*rope] (other attention layers)", "2d"), ("contiguous [T, H, rope]", "3d"),
-                         ("MLA's strided views", "mla")):
+    for name, layout in (
+        ("[T, H*rope] (other attention layers)", "2d"),
+        ("contiguous [T, H, rope]", "3d"),
+        ("MLA's strided views", "mla"),
+    ):
         q, k = rotate(kernel=True, layout=layout)
         worst[layout] = max(float((q - ref_q).abs().max()), float((k - ref_k).abs().max()))
         print(f"_C.rotary_embedding on {name}: max |difference| from forward_native = {worst[layout]:.3g}")
