@@ -12,6 +12,10 @@ def pytest_configure(config):
     # The CPU tests are CPU tests on any host: a command they run without --device takes cpu (harness/gpu/detect.py
     # default_device). GPU tests name --device gpu themselves.
     os.environ["PD_HARNESS_DEVICE"] = "cpu"  # the markers are in pyproject.toml
+    # As in `python -m harness`: a test that sets PD_HARNESS_SIMULATED_GPUS gets the simulated box from discovery.
+    from harness.simbox.box import install_source
+
+    install_source()
 
 
 def gpus_present() -> tuple[int, str]:

@@ -23,8 +23,8 @@ from typing import Protocol
 
 from harness.gpu.nvml import Discovery
 from harness.gpu.plan import CUDA_DEVICE_ORDER
-from harness.gpu.simulate import SIMULATED_ENV
 from harness.gpu.visible import ORDER_ENV, VISIBLE_ENV
+from harness.simbox.box import SIMULATED_ENV
 
 PASSED, FAILED, HUNG, SKIPPED = "passed", "failed", "hung", "skipped"
 NCCL_TIMEOUT_S = 120.0  # two ranks: CUDA and NCCL initialisation take seconds; a hang is what this bounds

@@ -2,7 +2,8 @@
 
 The count is the caller's: the GPUs of /proc/driver/nvidia/gpus (one folder per GPU, by PCI bus id, so in
 NVML's order) that its CUDA_VISIBLE_DEVICES names (visible.py; UUIDs are read from each GPU's
-``information`` file). PD_HARNESS_SIMULATED_GPUS, when set, answers from the simulated box instead.
+``information`` file). A source installed in NVML's place (source.py: the simulated box, when
+PD_HARNESS_SIMULATED_GPUS is set) answers instead.
 """
 
 from __future__ import annotations
@@ -12,24 +13,31 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from harness.core.errors import ConfigError
-from harness.gpu.simulate import simulated_box
+from harness.gpu.source import NvmlSource, source_for
 from harness.gpu.visible import VISIBLE_ENV, resolve_visible
 
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
-def _box(env: Mapping[str, str]):
-    try:
-        return simulated_box(env)
-    except ValueError:
-        return None  # a bad value is reported by NVML discovery (nvml.py), where a reason can be given
+def _source(env: Mapping[str, str]) -> NvmlSource | None:
+    src = source_for(env)
+    return src if src is not None and src.nvml is not None else None  # a setting that describes no GPUs: nvml.py
+
+
+def _source_uuids(src: NvmlSource) -> list[str] | None:
+    """The UUIDs of the source's GPUs, in NVML's order; None when its NVML cannot be read."""
+    from harness.gpu.nvml import read_host  # here, not above: the real path loads nothing of NVML's
+
+    host = read_host(src.nvml)
+    return None if isinstance(host, str) else [g.uuid for g in host[0]]
 
 
 def has_nvidia_gpu(env: Mapping[str, str] | None = None) -> bool:
     env = os.environ if env is None else env
-    box = _box(env)
-    if box is not None:
-        return box.unreadable or box.count > 0  # "unreadable": the driver's files are there, NVML fails
+    src = _source(env)
+    if src is not None:
+        uuids = _source_uuids(src)
+        return uuids is None or len(uuids) > 0  # unreadable: the driver's files are there, NVML fails
     return Path("/dev/nvidia0").exists() or PROC_GPUS.is_dir()
 
 
@@ -47,12 +55,12 @@ def _proc_uuid(folder: Path) -> str:
 def count_gpus(env: Mapping[str, str] | None = None) -> int:
     """GPUs this process may use: as many as CUDA would show it (entries CUDA drops are not counted)."""
     env = os.environ if env is None else env
-    box = _box(env)
-    if box is not None:
-        if box.unreadable:
+    src = _source(env)
+    if src is not None:
+        uuids = _source_uuids(src)
+        if uuids is None:
             return 0
-        uuids = [g.uuid for g in box.module().states[0]]
-        raw = box.visible if box.visible is not None else env.get(VISIBLE_ENV)
+        raw = src.visible if src.visible is not None else env.get(VISIBLE_ENV)
     else:
         folders = sorted(PROC_GPUS.iterdir()) if PROC_GPUS.is_dir() else []
         uuids, raw = [_proc_uuid(f) for f in folders], env.get(VISIBLE_ENV)

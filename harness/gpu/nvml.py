@@ -1,7 +1,7 @@
 """GPU discovery and pre-/post-run memory checks through NVML (nvidia-ml-py's ``pynvml``).
 
-The NVML module is a parameter (default: the real ``pynvml``, or the simulated box that
-PD_HARNESS_SIMULATED_GPUS describes, see simulate.py), so every path is tested against a fake module.
+The NVML module is a parameter (default: the real ``pynvml``, or what the source installed in its place finds in the
+environment, see source.py: the simulated box of harness/simbox), so every path is tested against a fake module.
 Discovery lists the GPUs the caller may use: NVML's, restricted to and ordered by the caller's
 CUDA_VISIBLE_DEVICES (visible.py). GPU indexes are NVML's (PCI bus order, absolute on the host); the GPU
 plan sets CUDA_DEVICE_ORDER=PCI_BUS_ID so that a server's CUDA_VISIBLE_DEVICES means the same GPUs.
@@ -15,9 +15,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from harness.gpu.claims import live_claims, state_dir
 from harness.gpu.plan import GIB, Gpu, GpuPlan
-from harness.gpu.simulate import SIMULATED_ENV, simulated_box
+from harness.gpu.source import source_for
 from harness.gpu.visible import ORDER_ENV, VISIBLE_ENV, resolve_visible
 
 # Free memory may come back a little short of what it was (driver caches, another user's context).
@@ -49,7 +48,8 @@ class Discovery:
     driver: str | None = None
     host_count: int = 0  # every GPU NVML lists on the host
     visible: str | None = None  # the caller's CUDA_VISIBLE_DEVICES (None: unset)
-    simulated: str | None = None  # the PD_HARNESS_SIMULATED_GPUS value it came from
+    simulated: str | None = None  # the value of the setting that put a source in NVML's place (a simulated box's)
+    source: str | None = None  # that setting as NAME=VALUE, for describe()
 
     @property
     def count(self) -> int:
@@ -64,7 +64,7 @@ class Discovery:
 
     def describe(self) -> str:
         """One line: what was read and how."""
-        sim = f" [simulated: {SIMULATED_ENV}={self.simulated}]" if self.simulated else ""
+        sim = f" [simulated: {self.source}]" if self.source else ""
         if not self.available:
             return f"NVML cannot be read: {self.reason}{sim}"
         seen = f"{self.count} GPUs"
@@ -102,7 +102,7 @@ def _read(nvml) -> tuple[GpuInfo, ...]:
     return tuple(out)
 
 
-def _host(nvml) -> tuple[tuple[GpuInfo, ...], str | None] | str:
+def read_host(nvml) -> tuple[tuple[GpuInfo, ...], str | None] | str:
     """Every GPU of the host and the driver version, or why NVML cannot be read."""
     try:
         nvml.nvmlInit()
@@ -124,33 +124,41 @@ def _host(nvml) -> tuple[tuple[GpuInfo, ...], str | None] | str:
 def discover(nvml=None, env: Mapping[str, str] | None = None) -> Discovery:
     """The GPUs the caller may use (``env``'s CUDA_VISIBLE_DEVICES; default os.environ) with memory and compute
     PIDs. No driver, no pynvml or a CUDA_VISIBLE_DEVICES naming no GPU gives an unavailable result with the reason.
-    ``nvml``: a stand-in module; without one PD_HARNESS_SIMULATED_GPUS, when set, picks a simulated box, with the
-    stand-in servers registered in its state folder (claims.py) running on it."""
+    ``nvml``: a stand-in module; without one the installed source (source.py) may put one in the real NVML's place
+    (the simulated box, when PD_HARNESS_SIMULATED_GPUS is set)."""
     env = os.environ if env is None else env
-    raw, sim = env.get(VISIBLE_ENV), None
+    raw, sim, tag = env.get(VISIBLE_ENV), None, None
     if nvml is None:
-        try:
-            box = simulated_box(env)
-        except ValueError as e:
-            return Discovery(False, reason=str(e), simulated=env.get(SIMULATED_ENV))
-        if box is not None:
-            nvml, sim = box.module(live_claims(state_dir(env))), box.spec
-            raw = box.visible if box.visible is not None else raw
+        src = source_for(env)
+        if src is not None:
+            sim, tag = src.value, src.setting
+            if src.nvml is None:
+                return Discovery(False, reason=src.problem, simulated=sim, source=tag)
+            nvml = src.nvml
+            raw = src.visible if src.visible is not None else raw
         else:
             try:
                 nvml = _real_nvml()
             except ImportError:
                 return Discovery(False, reason="nvidia-ml-py (pynvml) is not installed")
-    host = _host(nvml)
+    host = read_host(nvml)
     if isinstance(host, str):
-        return Discovery(False, reason=host, visible=raw, simulated=sim)
+        return Discovery(False, reason=host, visible=raw, simulated=sim, source=tag)
     gpus, driver = host
     v = resolve_visible(raw, [g.uuid for g in gpus], [g.name for g in gpus], env.get(ORDER_ENV))
     if v.problem:
-        return Discovery(False, reason=v.problem, driver=driver, host_count=len(gpus), visible=raw, simulated=sim)
+        return Discovery(
+            False, reason=v.problem, driver=driver, host_count=len(gpus), visible=raw, simulated=sim, source=tag
+        )
     by_index = {g.index: g for g in gpus}
     return Discovery(
-        True, tuple(by_index[i] for i in v.indices), driver=driver, host_count=len(gpus), visible=raw, simulated=sim
+        True,
+        tuple(by_index[i] for i in v.indices),
+        driver=driver,
+        host_count=len(gpus),
+        visible=raw,
+        simulated=sim,
+        source=tag,
     )
 
 

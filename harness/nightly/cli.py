@@ -95,7 +95,7 @@ def main(a: argparse.Namespace) -> int:
         print(render_dry_run(steps, hw))
         return 0
     if hw.simulated:  # one box for the whole night: every step's stand-ins register in the same state folder
-        from harness.gpu.claims import box_state
+        from harness.simbox.claims import box_state
 
         box_state()
     print(f"nightly: run folder {run_dir}; GPUs: {hw.source}", flush=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 
-from harness.gpu.simulate import SIMULATED_ENV
 from harness.nightly.step import StepResult
+from harness.simbox.box import SIMULATED_ENV
 
 
 def junit_xml(results: Sequence[StepResult], name: str = "nightly-gpu", simulated: str | None = None) -> str:

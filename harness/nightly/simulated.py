@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from harness.gpu.simulate import SIMULATED_ENV
 from harness.nightly.step import Step, StepResult
+from harness.simbox.box import SIMULATED_ENV
 
 SIM_REASON = "simulated GPUs"
 

@@ -12,13 +12,13 @@ from harness.accuracy.settings import HUB_DATASET, HUB_TASK
 from harness.core.errors import ConfigError
 from harness.doctor.needs import ACCURACY_RUNS as NIGHT_ACCURACY_RUNS
 from harness.gpu.plan import CUDA_DEVICE_ORDER, Gpu, GpuPlan, PlanError, UtilizationError, model_memory, plan_gpus
-from harness.gpu.simulate import SIMULATED_ENV, parse_box
 from harness.nightly.hardware import UTIL_ENV
 from harness.nightly.servers import e2e_config, server_lines, serving_python
 from harness.nightly.simulated import SIM_REASON
 from harness.nightly.step import Step
 from harness.run.config import GPU_DEFAULT_MODEL
 from harness.run.thresholds import ThresholdKey, ThresholdStore, threshold_key
+from harness.simbox.box import SIMULATED_ENV, parse_box
 
 # Per-step timeouts (s). A matrix pair starts up to three servers (10 min ready timeout each) and
 # sends 18 prompts; an accuracy run adds full GSM8K (1319 questions) twice, baseline and P/D.

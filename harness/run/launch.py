@@ -15,20 +15,20 @@ from harness.checks.transport import PROTO_INFO_ENV
 from harness.core.files import claim_run_dir
 from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
-from harness.gpu.claims import STATE_ENV, box_state
 from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
-from harness.gpu.simulate import SIMULATED_ENV, simulated_box
 from harness.hosts.placement import LOCAL, RAY_STOP_GRACE_S, Host
 from harness.run.config import E2EConfig
 from harness.serve.axes import MODEL_PLACEHOLDER
 from harness.serve.ports import PortAllocator, Ports, ServerPorts, server_ports
 from harness.serve.procs import ManagedProcess, ProcessSpec
 from harness.serve.vllm_cmd import API_SERVER_MODULE, FATAL_LOG_PATTERNS, Command, ServerSpec, build_server_command
+from harness.simbox.box import SIMULATED_ENV, simulated_box
+from harness.simbox.claims import STATE_ENV, box_state
 
 PROXY_SCRIPT = REPO_ROOT / "toy_proxy_server.py"
 # Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
 RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
-STANDIN_MODULE = "harness.gpu.standin"  # what serves a simulated GPU box in vLLM's place
+STANDIN_MODULE = "harness.simbox.standin"  # what serves a simulated GPU box in vLLM's place
 
 
 @dataclass
@@ -232,7 +232,7 @@ def simulated_spec(cfg: E2EConfig) -> str | None:
 
 def standin(cmd: Command, spec: str) -> tuple[tuple[str, ...], dict[str, str], str]:
     """(argv, env, command as the report shows it) of the stand-in that serves a simulated box in vLLM's place: vLLM's
-    own arguments and environment (its GPUs, its memory share), run by harness/gpu/standin.py. The report keeps
+    own arguments and environment (its GPUs, its memory share), run by harness/simbox/standin.py. The report keeps
     vLLM's command line, with a note saying who served it."""
     python, flag, module, *args = cmd.argv
     assert (flag, module) == ("-m", API_SERVER_MODULE), cmd.argv[:3]

@@ -1,6 +1,6 @@
 """A run on a simulated GPU box (PD_HARNESS_SIMULATED_GPUS): what it can prove, and what it must not claim.
 
-Stand-in servers (harness/gpu/standin.py) serve in vLLM's place: the run exercises the GPU plan, the NVML checks
+Stand-in servers (harness/simbox/standin.py) serve in vLLM's place: the run exercises the GPU plan, the NVML checks
 before and after each phase, every server's CUDA_VISIBLE_DEVICES and memory share, staggered colocated starts, the
 proxy and the request path, teardown. Nothing is computed and no KV moves, so every check whose truth needs a
 real vLLM (comparison with the baseline, proof of transfer, logprobs, the leak, smoke and load checks, lm-eval)
@@ -11,8 +11,8 @@ is reported as skipped with the reason, never as passed; the report's blocks bui
 from __future__ import annotations
 
 from harness.checks.usage_stats import CHECK_NAME as USAGE_CHECK
-from harness.gpu.simulate import SIMULATED_ENV
 from harness.run.context import RunContext
+from harness.simbox.box import SIMULATED_ENV
 
 # Checks a stand-in cannot fake: they are about the harness's own path, not what vLLM computed.
 PLUMBING_CHECKS = (
@@ -69,7 +69,7 @@ def apply(ctx: RunContext) -> None:
         setattr(rep, block, None)
     rep.config["simulated_gpus"] = {
         "box": spec,
-        "servers": "stand-ins (harness/gpu/standin.py) in vLLM's place, with vLLM's arguments; "
+        "servers": "stand-ins (harness/simbox/standin.py) in vLLM's place, with vLLM's arguments; "
         "report.commands shows vLLM's command lines",
         "checks_made": [c.name for c in kept],
         "checks_skipped": skipped,

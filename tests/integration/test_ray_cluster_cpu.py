@@ -22,18 +22,22 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from harness.envs.vllm_env import versions_from
-from harness.gpu.claims import STATE_ENV, live_claims
-from harness.gpu.simulate import SIMULATED_ENV
 from harness.hosts.netns import NamespaceLab, namespace_problem
 from harness.serve.ports import PortAllocator
+from harness.simbox.box import SIMULATED_ENV
+from harness.simbox.claims import STATE_ENV, live_claims
 from tests.helpers import config_only_hf_cache
 
 REPO = Path(__file__).resolve().parents[2]
+# Popen keywords for a process group of its own, stopped as one (process_group is Python 3.11's; before it, the
+# same setpgid in the child, as harness/serve/procs.py does)
+OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 NO_LAB = namespace_problem()
 try:
     import ray  # noqa: F401  (only whether it imports)
@@ -144,7 +148,7 @@ class Cluster:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
-                    process_group=0,
+                    **OWN_GROUP,
                 )
             )
 
@@ -236,7 +240,7 @@ def driver(c: Cluster, run_dir: Path, *args: str) -> subprocess.Popen:
         text=True,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        process_group=0,
+        **OWN_GROUP,
     )
 
 
@@ -407,7 +411,7 @@ def placed_by_ray(cluster, tmp_path_factory):
     head, worker = cluster.lab.hosts["head"], cluster.lab.hosts["worker"]
     argv, env, run_dir = placed_e2e(cluster, base)
     p = subprocess.Popen(
-        argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, process_group=0
+        argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **OWN_GROUP
     )
     out, err = finish(p, 700)
     report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else None
@@ -467,7 +471,7 @@ def placed_run_killed(cluster, tmp_path_factory):
     base = tmp_path_factory.mktemp("killed")
     argv, env, run_dir = placed_e2e(cluster, base)
     with open(base / "harness.log", "w") as out:
-        p = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, process_group=0)
+        p = subprocess.Popen(argv, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, **OWN_GROUP)
     deadline = time.monotonic() + 400
     while "pd: sending" not in (base / "harness.log").read_text():  # P and D serve: the prompts go out now
         if p.poll() is not None or time.monotonic() > deadline:

@@ -3,7 +3,7 @@
 `python -m harness e2e --device gpu` and `python -m harness nightly` run in subprocesses under
 PD_HARNESS_SIMULATED_GPUS: the plan, NVML's checks before and after each phase (the stand-ins take and give back the
 memory their plan gives them), every server's CUDA_VISIBLE_DEVICES, staggered colocated starts, step timeouts,
-JUnit. Stand-in servers (harness/gpu/standin.py) serve in vLLM's place, so no vLLM is needed (no `vllm` marker);
+JUnit. Stand-in servers (harness/simbox/standin.py) serve in vLLM's place, so no vLLM is needed (no `vllm` marker);
 the data-path checks must come out skipped with "simulated GPUs", never passed.
 
 The models need no weights, but the harness serves offline and refuses a model that is not on this machine
@@ -23,8 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.gpu.claims import STATE_ENV, live_claims
-from harness.gpu.simulate import SIMULATED_ENV
+from harness.simbox.box import SIMULATED_ENV
+from harness.simbox.claims import STATE_ENV, live_claims
 from tests.helpers import config_only_hf_cache
 
 # a hang fails this module's test, not all of CI: about 3x its stand-in runs and nights
@@ -164,7 +164,7 @@ def test_unreadable_nvml_is_one_line_and_exit_2(tmp_path, hf_home):
 
 
 def test_a_gpu_someone_else_holds_fails_the_check_before_launch(tmp_path, hf_home):
-    from harness.gpu.claims import Claim, proc_start, register
+    from harness.simbox.claims import Claim, proc_start, register
 
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
@@ -191,7 +191,8 @@ def night(
     assert "steps passed or skipped [simulated GPUs" in p.stdout
     suite = ET.parse(run / "junit.xml").getroot()
     assert suite.get("failures") == "0" and suite.get("errors", "0") == "0"
-    assert suite.find("properties/property").get("value") == f"{SIMULATED_ENV}={box}"
+    prop = suite.find("properties/property")
+    assert prop is not None and prop.get("value") == f"{SIMULATED_ENV}={box}"
     assert live_claims(state) == []
     return p, run, {c.get("name"): c for c in suite.iter("testcase")}
 
@@ -261,7 +262,8 @@ def test_a_step_past_its_timeout_is_stopped_and_its_gpus_come_back(tmp_path, hf_
     assert p.returncode == 1, (p.stdout + p.stderr)[-3000:]
     cases = {c.get("name"): c for c in ET.parse(night / "junit.xml").getroot().iter("testcase")}
     fail = cases["accuracy/tinyllama-1.1b-chat-p2-d8"].find("failure")
-    assert fail is not None and fail.get("type") == "timeout" and "stopped" in fail.get("message")
-    assert "GPUs not released" not in fail.get("message")
+    assert fail is not None and fail.get("type") == "timeout"
+    message = fail.get("message")
+    assert message is not None and "stopped" in message and "GPUs not released" not in message
     assert all(c.find("skipped") is not None for n, c in cases.items() if n != "accuracy/tinyllama-1.1b-chat-p2-d8")
     assert live_claims(state) == []

@@ -2,6 +2,7 @@ import io
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import yaml
@@ -11,8 +12,7 @@ from harness.cli import main
 from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
 from harness.envs.vllm_env import pinned
-from harness.gpu.plan import render_plan, uniform_gpus
-from harness.gpu.simulate import SIMULATED_ENV
+from harness.gpu.plan import GpuPlan, render_plan, uniform_gpus
 from harness.matrix.config import load_matrix
 from harness.nightly import (
     ACCURACY_CHECKS,
@@ -27,6 +27,7 @@ from harness.nightly import (
     run_step,
     run_steps,
 )
+from harness.simbox.box import SIMULATED_ENV
 from tests.unit.nightly.ci_bounds import worst_case_night_s
 
 PY = "/opt/py/bin/python"
@@ -42,6 +43,13 @@ def no_caller_settings(monkeypatch):
     """The nightly reads these from its environment; a test sets what it needs."""
     for name in (SIMULATED_ENV, "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "VLLM_VERSION", "GPU_MEMORY_UTILIZATION"):
         monkeypatch.delenv(name, raising=False)
+
+
+def child(element: ET.Element, path: str) -> ET.Element:
+    """The element at ``path`` under ``element``; the test fails when there is none."""
+    found = element.find(path)
+    assert found is not None, path
+    return found
 
 
 def gpu_entries():
@@ -65,7 +73,9 @@ def test_steps_cover_prefetch_every_gpu_matrix_entry_and_both_accuracy_models(st
 
 def test_matrix_steps_call_the_matrix_entry_point_and_skip_what_needs_more_gpus(steps):
     by_id = {s.id: s for s in steps}
-    for e in gpu_entries():
+    entries = gpu_entries()
+    assert {e.gpus > 8 for e in entries} == {True, False}  # entries that fit on 8 GPUs and one that does not
+    for e in entries:
         s = by_id[f"matrix/{e.id}"]
         assert s.argv[:4] == (PY, "-m", "harness", "matrix") and s.argv[s.argv.index("--only") + 1] == e.id
         if e.gpus > 8:
@@ -86,7 +96,9 @@ def test_the_reported_case_is_colocated_with_d_on_all_8(steps):
 
 
 def test_accuracy_steps_leave_placement_to_the_plan(steps):
-    for s in (s for s in steps if s.kind == "accuracy"):
+    acc = [s for s in steps if s.kind == "accuracy"]
+    assert len(acc) == len(ACCURACY_RUNS)
+    for s in acc:
         assert "--gpu-memory-utilization" not in s.argv  # the run applies its GPU plan per server
         servers = dict(s.servers)
         assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in servers["decode0"] and "CUDA_VISIBLE_DEVICES=" in servers["decode0"]
@@ -109,11 +121,11 @@ def prefetched(steps) -> dict[str, str]:
 
 def test_prefetch_downloads_every_model_that_runs_and_gsm8k(steps):
     models = prefetched(steps)
-    for s in steps:
-        model = dict(s.servers).get("prefill0", "")
-        if s.skip_reason is None and s.servers:
-            name = model.split("--model ")[1].split()[0]
-            assert f'd("{name}", ignore_patterns=' in models[name]
+    serving = [s for s in steps if s.skip_reason is None and s.servers]
+    assert serving
+    for s in serving:
+        name = dict(s.servers)["prefill0"].split("--model ")[1].split()[0]
+        assert f'd("{name}", ignore_patterns=' in models[name]
     data = next(s for s in steps if s.id == "prefetch/openai/gsm8k")
     assert '"openai/gsm8k", repo_type="dataset"' in data.argv[2]
     assert not any("meta-llama" in m for m in models)  # its only entry needs 24 GPUs
@@ -128,18 +140,19 @@ def test_each_model_and_the_dataset_is_a_prefetch_step_of_its_own(steps):
     for s in pre:
         assert s.argv[2].count("d(") == 1 and s.timeout_s > 0
     by_id = {s.id: s for s in steps}
-    for s in steps:
-        for need in s.needs:
-            assert by_id[need].kind == "prefetch"
-        if s.kind == "accuracy" and s.skip_reason is None:
-            model = s.argv[s.argv.index("--model") + 1]
-            assert s.needs == (f"prefetch/{model}", "prefetch/openai/gsm8k")
-        if s.kind == "matrix" and s.skip_reason is None:
-            assert len(s.needs) == 1 and s.needs[0].removeprefix("prefetch/") in dict(s.servers)["prefill0"]
+    assert all(by_id[need].kind == "prefetch" for s in steps for need in s.needs)
+    accuracy = [s for s in steps if s.kind == "accuracy" and s.skip_reason is None]
+    matrix = [s for s in steps if s.kind == "matrix" and s.skip_reason is None]
+    assert accuracy and matrix  # each needs its prefetch steps, checked below
+    for s in accuracy:
+        model = s.argv[s.argv.index("--model") + 1]
+        assert s.needs == (f"prefetch/{model}", "prefetch/openai/gsm8k")
+    for s in matrix:
+        assert len(s.needs) == 1 and s.needs[0].removeprefix("prefetch/") in dict(s.servers)["prefill0"]
 
 
 def test_a_failed_prefetch_stops_nothing_and_skips_only_what_needs_its_repo(tmp_path):
-    plan = object()
+    plan = cast(GpuPlan, object())  # a stand-in: these steps never use their plan
     steps = [
         Step("prefetch/org/gated", "prefetch", ("x",), 10, ("c",)),
         Step("prefetch/org/open", "prefetch", ("x",), 10, ("c",)),
@@ -176,19 +189,50 @@ def test_a_failed_prefetch_stops_nothing_and_skips_only_what_needs_its_repo(tmp_
         )
     cases = {c.get("name"): c for c in ET.parse(tmp_path / "junit.xml").getroot().iter("testcase")}
     assert cases["prefetch/org/gated"].find("failure") is not None
-    assert "missing" in cases["accuracy/gated"].find("skipped").get("message")
+    assert "missing" in (child(cases["accuracy/gated"], "skipped").get("message") or "")
+
+
+def harness_check_names() -> set[str]:
+    """The names the harness's own check functions give the checks a run reports, each function called once on empty
+    inputs (a check's name does not depend on its verdict)."""
+    from types import SimpleNamespace
+
+    from harness.accuracy.checks import accuracy_checks, check_through_pd
+    from harness.accuracy.lm_eval import EvalRun
+    from harness.accuracy.settings import AccuracySettings
+    from harness.checks import transfer
+    from harness.checks.compare import compare_completions
+    from harness.run.context import RunContext
+    from harness.run.evaluate import answered_check, closing_checks, match_check
+    from harness.run.pd import PDResult
+    from harness.workload.client import CompletionRun
+
+    answers, scored = CompletionRun(), EvalRun("gsm8k", 0.0, {})
+    # closing_checks reads only these: no fault configured, nothing left running, no smoke check
+    ctx = SimpleNamespace(cfg=SimpleNamespace(proxy_fault="none", decode_kv_fault=None), leftovers=[])
+    checks = [
+        answered_check(answers, answers, 0),
+        match_check(compare_completions([], [])),
+        transfer.check_prefill_params(0, {}),
+        *transfer.check_nixl_metrics([], [], 0, 0),
+        *transfer.check_decode_log(""),
+        transfer.check_lease({}),
+        *closing_checks(cast(RunContext, ctx), cast(PDResult, SimpleNamespace(smoke=None))),
+        check_through_pd(0, {}, {}, 0.0),
+        *accuracy_checks(scored, scored, AccuracySettings(expected_score=0.5))[0],
+    ]
+    return {c.name for c in checks}
 
 
 def test_check_names_are_the_harness_check_names():
-    src = "".join(
-        (REPO_ROOT / "harness" / f).read_text() for f in ("run/evaluate.py", "checks/transfer.py", "accuracy/checks.py")
-    )
-    for name in E2E_CHECKS + ACCURACY_CHECKS:
-        assert f'"{name}"' in src, name
+    produced = harness_check_names()
+    assert set(E2E_CHECKS + ACCURACY_CHECKS) <= produced, sorted(set(E2E_CHECKS + ACCURACY_CHECKS) - produced)
 
 
 def test_dry_run_mentions_every_step_server_command_and_gpu_plan(steps):
     text = render_dry_run(steps, Hardware(uniform_gpus(8, 80.0), "assumed"))
+    # the loops below see steps with checks, with server commands and with a GPU plan
+    assert any(s.checks for s in steps) and any(s.servers for s in steps) and any(s.gpu_plan for s in steps)
     for s in steps:
         assert s.id in text
         for c in s.checks:
@@ -229,7 +273,7 @@ def test_a_real_run_refuses_with_too_few_gpus(capsys, monkeypatch, tmp_path):
 
 
 def fake_steps():
-    plan = object()
+    plan = cast(GpuPlan, object())  # a stand-in: these steps never use their plan
     return [
         Step("prefetch", "prefetch", ("x",), 10, ("c",)),
         Step("matrix/a", "matrix", ("x",), 10, ("c",), 8, plan),
@@ -256,8 +300,8 @@ def test_run_steps_writes_one_junit_testcase_per_step(tmp_path):
     cases = {c.get("name"): c for c in suite.iter("testcase")}
     assert list(cases) == ["prefetch", "matrix/a", "matrix/big", "accuracy/m"]
     assert suite.get("tests") == "4" and suite.get("failures") == "2" and suite.get("skipped") == "1"
-    assert cases["matrix/a"].find("failure").get("type") == "timeout"
-    assert cases["matrix/big"].find("skipped").get("message") == "needs 24 GPUs, 8 present"
+    assert child(cases["matrix/a"], "failure").get("type") == "timeout"
+    assert child(cases["matrix/big"], "skipped").get("message") == "needs 24 GPUs, 8 present"
     assert cases["prefetch"].find("failure") is None
 
 
@@ -287,7 +331,7 @@ def test_gpu_guard_refuses_a_step_before_it_runs_and_flags_a_leak_after(tmp_path
 def test_junit_xml_escapes_log_text():
     s = Step("matrix/a", "matrix", ("x",), 1, ())
     root = ET.fromstring(junit_xml([StepResult(s, "failed", 0.1, "assert a < b & <tag>")]))
-    assert root.find("testcase/failure").get("message") == "assert a < b & <tag>"
+    assert child(root, "testcase/failure").get("message") == "assert a < b & <tag>"
 
 
 def test_run_step_reports_exit_code_and_timeout(tmp_path):
@@ -407,11 +451,11 @@ def test_every_gpu_edge_entry_is_a_step_whose_servers_carry_its_axes(steps):
     assert edge and all(f"edge/{e.id}" in by_id for e in edge)
     fp8 = by_id["edge/gpu-fp8-kv-tinyllama-p2-d8"]
     assert fp8.argv[3:5] == ("matrix", str(EDGE_YAML)) and "kv_cache_dtype=fp8" in fp8.note
-    assert all("--kv-cache-dtype fp8" in cmd for name, cmd in fp8.servers if name != "proxy")
+    fp8_servers = [cmd for name, cmd in fp8.servers if name != "proxy"]
+    assert fp8_servers and all("--kv-cache-dtype fp8" in cmd for cmd in fp8_servers)
     host = by_id["edge/gpu-host-buffer-tinyllama-p2-d8"]
-    assert all(
-        '"kv_buffer_device":"cpu"' in cmd for name, cmd in host.servers if name.startswith(("prefill", "decode"))
-    )
+    pd_servers = [cmd for name, cmd in host.servers if name.startswith(("prefill", "decode"))]
+    assert pd_servers and all('"kv_buffer_device":"cpu"' in cmd for cmd in pd_servers)
     prefix = by_id["edge/gpu-prefix-tinyllama-p2-d8"]
     flags = {name: "--enable-prefix-caching" in cmd for name, cmd in prefix.servers if name != "proxy"}
     assert flags == {"prefill0": False, "decode0": True, "baseline0": False}
@@ -471,6 +515,7 @@ def test_8x40_is_planned_and_checked_as_40_gib_gpus(capsys, monkeypatch, tmp_pat
     assert [g.total_gib for g in hw.gpus] == [40.0] * 8 and {g.name for g in hw.gpus} == {"NVIDIA A100-SXM4-40GB"}
     steps = {s.id: s for s in build_steps(hw.gpus, PY, tmp_path)}
     plan = steps[TINY_P2_D8].gpu_plan
+    assert plan is not None
     assert max(plan.required_free_gib().values()) == pytest.approx(0.9 * 40)
     assert callable(nightly.nvml_guard(steps[TINY_P2_D8]))  # 39.5 GiB free of 40 is enough: not "GPUs not ready"
 
@@ -486,11 +531,13 @@ def test_4_of_8_runs_and_checks_only_the_callers_gpus(monkeypatch, tmp_path):
     hw = nightly.choose_hardware(discover(), None, None, dry_run=False)
     assert [g.id for g in hw.gpus] == [4, 5, 6, 7]
     steps = [s for s in build_steps(hw.gpus, PY, tmp_path) if s.gpu_plan is not None]
-    assert steps and all({g for sv in s.gpu_plan.servers for g in sv.gpus} <= {4, 5, 6, 7} for s in steps)
+    plans = [s.gpu_plan for s in steps if s.gpu_plan is not None]
+    assert steps and all({g for sv in plan.servers for g in sv.gpus} <= {4, 5, 6, 7} for plan in plans)
     assert all(dict(s.env)["CUDA_VISIBLE_DEVICES"] == "4,5,6,7" for s in steps)
     assert all(callable(nightly.nvml_guard(s)) for s in steps)  # GPUs 0-3 being full does not matter
     box[5].free_gib, box[5].pids = 3.0, [4242]
-    assert "GPU 5 " in nightly.nvml_guard(steps[0]) and "4242" in nightly.nvml_guard(steps[0])
+    refused = nightly.nvml_guard(steps[0])
+    assert isinstance(refused, str) and "GPU 5 " in refused and "4242" in refused
 
 
 def test_unreadable_nvml_real_run_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path):
@@ -538,10 +585,11 @@ def test_gpu_mem_and_count_flags_override_only_a_dry_run_or_by_choice(capsys, mo
 def test_each_step_runs_one_version_with_that_versions_prediction(tmp_path):
     steps = build_steps(uniform_gpus(8, 80.0), PY, tmp_path, ["0.21.0", "0.26.0"])  # 0.26.0: the measured fix
     by_id = {s.id: s for s in steps}
-    for s in steps:
-        if s.kind in ("matrix", "accuracy"):
-            assert s.argv.count("--vllm-version") == 1 and s.argv[s.argv.index("--vllm-version") + 1] == s.version
-            assert s.id.endswith(f"@{s.version}") and s.argv[s.argv.index("--run-dir") + 1] == str(tmp_path / s.id)
+    runs = [s for s in steps if s.kind in ("matrix", "accuracy")]
+    assert {s.version for s in runs} == {"0.21.0", "0.26.0"}
+    for s in runs:
+        assert s.argv.count("--vllm-version") == 1 and s.argv[s.argv.index("--vllm-version") + 1] == s.version
+        assert s.id.endswith(f"@{s.version}") and s.argv[s.argv.index("--run-dir") + 1] == str(tmp_path / s.id)
     assert "expects of vLLM 0.21.0: assert-45330" in by_id[f"{TINY_P2_D8}@0.21.0"].checks[0]
     assert "expects of vLLM 0.26.0: ok" in by_id[f"{TINY_P2_D8}@0.26.0"].checks[0]
     h = steps[-1].argv
@@ -572,8 +620,10 @@ def test_gpu_memory_utilization_applies_per_server_or_stops_the_night(capsys, mo
     )
     steps = {s.id: s for s in build_steps(uniform_gpus(8, 80.0), PY, tmp_path, util=0.4)}
     s = steps[TINY_P2_D8]
+    assert s.gpu_plan is not None
     assert {sv.gpu_memory_utilization for sv in s.gpu_plan.servers} == {0.4}
-    assert all("--gpu-memory-utilization 0.4 " in f"{cmd} " for name, cmd in s.servers if name != "proxy")
+    vllm_servers = [cmd for name, cmd in s.servers if name != "proxy"]
+    assert vllm_servers and all("--gpu-memory-utilization 0.4 " in f"{cmd} " for cmd in vllm_servers)
     assert s.gpu_plan.required_free_gib()[0] == pytest.approx(0.8 * 80)  # what the guard checks: the servers' shares
 
 
@@ -587,7 +637,8 @@ def test_a_simulated_night_prefetches_nothing_and_keeps_its_history_apart(tmp_pa
             uniform_gpus(8, 80.0), PY, tmp_path, simulated="8x80:visible=0,1,2,3,4,5,6,7", load_requests=4
         )
     }
-    assert all(s.skip_reason.startswith("simulated GPUs") for s in steps.values() if s.kind == "prefetch")
+    prefetch = [s.skip_reason or "" for s in steps.values() if s.kind == "prefetch"]
+    assert prefetch and all(why.startswith("simulated GPUs") for why in prefetch)
     env = dict(steps[TINY_P2_D8].env)
     # the step's own CUDA_VISIBLE_DEVICES applies, not the night's visible=
     assert env[SIMULATED_ENV] == "8x80" and env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3,4,5,6,7"
@@ -605,12 +656,9 @@ def test_only_and_timeout_scale_pick_and_shorten_steps(steps):
     picked = nightly.scale_timeouts(nightly.select_steps(steps, ["accuracy/*", "history"]), 0.5)
     run = [s.id for s in picked if s.skip_reason is None]
     assert run == [s.id for s in steps if s.id.startswith("accuracy/")] + ["history"]
-    assert all(
-        "not selected by --only accuracy/*,history" in s.skip_reason
-        for s in picked
-        if s.id.startswith("matrix/tinyllama")
-    )
-    assert "needs 24 GPUs" in next(s for s in picked if s.id == "matrix/llama32-1b-p8-d16").skip_reason
+    tinyllama = [s.skip_reason or "" for s in picked if s.id.startswith("matrix/tinyllama")]
+    assert tinyllama and all("not selected by --only accuracy/*,history" in why for why in tinyllama)
+    assert "needs 24 GPUs" in (next(s for s in picked if s.id == "matrix/llama32-1b-p8-d16").skip_reason or "")
     assert [s.timeout_s for s in picked] == [s.timeout_s / 2 for s in steps]
     assert nightly.select_steps(steps, []) == list(steps)
 
@@ -673,8 +721,8 @@ def test_a_simulated_night_says_so_in_its_junit(tmp_path):
     )
     assert results[0].status == "passed"
     suite = ET.parse(tmp_path / "junit.xml").getroot()
-    assert suite.find("properties/property").get("value") == "PD_HARNESS_SIMULATED_GPUS=8x40"
-    out = suite.find("testcase/system-out").text
+    assert child(suite, "properties/property").get("value") == "PD_HARNESS_SIMULATED_GPUS=8x40"
+    out = child(suite, "testcase/system-out").text or ""
     assert out.startswith("simulated GPUs (PD_HARNESS_SIMULATED_GPUS=8x40)") and "log: " in out
 
 
@@ -685,7 +733,7 @@ def test_a_real_night_rejects_a_bad_timeout_scale(capsys, tmp_path):
 
 def test_the_history_step_is_skipped_when_no_gqa_matrix_step_ran(tmp_path):
     # 4 of 8 GPUs: every GQA-matrix pair is skipped, an edge entry runs; there is no matrix folder to import
-    plan = object()
+    plan = cast(GpuPlan, object())  # a stand-in: these steps never use their plan
     steps = [
         Step("matrix/p2-d8", "matrix", ("x",), 10, ("c",), 8, plan, skip_reason="needs 8 GPUs, 4 present"),
         Step("edge/p1-d2", "matrix", ("x",), 10, ("c",), 2, plan),
@@ -718,7 +766,7 @@ def run_as_the_cli(monkeypatch, argv) -> tuple[object, bool]:
     answers with the environment's interpreter; nothing run)."""
     from harness.envs.vllm_env import env_dir
 
-    got = {}
+    got: dict[str, Any] = {}
 
     class NoRun:
         def __init__(self, cfg, attach=None, baseline_last=False, baseline_cache=None):
@@ -750,6 +798,7 @@ def real_run_servers(cfg, baseline_last: bool) -> dict[str, str]:
     from harness.run.launch import resolve_model
     from harness.run.pd import local_servers
     from harness.run.report import Report
+    from harness.serve.ports import PortAllocator
     from harness.workload.client import GenerationSettings
     from tests.unit.gpu.fake_nvml import FakeNvml, gpus
 
@@ -759,7 +808,8 @@ def real_run_servers(cfg, baseline_last: bool) -> dict[str, str]:
     ctx.gpu = GpuRun(
         cfg.tp_p, cfg.tp_d, model, nvml=FakeNvml([gpus(8)]), gpu_memory_utilization=cfg.gpu_memory_utilization, env={}
     )
-    alloc, (bs_p, bs_d) = nightly.FakePorts(), cfg.block_sizes()
+    # the dry run's placeholder ports stand in for the allocator
+    alloc, (bs_p, bs_d) = cast(PortAllocator, nightly.FakePorts()), cfg.block_sizes()
     for phase in ("pd", "baseline") if baseline_last else ("baseline", "pd"):
         if phase == "baseline":
             ctx.server(alloc, "baseline", cfg.tp_d, bs_d, None)
@@ -789,6 +839,7 @@ def test_dry_run_server_lines_are_the_lines_the_steps_run_builds(monkeypatch, tm
     cfg, baseline_last = run_as_the_cli(monkeypatch, step.argv)
     assert dict(step.servers) == real_run_servers(cfg, baseline_last)
     assert [name for name, _ in step.servers] == list(real_run_servers(cfg, baseline_last))  # and in its order
+    assert step.version is not None
     python = str(env_dir("gpu", step.version) / "bin" / "python")
     for name, line in step.servers:
         assert line.split(" -m vllm.")[0].endswith(python) or line.startswith(f"{python} "), (name, python)
@@ -895,11 +946,11 @@ def test_a_simulated_night_calibrates_nothing(tmp_path):
             thresholds=ThresholdStore(tmp_path / "none.json"),
         )
     }
-    assert steps[CAL].skip_reason.startswith("simulated GPUs")
+    assert (steps[CAL].skip_reason or "").startswith("simulated GPUs")
 
 
 def test_a_failed_calibration_stops_nothing_and_says_the_runs_use_the_default(tmp_path):
-    plan = object()
+    plan = cast(GpuPlan, object())  # a stand-in: these steps never use their plan
     steps = [
         Step(CAL, "calibrate", ("x",), 10, ("c",), 3, plan),
         Step("matrix/p1-d2", "matrix", ("x",), 10, ("c",), 3, plan),

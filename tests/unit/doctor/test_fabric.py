@@ -16,7 +16,7 @@ from harness.doctor.checks import NCCL_WHAT, OK, PROBLEM, SKIPPED, UCX_WHAT, UNC
 from harness.doctor.fabric import FAILED, HUNG, PASSED, NcclState, SubprocessFabric, UcxState
 from harness.doctor.inventory import gather
 from harness.doctor.needs import NightNeeds
-from harness.gpu.simulate import SIMULATED_ENV, parse_box
+from harness.simbox.box import SIMULATED_ENV, parse_box
 from tests.unit.doctor.test_doctor import VENV, fake_repo
 
 UCX_INFO_D = """#

@@ -1,19 +1,24 @@
 """A stand-in for the ``pynvml`` module: scripted GPU states, one per NVML session (nvmlInit).
 
-The module itself lives in the harness (harness/gpu/simulate.py), where PD_HARNESS_SIMULATED_GPUS uses it
+The module itself lives in the harness (harness/simbox/box.py), where PD_HARNESS_SIMULATED_GPUS uses it
 too; ``FakeNvml([state0, state1, ...])``: each state is a list of ``FakeGpu``; every nvmlInit moves to the
 next state and the last one stays, so a test scripts what a poller sees over time.
 """
 
 from __future__ import annotations
 
-from harness.gpu.simulate import GIB, FakeGpu, FakeNvml, NVMLError
+from typing import Any
+
+from harness.simbox.box import GIB, FakeGpu, FakeNvml, NVMLError
 
 __all__ = ["GIB", "FakeClock", "FakeGpu", "FakeNvml", "NVMLError", "gpus"]
 
 
-def gpus(n: int, **kw) -> list[FakeGpu]:
-    return [FakeGpu(**{k: (list(v) if isinstance(v, list) else v) for k, v in kw.items()}) for _ in range(n)]
+def gpus(n: int, **kw: Any) -> list[FakeGpu]:
+    def fields() -> dict[str, Any]:  # a list (pids) of each GPU's own
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in kw.items()}
+
+    return [FakeGpu(**fields()) for _ in range(n)]
 
 
 class FakeClock:

@@ -20,7 +20,7 @@ TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
 
 def per_gpu_sums(plan, phase="pd"):
-    sums = {}
+    sums: dict[int, float] = {}
     for s in plan.phase(phase):
         for g in s.gpus:
             sums[g] = sums.get(g, 0.0) + s.gpu_memory_utilization

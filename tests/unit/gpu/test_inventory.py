@@ -11,11 +11,11 @@ from harness.gpu import detect
 from harness.gpu.nvml import GpuCheckFailed, discover
 from harness.gpu.plan import ModelMemory, UtilizationError, plan_gpus, render_plan, uniform_gpus
 from harness.gpu.run import GpuRun
-from harness.gpu.simulate import SIMULATED_ENV, parse_box, sim_uuid
 from harness.gpu.visible import resolve_visible
 from harness.run.config import E2EConfig
 from harness.run.launch import make_server
 from harness.serve.ports import PortAllocator
+from harness.simbox.box import SIMULATED_ENV, parse_box, sim_uuid
 from tests.unit.gpu.fake_nvml import FakeGpu, FakeNvml, gpus
 
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
@@ -65,12 +65,12 @@ def test_a_unique_uuid_prefix_is_enough_as_for_cuda():
 )
 def test_entries_cuda_would_drop_are_refused_by_name(raw, what):
     v = resolve_visible(raw, UUIDS)
-    assert what in v.problem and "CUDA would hide it" in v.problem and "\n" not in v.problem
+    assert v.problem is not None and what in v.problem and "CUDA would hide it" in v.problem and "\n" not in v.problem
 
 
 def test_indices_on_a_mixed_host_need_pci_bus_order():
     names = ["NVIDIA H100 80GB HBM3"] * 4 + ["NVIDIA L4"] * 4
-    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in resolve_visible("4,5", UUIDS, names).problem
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in (resolve_visible("4,5", UUIDS, names).problem or "")
     assert resolve_visible("4,5", UUIDS, names, order="PCI_BUS_ID").problem is None
     assert resolve_visible(UUIDS[4], UUIDS, names).problem is None  # a UUID is never ambiguous
 
@@ -84,7 +84,7 @@ def test_discover_lists_only_the_callers_gpus_with_physical_ids():
     assert d.available and [g.index for g in d.gpus] == [6, 7, 4, 5] and d.host_count == 8
     assert [g.id for g in d.plan_gpus()] == [6, 7, 4, 5] and d.gpus[0].uuid == UUIDS[6]
     bad = discover(fake, env={"CUDA_VISIBLE_DEVICES": "4,12"})
-    assert not bad.available and "'12' names no GPU" in bad.reason
+    assert not bad.available and "'12' names no GPU" in (bad.reason or "")
 
 
 @pytest.mark.parametrize(
@@ -108,11 +108,11 @@ def test_the_switch_makes_nvml_answer_from_a_simulated_box(monkeypatch, spec, co
 def test_the_switch_off_or_bad_or_unreadable(monkeypatch):
     monkeypatch.setenv(SIMULATED_ENV, "unreadable")
     d = discover()
-    assert not d.available and d.reason.startswith("no NVIDIA driver") and "simulated" in d.describe()
+    assert not d.available and (d.reason or "").startswith("no NVIDIA driver") and "simulated" in d.describe()
     assert detect.count_gpus() == 0
     monkeypatch.setenv(SIMULATED_ENV, "eight")
     d = discover()
-    assert not d.available and f"{SIMULATED_ENV}='eight' is not a GPU box" in d.reason
+    assert not d.available and f"{SIMULATED_ENV}='eight' is not a GPU box" in (d.reason or "")
     for bad in ("8x80:free=90", "8x80:colour=red", "0x80"):
         with pytest.raises(ValueError):
             parse_box(bad)

@@ -89,7 +89,7 @@ def nvml_result(available):
 
 
 def test_gpus_without_a_size_takes_nvmls_memory(capsys, monkeypatch):
-    from harness.gpu.simulate import SIMULATED_ENV
+    from harness.simbox.box import SIMULATED_ENV
 
     monkeypatch.setenv(SIMULATED_ENV, "8x40")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

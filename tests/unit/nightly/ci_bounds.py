@@ -8,7 +8,7 @@ from pathlib import Path
 
 from harness import nightly
 from harness.gpu.nvml import Discovery, discover
-from harness.gpu.simulate import parse_box
+from harness.simbox.box import parse_box
 
 BOXES = ("8x40", "8x80")  # PD_HARNESS_SIMULATED_GPUS values
 PY = "/opt/py/bin/python"

@@ -1,6 +1,6 @@
-"""The stand-in server of a simulated GPU box: ``python -m harness.gpu.standin <vLLM's server arguments>``.
+"""The stand-in server of a simulated GPU box: ``python -m harness.simbox.standin <vLLM's server arguments>``.
 
-Under PD_HARNESS_SIMULATED_GPUS (a test switch, see simulate.py) harness/run/launch.py starts this instead of
+Under PD_HARNESS_SIMULATED_GPUS (a test switch, see box.py) harness/run/launch.py starts this instead of
 ``vllm.entrypoints.openai.api_server``, with the arguments and environment vLLM would have got. It does what the
 harness needs of a server on a GPU box, and no more:
 
@@ -11,7 +11,7 @@ harness needs of a server on a GPU box, and no more:
 - HTTP: /health, /v1/models, /tokenize, /metrics and /v1/completions (logprobs, token ids, streaming, P's
   kv_transfer_params) with deterministic answers (standin_model.py). Nothing is computed and no KV moves.
 
-Standard library only (plus the harness's GPU modules): it starts in a fraction of a second.
+Standard library only (plus the harness's GPU discovery): it starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from harness.core.argtypes import HarnessArgumentParser
-from harness.gpu import standin_model as model
-from harness.gpu.claims import STATE_ENV, Claim, box_state, proc_start, register, release
 from harness.gpu.nvml import GpuInfo, discover
-from harness.gpu.simulate import SIMULATED_ENV, simulated_box
 from harness.gpu.visible import ORDER_ENV, VISIBLE_ENV
+from harness.simbox import standin_model as model
+from harness.simbox.box import SIMULATED_ENV, install_source, simulated_box
+from harness.simbox.claims import STATE_ENV, Claim, box_state, proc_start, register, release
 
 VLLM_DEFAULT_UTIL = 0.9
 VLLM_DEFAULT_BLOCK = 16
@@ -40,7 +40,7 @@ TAG = "[stand-in]"
 
 def parse(argv: list[str]) -> argparse.Namespace:
     """The vLLM server arguments a stand-in uses; the others (dtype, attention backend, ...) are accepted unread."""
-    p = HarnessArgumentParser(prog="python -m harness.gpu.standin", add_help=False)
+    p = HarnessArgumentParser(prog="python -m harness.simbox.standin", add_help=False)
     p.add_argument("--model", required=True)
     p.add_argument("--served-model-name")
     p.add_argument("--host", default="127.0.0.1")
@@ -267,6 +267,7 @@ def _serve(a: argparse.Namespace, simulated: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    install_source()  # this process's discovery reads the box the harness gave it
     a = parse(sys.argv[1:] if argv is None else argv)
     spec = os.environ.get(SIMULATED_ENV, "")
     print(

@@ -1,4 +1,5 @@
-"""Simulated GPU boxes: a stand-in ``pynvml`` module, and the test switch that makes NVML answer from it.
+"""Simulated GPU boxes: the switch that describes one, a stand-in ``pynvml`` module, and the box as the source GPU
+discovery reads in the real NVML's place (harness/gpu/source.py).
 
 ``PD_HARNESS_SIMULATED_GPUS`` is off unless set (never a default). Its value describes the box:
 
@@ -16,6 +17,9 @@ script changing GPU states with (tests/unit/gpu/fake_nvml.py).
 
 What runs on the box is what the stand-in servers (standin.py) registered in its state folder (claims.py): each
 one's PID is listed on its GPUs and its memory is taken from their free memory while it lives.
+
+The switch means something to discovery only in a process that called ``install_source`` (``python -m harness``,
+a stand-in, the test session); it is read again at every discovery, with the environment discovery was given.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from harness.gpu.claims import Claim
+from harness.gpu.source import NvmlSource, use_source
+from harness.simbox.claims import Claim, live_claims, state_dir
 
 SIMULATED_ENV = "PD_HARNESS_SIMULATED_GPUS"
 UNREADABLE = "unreadable"
@@ -194,3 +199,23 @@ def simulated_box(env: Mapping[str, str]) -> SimulatedBox | None:
     """The box the switch describes, None when it is not set; ValueError for a value that describes none."""
     spec = env.get(SIMULATED_ENV, "").strip()
     return parse_box(spec) if spec else None
+
+
+def simulated_source(env: Mapping[str, str]) -> NvmlSource | None:
+    """The box the switch describes, as discovery's source, with the stand-ins registered in its state folder
+    running on it; None when the switch is not set (the real NVML); a value that describes no box, with the reason."""
+    try:
+        box = simulated_box(env)
+    except ValueError as e:
+        raw = env.get(SIMULATED_ENV, "")
+        return NvmlSource(f"{SIMULATED_ENV}={raw}", raw, problem=str(e))
+    if box is None:
+        return None
+    return NvmlSource(
+        f"{SIMULATED_ENV}={box.spec}", box.spec, box.module(live_claims(state_dir(env))), visible=box.visible
+    )
+
+
+def install_source() -> None:
+    """From now on in this process, GPU discovery reads the simulated box wherever the switch is set."""
+    use_source(simulated_source)
