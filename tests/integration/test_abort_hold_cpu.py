@@ -102,6 +102,7 @@ def stages(tmp_path_factory):
         start_all([p.proc, d.proc], stack, cfg.ready_timeout_s)
         idle = state_of(parse_metrics(requests.get(f"{p.url}/metrics", timeout=10).text)).kv_blocks or 0
 
+        assert p.proc.pid is not None and d.proc.pid is not None
         with paused_engine(p.proc.pid):
             cancel_after(p.url, prefill_body(BODY), "hold-prefill", 2.0)
             time.sleep(1.0)  # the API server notices the client is gone and aborts

@@ -58,6 +58,7 @@ def start_harness(log: Path, mode: str) -> tuple[subprocess.Popen, int, list[int
         text=True,
         start_new_session=True,
     )
+    assert h.stdout is not None
     line = h.stdout.readline().split()
     assert line[:1] == ["server"], f"the stand-in harness did not start its server: {line}"
     server = int(line[1])
@@ -104,6 +105,7 @@ def test_a_sigkilled_harness_takes_its_server_and_the_servers_children_with_it(t
         assert all(alive(p) for p in (server, *children))
         os.kill(h.pid, signal.SIGKILL)
         h.wait(10)
+        assert h.stdout is not None
         h.stdout.close()
         left = wait_gone([server, *children], GONE_WITHIN_S)
         assert left == [], f"still running {GONE_WITHIN_S:.0f} s after the harness died: {left}\n{log.read_text()}"
@@ -116,6 +118,7 @@ def test_a_harness_that_exits_without_stopping_its_server_does_not_leave_it_behi
     watched = [psutil.Process(p) for p in (server, *children) if psutil.pid_exists(p)]
     with cleanup(watched):
         assert h.wait(30) == 0
+        assert h.stdout is not None
         h.stdout.close()
         left = wait_gone([server, *children], GONE_WITHIN_S)
         assert left == [], f"still running after the harness ended: {left}\n{log.read_text()}"

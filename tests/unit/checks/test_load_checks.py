@@ -39,6 +39,7 @@ def test_aborts_pass_when_client_proxy_and_servers_agree():
     run = LoadRun([outcome("a"), outcome("p1", "prefill", "aborted"), outcome("d1", "decode", "aborted")])
     logs = {"prefill": "INFO Request cmpl-pd-p1-0-abcd aborted.", "decode": "INFO Request cmpl-pd-d1-0-ef01 aborted."}
     c = check_aborts(run, STATS0, stats(prefill=["pd-p1"], decode=["pd-d1"]), logs, True)
+    assert c is not None
     assert c.passed, c.detail
     assert "aborted in the server logs: P 1, D 1" in c.detail
 
@@ -46,18 +47,21 @@ def test_aborts_pass_when_client_proxy_and_servers_agree():
 def test_a_planned_abort_that_never_happened_fails():
     run = LoadRun([outcome("d1", "decode", "failed")])
     c = check_aborts(run, STATS0, stats(), {"decode": ""}, True)
+    assert c is not None
     assert not c.passed and "never happened: d1" in c.detail
 
 
 def test_a_cancel_no_server_confirms_fails():
     run = LoadRun([outcome("p1", "prefill", "aborted")])
     c = check_aborts(run, STATS0, stats(prefill=["pd-p1"]), {"prefill": "nothing about it"}, True)
+    assert c is not None
     assert not c.passed and "no prefill server logged an abort" in c.detail
 
 
 def test_a_client_cancel_the_proxy_never_saw_fails():
     run = LoadRun([outcome("d1", "decode", "aborted")])
     c = check_aborts(run, STATS0, stats(), {"decode": "Request cmpl-pd-d1-0 aborted."}, True)
+    assert c is not None
     assert not c.passed and "not seen by the proxy: d1" in c.detail
 
 
@@ -69,6 +73,7 @@ def test_planned_prefill_cancels_that_all_landed_in_the_decode_hop_did_not_fire(
     run = LoadRun([outcome("p1", "prefill", "aborted"), outcome("d1", "decode", "aborted")])
     logs = {"decode": "Request cmpl-pd-p1-0 aborted.\nRequest cmpl-pd-d1-0 aborted."}
     c = check_aborts(run, STATS0, stats(decode=["pd-p1", "pd-d1"]), logs, True)
+    assert c is not None and c.data is not None
     assert (
         not c.passed and "none of the 1 planned prefill-hop cancels landed in the prefill hop (p1 decode)" in c.detail
     )
@@ -78,7 +83,8 @@ def test_planned_prefill_cancels_that_all_landed_in_the_decode_hop_did_not_fire(
         [outcome("p1", "prefill", "aborted"), outcome("p2", "prefill", "aborted"), outcome("d1", "decode", "aborted")]
     )
     logs = {"prefill": "Request cmpl-pd-p2-0 aborted.", **logs}
-    assert check_aborts(run, STATS0, stats(prefill=["pd-p2"], decode=["pd-p1", "pd-d1"]), logs, True).passed
+    c = check_aborts(run, STATS0, stats(prefill=["pd-p2"], decode=["pd-p1", "pd-d1"]), logs, True)
+    assert c is not None and c.passed
 
 
 def test_abort_log_match_needs_the_whole_id():
@@ -136,6 +142,7 @@ def test_the_logprob_check_says_how_many_requests_it_could_look_at():
     assert logprob_coverage([r]) == (1, 2)  # y diverged at its first token to a token the baseline did not list
     c = check_logprobs([r], 0.05)
     assert c.passed and "over 1 of 2 requests; 1 diverged at their first token" in c.detail
+    assert c.data is not None
     assert c.data["requests_with_positions"] == 1
     only_y = compare_completions(base[1:], pd[1:])
     assert logprob_coverage([only_y]) == (0, 1)  # then the run skips the check (run/evaluate.py), never passes it
@@ -152,4 +159,5 @@ def test_a_near_tie_swapped_at_the_first_token_is_judged_by_its_logprobs():
     assert logprob_coverage([tie]) == logprob_coverage([wrong]) == (1, 1)
     assert check_logprobs([tie], 1e-3).passed
     c = check_logprobs([wrong], 1e-3)
+    assert c.data is not None
     assert not c.passed and c.data["over_threshold"] == ["y"] and "y (0.8)" in c.detail

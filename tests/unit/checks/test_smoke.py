@@ -38,6 +38,7 @@ def test_paris_first_passes(text):
 def test_anything_else_fails_with_a_reason(text, why):
     c = judge_smoke(text, where="proxy")
     assert not c.passed and why in c.detail and c.detail.startswith("proxy: ")
+    assert c.data is not None
     assert c.data["completion"] == text
 
 

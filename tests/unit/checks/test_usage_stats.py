@@ -16,6 +16,7 @@ def test_one_process_without_them_fails_and_is_named():
     c = check_no_usage_reporting({"prefill pid 1": dict(NO_TRACK_ENV), "decode pid 7": {"VLLM_DO_NOT_TRACK": "1"}})
     assert not c.passed
     assert "decode pid 7 lacks" in c.detail and "VLLM_NO_USAGE_STATS" in c.detail
+    assert c.data is not None
     assert "VLLM_DO_NOT_TRACK" not in c.data["lacking"]["decode pid 7"]
 
 
@@ -29,4 +30,5 @@ def test_nothing_readable_is_not_a_pass():
 
 def test_children_that_show_no_environment_are_listed_not_passed():
     c = check_no_usage_reporting({"decode pid 2": dict(NO_TRACK_ENV), "decode pid 5": None})
+    assert c.data is not None
     assert c.passed and c.data["unreadable"] == ["decode pid 5"] and "decode pid 5" in c.detail

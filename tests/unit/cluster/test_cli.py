@@ -78,9 +78,11 @@ def test_judged_results_go_to_the_store_simulated_ones_to_the_matrix_folder(tmp_
     kept, where = store_results(results(run_dir), run_dir)
     assert kept == 2 and where == ", ".join(sorted([str(tmp_path / "store"), str(run_dir / SIMULATED_STORE)]))
     real = ResultStore(tmp_path / "store").get("real", "0.32.0")
+    assert real is not None
     assert real.outcome == "ok" and real.seconds == 3.0 and real.expected == "ok" and real.regime == "B"
     assert ResultStore(tmp_path / "store").get("sim", "0.32.0") is None
-    assert ResultStore(run_dir / SIMULATED_STORE).get("sim", "0.32.0").outcome == "ok"
+    sim = ResultStore(run_dir / SIMULATED_STORE).get("sim", "0.32.0")
+    assert sim is not None and sim.outcome == "ok"
     assert ResultStore(tmp_path / "store").get("broken", "0.32.0") is None  # harness-error: never stored
 
 

@@ -3,6 +3,8 @@
 import socket
 import sys
 import types
+from types import ModuleType
+from typing import Any, cast
 
 import pytest
 
@@ -36,7 +38,7 @@ def test_an_address_nothing_listens_on_is_said_at_once(monkeypatch):
     inits = []
     monkeypatch.setattr(ray_tasks, "import_ray", lambda: types.SimpleNamespace(init=lambda **kw: inits.append(kw)))
     addr = RayAddress("127.0.0.1", free_port(), True)
-    assert "connection refused" in probe(addr)
+    assert "connection refused" in (probe(addr) or "")
     with (
         pytest.raises(ClusterError, match=rf"cannot reach the Ray cluster at ray://127.0.0.1:{addr.port}: conn"),
         connected(addr),
@@ -65,7 +67,7 @@ class FakeCloudpickle:
 
 
 def test_connecting_ships_the_node_task_by_value_and_always_disconnects():
-    calls = []
+    calls: list[object] = []
     ray = types.SimpleNamespace(
         init=lambda **kw: calls.append(("init", kw)),
         shutdown=lambda: calls.append("down"),
@@ -165,8 +167,9 @@ def spec(name, cpus=1, gpus=8):
 
 def test_every_spec_is_one_task_with_its_resources_never_retried_reported_as_it_ends():
     ray = FakeRay(finish=["matrix b vllm-v", "matrix a vllm-v"], fail={"matrix b vllm-v"})
-    seen = []
-    out = run_tasks(ray, [spec("a"), spec("b", 2, 0)], lambda s, ran, err: seen.append((s.pair_id, ran, err)))
+    seen: list[tuple[str, Any, str | None]] = []
+    specs = [spec("a"), spec("b", 2, 0)]
+    out = run_tasks(cast(ModuleType, ray), specs, lambda s, ran, err: seen.append((s.pair_id, ran, err)))
     assert ray.options == [
         {"num_cpus": 1, "num_gpus": 8, "max_retries": 0, "name": "matrix a vllm-v"},
         {"num_cpus": 2, "num_gpus": 0, "max_retries": 0, "name": "matrix b vllm-v"},
@@ -183,7 +186,7 @@ def test_an_interrupt_cancels_the_tasks_still_out_then_by_force_what_still_runs(
         raise KeyboardInterrupt  # Ctrl-C as the first task ends
 
     with pytest.raises(KeyboardInterrupt):
-        run_tasks(ray, [spec("a"), spec("b"), spec("c")], on_done)
+        run_tasks(cast(ModuleType, ray), [spec("a"), spec("b"), spec("c")], on_done)
     assert ray.cancels == [
         ("ref-matrix b vllm-v", False),
         ("ref-matrix c vllm-v", False),

@@ -9,13 +9,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from harness.core.paths import REPO_ROOT
 from harness.models.tiny import TinyModelSpec, build_cached
 
-SMALL = dict(kv_heads=1, heads=2, layers=1, head_dim=16)
+SMALL: dict[str, Any] = dict(kv_heads=1, heads=2, layers=1, head_dim=16)
 BOUND_S = 300  # "does not hang"; a small tiny model builds in a few seconds
 
 # Each builder waits for the go file (so both ask at the same moment), counts real builds in `builds`

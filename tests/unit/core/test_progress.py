@@ -82,7 +82,12 @@ def test_the_ticker_thread_keeps_the_status_coming_while_the_caller_blocks():
     old = progress.use(p)
     try:
         seen = threading.Event()
-        p.status(lambda: (seen.set(), "waiting")[1])
+
+        def status() -> str:
+            seen.set()
+            return "waiting"
+
+        p.status(status)
         out.truncate(0)
         seen.clear()
         assert seen.wait(5), "the ticker never redrew the status"

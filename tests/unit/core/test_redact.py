@@ -164,7 +164,7 @@ def test_pip_logs_hold_no_index_credentials(tmp_path):
     from harness.wheelhouse.pip import run_pip
 
     log = io.StringIO()
-    log.name = str(tmp_path / "pip.log")  # type: ignore[misc]
+    log.name = str(tmp_path / "pip.log")
     run_pip(
         sys.executable,
         ["--version", "--index-url", "https://__token__:fake-key-0004@pypi.example/simple"],

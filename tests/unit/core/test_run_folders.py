@@ -31,7 +31,7 @@ def test_a_new_or_empty_folder_is_taken_and_a_used_one_refused_in_one_line(tmp_p
     (ray / "task.log").write_text("started\n")
     assert run_dir_problem(ray) is None
     (tmp_path / "file").write_text("x")
-    assert "not a folder" in run_dir_problem(tmp_path / "file")
+    assert "not a folder" in (run_dir_problem(tmp_path / "file") or "")
 
 
 def test_overwrite_empties_only_an_earlier_runs_folder(tmp_path):
@@ -68,7 +68,12 @@ def test_new_folder_never_hands_out_one_folder_twice(tmp_path):
 def test_two_threads_writing_one_path_each_leave_a_whole_file(tmp_path):
     path = tmp_path / "report.json"
     texts = [json.dumps({"writer": i, "pad": "x" * 200_000}) for i in range(8)]
-    threads = [threading.Thread(target=lambda t=t: [write_atomic(path, t) for _ in range(5)]) for t in texts]
+
+    def write_five_times(text: str) -> None:
+        for _ in range(5):
+            write_atomic(path, text)
+
+    threads = [threading.Thread(target=write_five_times, args=(t,)) for t in texts]
     for t in threads:
         t.start()
     for t in threads:

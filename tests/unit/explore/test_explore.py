@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from harness.explore.sample import Sampler
 from harness.explore.space import Space, load_space
 from harness.matrix.config import EDGE_YAML, load_matrix
 
-SPACE = {
+SPACE: dict[str, Any] = {
     "models": [{"id": "tiny-llama", "kv_heads": [1, 2]}],
     "axes": {
         "tp_p": {"values": [1, 2]},

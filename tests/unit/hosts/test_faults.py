@@ -247,5 +247,6 @@ def test_undone_faults_let_the_host_answer_again(tmp_path):
         cutter._thread.join(10)  # type: ignore[union-attr]
         cutter.stop()
         assert probe() != "refused"
-        assert all(cutter.restore()["restored_read_back"].values()) and all(links(a).values())
+        read_back = cutter.restore()["restored_read_back"]
+        assert isinstance(read_back, dict) and all(read_back.values()) and all(links(a).values())
         assert probe() == "refused"

@@ -1,9 +1,11 @@
+from typing import Any
+
 import pytest
 
 from harness.core.errors import ConfigError
 from harness.hosts.placement import LOCAL, REMOTE_MODULE, Host, RayNode, RunHosts, hosts_file, hosts_from_dict
 
-FILE = {
+FILE: dict[str, Any] = {
     "hosts": {"a": {"address": "10.0.0.1", "netns": "lab-a"}, "b": {"address": "10.0.0.2", "netns": "lab-b"}},
     "prefill": "a",
     "decode": "b",
@@ -81,14 +83,15 @@ def test_decode_across_nodes_is_a_list_whose_first_serves_the_api():
     hosts = hosts_from_dict(data)
     assert hosts.decode.name == "b" and [h.name for h in hosts.decode_nodes] == ["c"]
     assert hosts.for_role("baseline").name == "b"
-    assert [n["name"] for n in hosts.to_dict()["decode_nodes"]] == ["c"]
+    nodes = hosts.to_dict()["decode_nodes"]
+    assert isinstance(nodes, list) and [n["name"] for n in nodes] == ["c"]
     with pytest.raises(ConfigError, match="different host"):
         hosts_from_dict({**data, "decode": ["b", "b"]})
     with pytest.raises(ConfigError, match="names no host"):
         hosts_from_dict({**data, "decode": []})
 
 
-RAY_FILE = {
+RAY_FILE: dict[str, Any] = {
     "ray": "ray://10.0.0.9:10001",
     "hosts": {
         "p": {"ray_node": "10.0.0.1", "env": {"UCX_TLS": "tcp"}},
@@ -126,7 +129,8 @@ def test_ray_hosts_are_the_nodes_the_resolver_finds():
     assert hosts.decode.address == "10.0.0.2" and hosts.decode.ray is not None
     assert hosts.decode.ray.chosen_by == "ray_resource: pd_decode"
     assert hosts.proxy.ray is None and hosts.on_ray and hosts.spans_hosts and hosts.over_network
-    assert hosts.to_dict()["decode"]["ray"] == {
+    decode = hosts.to_dict()["decode"]
+    assert isinstance(decode, dict) and decode["ray"] == {
         "cluster": "ray://10.0.0.9:10001",
         "node_id": "n-2",
         "chosen_by": "ray_resource: pd_decode",

@@ -68,7 +68,9 @@ def cells(page):
             r'<td class="cell ([^"]+)" data-tp-p="(\d+)" data-tp-d="(\d+)">(.*?)</td>', grid
         ):
             link = re.search(r'href="([^"]+)"', inner)
-            observed = re.search(r'data-observed="([^"]*)"', inner).group(1)
+            found = re.search(r'data-observed="([^"]*)"', inner)
+            assert found is not None, inner
+            observed = found.group(1)
             out.append((title, int(tp_p), int(tp_d), cls, observed, link.group(1) if link else None))
     return out
 

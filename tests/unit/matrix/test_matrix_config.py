@@ -77,13 +77,15 @@ def test_good_minimal_file_loads(tmp_path):
     p = tmp_path / "gqa.yaml"
     p.write_text(GOOD)
     m, _ = load_matrix(p)
-    assert m.get("x-p1-d2").expected_for("pre-fix") == "assert-45330"
+    e = m.get("x-p1-d2")
+    assert e is not None and e.expected_for("pre-fix") == "assert-45330"
 
 
 def test_known_failures_steady_or_intermittent(tmp_path):
     p = tmp_path / "gqa.yaml"
     p.write_text(GOOD + "    known_failure: {family: fixed, class: kv-lease-expired, evidence: seen twice}\n")
     e = load_matrix(p)[0].get("x-p1-d2")
+    assert e is not None
     assert (e.expected_for("fixed"), e.tolerated_for("fixed"), e.expected_for("pre-fix")) == (
         "kv-lease-expired",
         None,
@@ -93,6 +95,7 @@ def test_known_failures_steady_or_intermittent(tmp_path):
         GOOD + "    known_failure: {family: fixed, class: kv-lease-expired, intermittent: true, evidence: 1 in 3}\n"
     )
     e = load_matrix(p)[0].get("x-p1-d2")
+    assert e is not None
     assert (e.expected_for("fixed"), e.tolerated_for("fixed"), e.tolerated_for("pre-fix")) == (
         "ok",
         "kv-lease-expired",

@@ -59,6 +59,7 @@ def test_heads_and_weights_of_an_unlisted_model_come_from_the_cache(widget):
     loc = locate(WIDGET)
     assert loc is not None and loc.from_cache and loc.folder == widget
     w = weights(widget)
+    assert w is not None
     assert (w.bytes, w.params, w.files) == (BYTES, PARAMS, 2)
     entry = load_models().find(WIDGET)
     assert entry is not None and entry.hub_id is None and entry.params_b == pytest.approx(PARAMS / 1e9)
@@ -87,8 +88,10 @@ def test_a_local_folder_is_read_the_same_way(widget, tmp_path):
     folder = tmp_path / "widget-copy"
     shutil.copytree(widget, folder)
     assert model_heads(str(folder))["layers"] == 3 and availability(str(folder)) is None
-    assert weights(folder).params == PARAMS
-    assert preflight_config(E2EConfig(device="gpu", model=str(folder), tp_p=2, tp_d=8)).topology.kv_heads == 8
+    w = weights(folder)
+    assert w is not None and w.params == PARAMS
+    t = preflight_config(E2EConfig(device="gpu", model=str(folder), tp_p=2, tp_d=8)).topology
+    assert t is not None and t.kv_heads == 8
     assert availability(str(tmp_path / "nowhere")) == f"model folder {tmp_path / 'nowhere'} does not exist"
 
 
@@ -123,9 +126,11 @@ def test_a_gpu_run_of_a_missing_model_is_refused_before_its_gpus_are_planned(cac
 def test_an_interrupted_download_is_refused_naming_the_missing_shard(cache):
     add_model(cache, WIDGET, WIDGET_CONFIG, SHARDS, drop=("model-00002-of-00002.safetensors",))
     line = availability(WIDGET)
+    assert line is not None
     assert "1 of 2 weight files missing (e.g. model-00002-of-00002.safetensors)" in line
     assert f"hf download {WIDGET}" in line
-    assert weights(locate(WIDGET).folder) is None
+    loc = locate(WIDGET)
+    assert loc is not None and weights(loc.folder) is None
 
 
 def test_the_run_itself_refuses_a_missing_model_as_a_config_error(cache, tmp_path, monkeypatch):

@@ -6,9 +6,11 @@ from tests.helpers import config_error
 
 def test_shipped_models_file_is_valid():
     m = load_models()
-    assert m.find("TinyLlama/TinyLlama-1.1B-Chat-v1.0").kv_heads == 4
-    assert m.find("/some/dir/tiny-llama").kv_heads == 1
-    assert m.find("Qwen/Qwen3-0.6B").gsm8k_expected == 0.41
+    tinyllama, by_folder = m.find("TinyLlama/TinyLlama-1.1B-Chat-v1.0"), m.find("/some/dir/tiny-llama")
+    qwen = m.find("Qwen/Qwen3-0.6B")
+    assert tinyllama is not None and tinyllama.kv_heads == 4
+    assert by_folder is not None and by_folder.kv_heads == 1
+    assert qwen is not None and qwen.gsm8k_expected == 0.41
     assert m.find("unknown/model") is None
 
 

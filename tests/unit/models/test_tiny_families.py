@@ -3,7 +3,7 @@ import json
 import pytest
 
 from harness.cli import main
-from harness.models.config import load_models
+from harness.models.config import ModelEntry, load_models
 from harness.models.heads import config_shape, model_heads
 from harness.models.tiny import (
     FAMILIES,
@@ -161,13 +161,19 @@ def test_model_heads_from_models_yaml_keeps_the_old_keys():
 
 def test_spec_for_model_entry():
     m = load_models()
-    assert spec_for_model_entry(m.find("tiny-llama")) == TinyModelSpec()
-    q = spec_for_model_entry(m.find("tiny-qwen3"), kv_heads=2)
+
+    def find(name: str) -> ModelEntry:
+        e = m.find(name)
+        assert e is not None, name
+        return e
+
+    assert spec_for_model_entry(find("tiny-llama")) == TinyModelSpec()
+    q = spec_for_model_entry(find("tiny-qwen3"), kv_heads=2)
     assert (q.family, q.kv_heads, q.heads, q.head_dim) == ("qwen3", 2, 4, 64)
-    assert spec_for_model_entry(m.find("tiny-gemma3")).sliding_window == 64
-    g = spec_for_model_entry(m.find("tiny-granitemoehybrid"))
+    assert spec_for_model_entry(find("tiny-gemma3")).sliding_window == 64
+    g = spec_for_model_entry(find("tiny-granitemoehybrid"))
     assert (g.family, g.kv_heads, g.heads, g.head_dim, g.sliding_window) == ("granitemoehybrid", 1, 4, 64, None)
-    mla = spec_for_model_entry(m.find("tiny-deepseek-v2"), kv_heads=1)  # MLA has no K to choose
+    mla = spec_for_model_entry(find("tiny-deepseek-v2"), kv_heads=1)  # MLA has no K to choose
     assert (mla.family, mla.kv_heads, mla.head_dim) == ("deepseek_v2", 4, 64)
     for e in m.models:
         if e.hub_id is None:

@@ -1,12 +1,13 @@
 import hashlib
 import json
+from typing import Any
 
 import pytest
 
 from harness.cli import main
 from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 
-SMALL = dict(kv_heads=1, heads=2, layers=1, head_dim=16)
+SMALL: dict[str, Any] = dict(kv_heads=1, heads=2, layers=1, head_dim=16)
 
 
 def digest(folder):

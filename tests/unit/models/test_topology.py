@@ -115,7 +115,8 @@ def test_preflight_mla_rule():
     gqa = preflight(6, 2, 1, 3, device="gpu")
     assert any("KV heads" in p for p in gqa.problems)
     mla = preflight(6, 2, 1, 3, device="gpu", mla=True, head_dim=576)
-    assert mla.ok and mla.topology.regime == "M" and mla.topology.d_block_len == 16 * 576 * 2
+    assert mla.ok and mla.topology is not None
+    assert mla.topology.regime == "M" and mla.topology.d_block_len == 16 * 576 * 2
     assert not preflight(4, 4, 1, 3, device="gpu", mla=True).ok  # vLLM still needs num_attention_heads % tp == 0
 
 
@@ -138,7 +139,8 @@ def test_preflight_config_reads_mla_from_the_model(tmp_path):
         )
     )
     pf = preflight_config(E2EConfig(tp_p=2, tp_d=1, model=str(tmp_path), device="cpu"), cpu_cores=2)
-    assert pf.ok and pf.topology.regime == "M" and pf.topology.expected == "ok"
+    assert pf.ok and pf.topology is not None
+    assert pf.topology.regime == "M" and pf.topology.expected == "ok"
     # vLLM's CPU MLA forces 16-token blocks: 16 x 576 x 4 B, the remote_block_len D logs in float32
     assert (
         pf.topology.block_size_p == 16

@@ -1,6 +1,7 @@
 """Fixtures of the proxy tests: fake backends served on real ports (tests/unit/proxy/fakes.py)."""
 
 import asyncio
+import functools
 import threading
 
 import pytest
@@ -19,7 +20,7 @@ def servers():
         for name in ("p1", "p2", "d1", "d2"):
             port = alloc.port()
             fut = asyncio.run_coroutine_threadsafe(
-                loop.create_server(lambda n=name: FakeProtocol(fakes, n), "127.0.0.1", port), loop
+                loop.create_server(functools.partial(FakeProtocol, fakes, name), "127.0.0.1", port), loop
             )
             fut.result(10)
             fakes.urls[name] = f"http://127.0.0.1:{port}"

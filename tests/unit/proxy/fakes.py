@@ -18,7 +18,7 @@ KV = {
 }
 
 
-def http(status: int, body: bytes | dict, content_type: str = "application/json") -> bytes:
+def http(status: int, body: bytes | dict | list, content_type: str = "application/json") -> bytes:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     return f"HTTP/1.1 {status} X\r\ncontent-type: {content_type}\r\ncontent-length: {len(data)}\r\n\r\n".encode() + data
 

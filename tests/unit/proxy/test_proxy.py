@@ -1,8 +1,11 @@
 """The proxy against fake P and D backends (tests/unit/proxy/fakes.py)."""
 
 import json
+from typing import cast
 
 import pytest
+from fastapi import FastAPI
+from starlette.routing import Route
 
 import toy_proxy_server
 from harness.proxy.app import corrupt_block_ids, prefill_body, wrong_engine_id
@@ -265,5 +268,6 @@ def test_the_documented_routes_are_the_served_ones(b):
 
     doc = (REPO_ROOT / "docs" / "proxy.md").read_text().partition("## What the proxy exposes")[2]
     documented = set(re.findall(r"^\| `(GET|POST) (/[^`]*)` \|", doc, re.MULTILINE))
-    served = {(m, r.path) for r in client(b).app.routes for m in getattr(r, "methods", ()) if m != "HEAD"}
+    routes = cast(FastAPI, client(b).app).routes  # TestClient types its app as any ASGI app: create_app's is FastAPI
+    served = {(m, r.path) for r in cast(list[Route], routes) for m in getattr(r, "methods", ()) if m != "HEAD"}
     assert documented and documented == served

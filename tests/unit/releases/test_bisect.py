@@ -29,7 +29,8 @@ class FakeOracle:
     """assert-45330 before ``fixed``, ok from it; ``odd`` releases show another failure (or cannot install)."""
 
     def __init__(self, fixed: str, odd: dict[str, str] | None = None):
-        self.fixed, self.odd, self.calls = fixed, odd or {}, []
+        self.fixed, self.odd = fixed, odd or {}
+        self.calls: list[str] = []
 
     def __call__(self, v: str) -> Observation:
         self.calls.append(v)

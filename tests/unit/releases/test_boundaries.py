@@ -13,6 +13,7 @@ def test_the_config_carries_the_bisected_first_fixed_release_with_its_evidence()
     matrix, _ = load_matrix()
     fixed = matrix.families["fixed"]
     ev = fixed.evidence
+    assert fixed.fixed_in is not None
     assert ev.command.startswith(f"python -m harness bisect {ev.entry} ") and matrix.get(ev.entry) is not None
     assert ev.date and ev.answer.startswith(f"{ev.entry}: ")
     # the evidence shows the first fixed release passing and every release tested before it failing or unjudged
@@ -25,6 +26,7 @@ def test_the_config_carries_the_bisected_first_fixed_release_with_its_evidence()
 def test_the_predictor_uses_the_measured_boundary():
     matrix, _ = load_matrix()
     first = matrix.families["fixed"].fixed_in
+    assert first is not None
     assert measured_fixed_in() == parse_version(first)
     tested = sorted(matrix.families["fixed"].evidence.tested, key=parse_version)
     before = tested[tested.index(first) - 1]

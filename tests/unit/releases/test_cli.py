@@ -77,6 +77,7 @@ def test_history_draws_stored_results_without_running(tmp_path):
         stderr=subprocess.STDOUT,
         text=True,
     )
+    assert server.stdout is not None
     try:
         port = int(server.stdout.readline().split("port ")[1].split()[0])
         store = tmp_path / "store"

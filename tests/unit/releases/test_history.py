@@ -16,7 +16,7 @@ COLUMNS = [Column("tiny-k1-p1-d2", "K=1 P1→D2 regime B", "B"), Column("tiny-k1
 
 def table() -> HistoryTable:
     t = HistoryTable(VERSIONS, COLUMNS, revision="abc123", command="python -m harness history ...", date="2026-12-04")
-    outcomes = {
+    outcomes: dict[str, list[str | None]] = {
         "tiny-k1-p1-d2": ["assert-45330", "assert-45330", "server-exited", "ok", "kv-lease-expired"],
         "tiny-k1-p2-d2": ["ok", "ok", "server-exited", "ok", None],
     }
@@ -102,7 +102,8 @@ def test_matrix_reports_are_imported_into_the_store(tmp_path):
     )
     store = ResultStore(tmp_path / "store", revision="r1")
     assert import_runs(tmp_path / "nightly", store, "nightly") == 1
-    assert store.get("tinyllama-p2-d8", "0.32.0").outcome == "ok"
+    got = store.get("tinyllama-p2-d8", "0.32.0")
+    assert got is not None and got.outcome == "ok"
     assert store.get("qwen25-3b-p4-d2", "0.32.0") is None
 
 

@@ -23,7 +23,7 @@ def prober(tmp_path, **kw) -> Prober:
 
 
 def test_a_probe_runs_the_entry_through_run_matrix_and_stores_the_outcome(tmp_path, monkeypatch):
-    seen = {}
+    seen: dict[str, object] = {}
 
     def fake_run_matrix(plans, pythons, models, base, run_dir, out=None):
         ((version, pairs),) = plans.items()
@@ -38,7 +38,7 @@ def test_a_probe_runs_the_entry_through_run_matrix_and_stores_the_outcome(tmp_pa
     monkeypatch.setattr("harness.matrix.run.run_matrix", fake_run_matrix)
     p = prober(tmp_path, by="python -m harness bisect ...")
     o = p.observe("tiny-k1-p1-d2", "0.23.0")
-    assert (o.outcome, o.source) == ("assert-45330", "run") and o.run_dir.endswith("pair")
+    assert (o.outcome, o.source) == ("assert-45330", "run") and (o.run_dir or "").endswith("pair")
     assert seen == {
         "version": "0.23.0",
         "ids": ["tiny-k1-p1-d2"],
@@ -47,6 +47,7 @@ def test_a_probe_runs_the_entry_through_run_matrix_and_stores_the_outcome(tmp_pa
         "device": "cpu",
     }
     stored = p.store.get("tiny-k1-p1-d2", "0.23.0")
+    assert stored is not None
     assert (stored.outcome, stored.regime, stored.by) == ("assert-45330", "B", "python -m harness bisect ...")
     # a second probe of the same entry and release at the same revision reuses the result: nothing runs
     monkeypatch.setattr(
@@ -76,4 +77,5 @@ def test_fresh_measures_again(tmp_path, monkeypatch):
         lambda plans, *a, **k: [PairResult(plans["0.26.0"][0], "0.26.0", "kv-lease-expired", True, "/r")],
     )
     assert p.observe("tiny-k1-p1-d2", "0.26.0").outcome == "kv-lease-expired"
-    assert p.store.get("tiny-k1-p1-d2", "0.26.0").outcome == "kv-lease-expired"
+    stored = p.store.get("tiny-k1-p1-d2", "0.26.0")
+    assert stored is not None and stored.outcome == "kv-lease-expired"

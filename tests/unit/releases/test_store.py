@@ -20,6 +20,7 @@ def test_a_result_is_found_again_only_for_the_same_entry_release_and_revision(tm
         by="cmd",
     )
     got = s.get("tiny-k1-p1-d2", "0.26.0")
+    assert got is not None
     assert (got.outcome, got.revision, got.seconds, got.expected, got.by) == ("assert-45330", "aaaa", 93.4, "ok", "cmd")
     assert s.get("tiny-k1-p1-d2", "0.27.0") is None and s.get("tiny-k1-p2-d2", "0.26.0") is None
     other = ResultStore(tmp_path, revision="bbbb")

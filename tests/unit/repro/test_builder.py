@@ -13,7 +13,9 @@ from harness.repro.builder import builder_script, tiny_spec, weights_sha256
 def test_the_standalone_script_rebuilds_the_same_weights(tmp_path, family):
     src = ensure_tiny_model(TinyModelSpec(family=family, kv_heads=1, sliding_window=64 if family == "gemma3" else None))
     script = tmp_path / "build_model.py"
-    script.write_text(builder_script(tiny_spec(src), weights_sha256(src)))
+    spec = tiny_spec(src)
+    assert spec is not None
+    script.write_text(builder_script(spec, weights_sha256(src)))
     r = subprocess.run(
         [sys.executable, str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=300, cwd=tmp_path
     )  # not the repository: the script must not need this project

@@ -13,7 +13,7 @@ from harness.core.errors import ConfigError
 from harness.models.tiny import ensure_tiny_model
 from harness.repro.bundle import split_command, write_bundle
 from harness.serve.ports import ServerPorts
-from harness.serve.vllm_cmd import CpuTuning, ServerSpec, build_server_command
+from harness.serve.vllm_cmd import CpuTuning, Role, ServerSpec, build_server_command
 
 FAKES = Path(__file__).resolve().parent / "fakes"
 ASSERT_LINE = (
@@ -27,8 +27,9 @@ def fake_run(tmp_path: Path, python: str, failed: bool, version: str = "0.21.0")
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     model = str(ensure_tiny_model())
-    cmds = {}
-    for role, tp, base in (("prefill", 1, 21000), ("decode", 2, 22000)):
+    cmds: dict[str, str] = {}
+    servers: tuple[tuple[Role, int, int], ...] = (("prefill", 1, 21000), ("decode", 2, 22000))
+    for role, tp, base in servers:
         spec = ServerSpec(
             role=role,
             model=model,
@@ -262,7 +263,9 @@ def test_the_lock_follows_extras_of_dependencies(tmp_path):
     py = tmp_path / "python"
     py.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
     py.chmod(0o755)
-    pins, _ = environment_lock(str(py))
+    lock = environment_lock(str(py))
+    assert lock is not None
+    pins, _ = lock
     assert {"vllm==9.9.9", "fake-toolkit==1.0", "fake-cufile==2.0"} <= set(pins)
     assert not {"fake-cublas==3.0", "fake-test-only==1.0"} & set(pins)
 

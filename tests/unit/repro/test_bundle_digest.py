@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from harness.checks import kv_digest as kd
 from harness.models.tiny import ensure_tiny_model
 from harness.repro.bundle import write_bundle
 from harness.serve.ports import ServerPorts
-from harness.serve.vllm_cmd import INJECT_DIR, CpuTuning, ServerSpec, build_server_command
+from harness.serve.vllm_cmd import INJECT_DIR, CpuTuning, Device, Role, ServerSpec, build_server_command
 from tests.unit.repro.test_bundle import FAKES, fake_run, group_alive, wrong_answer_run
 
 LAYER = "model.layers.0.self_attn.attn"
@@ -26,7 +27,8 @@ FIRST = f"{LAYER} K, head 0, position 0"
 def hook_writer(folder: Path, side: str):
     """The harness's own record writer (serve/inject/pd_kv_digest.py), writing into ``folder`` as ``side``."""
     spec = importlib.util.spec_from_file_location(f"pd_kv_digest_{side}", INJECT_DIR / "pd_kv_digest.py")
-    hook = importlib.util.module_from_spec(spec)
+    assert spec is not None and spec.loader is not None
+    hook: Any = importlib.util.module_from_spec(spec)  # its globals are set below, as the server would
     spec.loader.exec_module(hook)
     hook.FOLDER, hook.SIDE = str(folder), side
     return hook
@@ -181,11 +183,12 @@ def test_the_replays_p_and_d_digest_with_the_copied_hooks_and_the_plain_server_d
     assert "`KV digest (replay): pass | FAIL | skipped ...`" in (bundle / "ISSUE.md").read_text()
 
 
-def digest_run(tmp_path: Path, device: str, fault: bool) -> Path:
+def digest_run(tmp_path: Path, device: Device, fault: bool) -> Path:
     """A run whose P and D ran with the harness's hooks (the digest on; on D the scale fault, if ``fault``)."""
     run = fake_run(tmp_path, sys.executable, failed=True)
     report = json.loads((run / "report.json").read_text())
-    for role, tp, base in (("prefill", 1, 21000), ("decode", 2, 22000)):
+    servers: tuple[tuple[Role, int, int], ...] = (("prefill", 1, 21000), ("decode", 2, 22000))
+    for role, tp, base in servers:
         spec = ServerSpec(
             role=role,
             model=str(ensure_tiny_model()),

@@ -201,6 +201,7 @@ def test_a_local_baseline_on_gpu_gets_a_placement_of_its_own(stand_in, remote, m
     run._resolve()
     plan = run.report.config["gpu_plan"]
     assert [s["role"] for s in plan["servers"]] == ["baseline"] and plan["order"] == ["baseline"]
+    assert run.ctx.gpu is not None
     base = run.ctx.gpu.placement("baseline")
     assert base.tp == 2 and len(base.gpus) == 2 and base.gpu_memory_utilization == 0.9
     assert run.report.config["attach"]["served"][1]["device"] == "gpu"

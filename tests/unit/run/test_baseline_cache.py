@@ -159,9 +159,14 @@ def test_the_key_changes_with_the_environment_the_server_inherits_and_the_vllm_b
 
 def test_model_files_are_hashed_once_while_unchanged(tmp_path, model_dir, monkeypatch):
     memo = tmp_path / "memo.json"
-    calls = []
+    calls: list[Path] = []
     real = bc.sha256_of
-    monkeypatch.setattr(bc, "sha256_of", lambda p: calls.append(p) or real(p))
+
+    def counted(p: Path) -> str:
+        calls.append(p)
+        return real(p)
+
+    monkeypatch.setattr(bc, "sha256_of", counted)
     h1 = bc.files_hash(model_dir, memo)
     assert len(calls) == 3
     assert bc.files_hash(model_dir, memo) == h1 and len(calls) == 3  # from the memo
@@ -238,6 +243,7 @@ def test_an_entry_round_trips_completions_load_and_eval(cache_here):
     r = answers()
     inputs = {"x": 1}
     k = bc.cache_key(inputs)
+    assert r.load is not None
     reqs = [o.request for o in r.load.outcomes]
     prompts = {q.id: [1, 2, 3] for q in reqs}
     bc.write_entry(
@@ -504,7 +510,7 @@ def test_the_matrix_cli_passes_fresh_baseline_into_the_base_config(monkeypatch, 
     from harness.cli import build_parser
     from harness.matrix import cli as mcli
 
-    seen = {}
+    seen: dict[str, bool] = {}
     monkeypatch.setattr("harness.envs.vllm_env.ensure_env", lambda device, version, out=None: "/py")
     monkeypatch.setattr(
         "harness.matrix.run.run_matrix",
@@ -542,7 +548,7 @@ def test_the_prefix_cache_scenarios_answers_and_prompts_round_trip(cache_here):
     e = bc.read_entry(cache_here, k)
     assert e.prefix == r.prefix and e.prefix_cases == cases and e.prefix_prompts == prompts
     r.prefix.failures.append(RequestFailed("pfx-short-cold", 500, "boom"))
-    assert "prefix-cache" in bc.cacheable(r)  # a failed scenario request is no answer to reuse
+    assert "prefix-cache" in (bc.cacheable(r) or "")  # a failed scenario request is no answer to reuse
 
 
 def test_a_prefix_cache_run_reads_its_scenarios_answers_and_prompts_back(tmp_path, model_dir, monkeypatch):

@@ -1,9 +1,13 @@
 """The load phase's checks are decided before their results: skipped with a reason, or run."""
 
 from types import SimpleNamespace
+from typing import cast
 
+from harness.run.baseline import BaselineResult
+from harness.run.context import RunContext
 from harness.run.evaluate import evaluate_load
 from harness.run.load import PDLoad
+from harness.run.pd import PDResult
 from harness.workload.load import LoadSettings
 from harness.workload.load_client import LoadRun
 from tests.unit.checks.test_load_checks import STATS0, outcome, stats
@@ -23,7 +27,8 @@ def evaluate(outcomes, attached, after=STATS0, logs=None):
         load=PDLoad(run, 0.01, STATS0, after, {"decode": parse_metrics(pool)}), logs=logs or {}, attached=attached
     )
     base = LoadRun([o for o in outcomes if not o.request.abort])
-    checks, _ = evaluate_load(ctx, SimpleNamespace(load=base), pd)
+    fakes = cast(RunContext, ctx), cast(BaselineResult, SimpleNamespace(load=base)), cast(PDResult, pd)
+    checks, _ = evaluate_load(*fakes)
     return {c.name: c for c in checks}, {s["name"]: s["reason"] for s in report.skipped_checks}, report.load
 
 

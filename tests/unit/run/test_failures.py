@@ -45,9 +45,11 @@ def test_a_lease_expiry_the_checks_explained_is_not_the_cause_of_a_mismatch():
         True,
         "no KV block lease expired (1 other(s) expired for requests the proxy fault changed)",
     )
-    assert from_checks([mismatch, explained], {"prefill": LEASE}, [])["class"] == "output-mismatch"
+    failure = from_checks([mismatch, explained], {"prefill": LEASE}, [])
+    assert failure is not None and failure["class"] == "output-mismatch"
     unexplained = Check("no_kv_lease_expiry", False, "1 lease-expiry lines")
-    assert from_checks([mismatch, unexplained], {"prefill": LEASE}, [])["class"] == "kv-lease-expired"
+    failure = from_checks([mismatch, unexplained], {"prefill": LEASE}, [])
+    assert failure is not None and failure["class"] == "kv-lease-expired"
 
 
 HANDSHAKE = (

@@ -3,6 +3,7 @@ highlighted in both texts where its place is known (and only there), the timelin
 
 import json
 import re
+from collections.abc import Sequence
 
 import pytest
 
@@ -52,7 +53,7 @@ def comparison(spans=True):
         "summary": "2 prompts: 1 exact, 0 tolerated (top-5), 1 mismatched",
     }
     if spans:
-        ids = {"p01": {"baseline": [1, 2, 3, 6], "pd": [1, 4, 5, 6]}}
+        ids: dict[str, dict[str, Sequence[int]]] = {"p01": {"baseline": [1, 2, 3, 6], "pd": [1, 4, 5, 6]}}
         comp["token_spans"] = divergence_spans(prompts, ids, texts, decode)
     return comp
 
@@ -117,7 +118,9 @@ def test_spans_of_a_comparison_and_a_real_tokenizer(tmp_path):
     text = "the cat is Paris"
     ids = tok.encode(text).ids
     k = 2
-    start, end = token_span(ids, k, text, real)
+    span = token_span(ids, k, text, real)
+    assert span is not None
+    start, end = span
     assert text[:start] == real(ids[:k]) and text[start:end] == real(ids[: k + 1])[start:] and end > start
     assert load_decoder(str(tmp_path / "none"))[0] is None
 

@@ -122,6 +122,7 @@ def test_the_fault_is_recorded_then_undone_then_ps_blocks_are_followed_to_idle(t
     assert events == ["record", "proxy killed", "undo"]
     [check] = ctx.report.checks
     assert check.name == FAULT_CHECK_NAME and check.passed, check.detail
+    assert check.data is not None
     assert check.data["lease_expiries"] == 2 and check.data["held_when_followed"]["prefill"]["kv_blocks"] == 2
     assert set(check.data["servers"]) == {"prefill"}  # P's /metrics only: D is not followed
     assert check.data["lease_s"] == 30 and check.data["expired_requests"][0]["request_id"] == "cmpl-pd-p02-0"
@@ -142,7 +143,8 @@ def test_the_failure_is_classified_from_the_logs_as_they_were_before_the_follow_
         + "ERROR NIXL transfer failure: handshake_setup_failed\n" * 3
     )
     p_log.write_text("INFO serving\n")
-    ctx, events = make_ctx(tmp_path), []
+    ctx = make_ctx(tmp_path)
+    events: list[str] = []
     ctx.report.logs = {"prefill": str(p_log), "decode": str(d_log)}
 
     def lease_runs_out():
@@ -169,7 +171,8 @@ def test_a_fault_that_cannot_be_undone_is_a_skipped_check_never_a_pass(tmp_path,
 def test_a_p_that_died_is_a_skipped_check_with_its_exit_code(tmp_path):
     with PortAllocator() as alloc:
         dead = f"http://127.0.0.1:{alloc.port()}"  # nothing listens there
-        ctx, events = make_ctx(tmp_path), []
+        ctx = make_ctx(tmp_path)
+        events: list[str] = []
         servers = FakeServers(dead, rc=-9)
         pd.after_fault(ctx, servers, FakeProxy(events), FakeFault(events), IDLE)  # type: ignore[arg-type]
     assert ctx.report.checks == [] and servers.checked == 0  # a failed read names no other server's failure
@@ -204,6 +207,7 @@ def test_run_pd_re_raises_the_faults_failure_after_the_follow_up(tmp_path, monke
     assert raised.value is failure  # the fault's own failure, untouched
     assert events == ["phase failed", "record", "proxy killed", "undo"]
     [check] = ctx.report.checks
+    assert check.data is not None
     assert check.passed and check.data["outcome"] == "idle"
     # a failed run that carries the check renders: the failure leads, the check is in the table
     ctx.report.failure = {"class": "server-unreachable", "reason": "prefill: stopped answering", "excerpt": ""}
@@ -272,6 +276,7 @@ def test_a_fault_that_did_not_end_the_phase_is_undone_as_the_phase_ends(tmp_path
     rec, ctx = BlockRecorder(monkeypatch), side_channel_ctx(tmp_path)
     with contextlib.ExitStack() as stack:
         fault = pd.start_net_fault(ctx, stack, SideChannelServers())
+        assert fault is not None
         assert rec.calls == ["block 5600+1"]  # in place from the start
     assert rec.calls == ["block 5600+1", "unblock 5600+1"]  # lifted with the phase, not left for the lab's teardown
     fired = ctx.report.config["net_fault_fired"]
@@ -282,6 +287,7 @@ def test_a_fault_already_undone_after_the_failure_is_not_undone_twice(tmp_path, 
     rec, ctx = BlockRecorder(monkeypatch, refuse="rule still there"), side_channel_ctx(tmp_path)
     with contextlib.ExitStack() as stack:
         fault = pd.start_net_fault(ctx, stack, SideChannelServers())
+        assert fault is not None
         pd.after_fault(ctx, SideChannelServers(), FakeProxy([]), fault, IDLE)  # type: ignore[arg-type]
     assert rec.calls == ["block 5600+1", "unblock 5600+1"]  # the failed undo is recorded, not retried at teardown
     assert fault.fired["undo_error"] == "rule still there" and not fault.fired.get("undone")
@@ -294,4 +300,5 @@ def test_an_undo_that_fails_at_the_phase_end_is_recorded_and_teardown_goes_on(tm
     ctx = side_channel_ctx(tmp_path)
     with contextlib.ExitStack() as stack:
         fault = pd.start_net_fault(ctx, stack, SideChannelServers())
+        assert fault is not None
     assert fault.fired["undo_error"] == "rule still there"

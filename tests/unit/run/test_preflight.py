@@ -1,4 +1,5 @@
 import itertools
+from typing import Any
 
 import pytest
 
@@ -12,7 +13,7 @@ from harness.run.preflight import (
     preflight_config,
 )
 
-GPU = dict(device="gpu")
+GPU: dict[str, Any] = dict(device="gpu")
 
 
 def problems_of(*args, **kw) -> list[str]:
@@ -32,9 +33,10 @@ def one(problems: list[str], *words: str) -> str:
 
 def test_a_valid_pair_has_no_problem_and_a_prediction():
     pf = preflight(4, 1, 1, 2, device="cpu", cpu_cores=2, vllm_version="0.21.0")
-    assert pf.ok and pf.problems == ()
+    assert pf.ok and pf.problems == () and pf.topology is not None
     assert (pf.topology.regime, pf.topology.expected) == ("B", "assert-45330")
-    assert preflight(4, 1, 1, 2, device="cpu", cpu_cores=2, vllm_version="0.32.0").topology.expected == "ok"
+    t = preflight(4, 1, 1, 2, device="cpu", cpu_cores=2, vllm_version="0.32.0").topology
+    assert t is not None and t.expected == "ok"
 
 
 def test_tp_must_divide_the_attention_heads():
@@ -78,7 +80,7 @@ def test_cpu_tp_above_the_cores_cannot_run_here():
 def test_rejected_by_design_is_not_a_problem():
     # Regime D (K < P, P > D): vLLM refuses it at the handshake on purpose; the matrix runs it to see that.
     pf = preflight(4, 1, 2, 1, device="cpu", cpu_cores=2)
-    assert pf.ok
+    assert pf.ok and pf.topology is not None
     assert (pf.topology.regime, pf.topology.expected) == ("D", "rejected")
 
 
@@ -128,4 +130,5 @@ def test_config_heads_without_building_anything(tmp_path, monkeypatch):
 def test_check_config_for_a_run():
     with pytest.raises(ConfigError, match="decode TP 3 does not divide"):
         check_config(E2EConfig(device="cpu", tp_d=3), cpu_cores=4)
-    assert preflight_config(E2EConfig(device="cpu", tp_p=2, tp_d=1), cpu_cores=2).topology.expected == "rejected"
+    t = preflight_config(E2EConfig(device="cpu", tp_p=2, tp_d=1), cpu_cores=2).topology
+    assert t is not None and t.expected == "rejected"

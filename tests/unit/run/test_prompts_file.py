@@ -1,7 +1,9 @@
 """prompts.json: every prompt a run sent, by id, for the repro bundles."""
 
 from types import SimpleNamespace
+from typing import cast
 
+from harness.run.context import RunContext
 from harness.run.prompts_file import read_prompts, write_prompts
 from harness.workload.prompts import prompt_set
 
@@ -10,7 +12,7 @@ def test_every_prompt_of_a_run_comes_back_by_its_id(tmp_path):
     ctx = SimpleNamespace(
         prompts=prompt_set(0)[:2], load_prompts={"load000-t31": [1, 2, 3]}, prefix_prompts={"prefix-hit": [4, 5]}
     )
-    write_prompts(ctx, tmp_path)
+    write_prompts(cast(RunContext, ctx), tmp_path)
     got = read_prompts(tmp_path)
     assert got == {
         prompt_set(0)[0].id: prompt_set(0)[0].text,

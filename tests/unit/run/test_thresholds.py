@@ -51,8 +51,9 @@ def test_the_store_keeps_one_entry_per_key_in_one_file(tmp_path):
     store.put(stored(threshold=0.25, folder="/runs/cal2"))  # a calibration again replaces the key's entry
     assert [e.threshold for e in store.entries()] == [0.3, 0.25]
     assert store.lookup(KEY) == stored(threshold=0.25, folder="/runs/cal2")
-    assert store.lookup(other).source == "calibrated 2026-12-08 (/runs/cal)"
-    assert ThresholdStore(store.path).lookup(KEY).threshold == 0.25  # read back from the file by a new reader
+    got, again = store.lookup(other), ThresholdStore(store.path).lookup(KEY)
+    assert got is not None and got.source == "calibrated 2026-12-08 (/runs/cal)"
+    assert again is not None and again.threshold == 0.25  # read back from the file by a new reader
 
 
 def test_the_default_store_is_beside_the_results_store(monkeypatch, tmp_path):
@@ -98,7 +99,8 @@ def test_an_entry_the_harness_did_not_write_is_refused(tmp_path, field, value):
 def test_a_folder_with_a_line_break_is_shown_on_one_line(tmp_path):
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"entries": [stored(folder="/runs/a\nFAKE: line").to_dict()]}))
-    assert ThresholdStore(path).lookup(KEY).source == "calibrated 2026-12-08 (/runs/a FAKE: line)"
+    got = ThresholdStore(path).lookup(KEY)
+    assert got is not None and got.source == "calibrated 2026-12-08 (/runs/a FAKE: line)"
 
 
 def gpu_cfg(**kw) -> E2EConfig:
@@ -136,7 +138,7 @@ def test_an_fp8_kv_run_keeps_its_own_default(tmp_path):
 
 
 def resolved(monkeypatch, tmp_path, store, cfg, nvml):
-    monkeypatch.setattr(pipeline, "GpuRun", lambda *a, **k: GpuRun(*a, nvml=nvml, env={}, **k))
+    monkeypatch.setattr(pipeline, "GpuRun", lambda *a, **k: GpuRun(*a, **{**k, "nvml": nvml, "env": {}}))
     run = pipeline.PDRun(cfg, thresholds=store)
     run.report.versions = {"vllm": "0.32.0"}  # what run() reads from the serving interpreter first
     run._resolve()

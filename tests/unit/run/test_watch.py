@@ -10,7 +10,8 @@ from harness.run.watch import run_watched
 
 class Watch:
     def __init__(self, fail_after: int | None = None):
-        self.calls, self.forced, self.fail_after = 0, [], fail_after
+        self.calls, self.fail_after = 0, fail_after
+        self.forced: list[bool] = []
 
     def check(self, force=False):
         self.calls += 1
@@ -21,7 +22,12 @@ class Watch:
 
 def test_the_result_comes_back_after_a_last_forced_check():
     w = Watch()
-    assert run_watched(lambda: (time.sleep(0.05), 42)[1], [w], "t", poll_s=0.01) == 42
+
+    def slow_answer() -> int:
+        time.sleep(0.05)
+        return 42
+
+    assert run_watched(slow_answer, [w], "t", poll_s=0.01) == 42
     assert w.forced[-1] is True
 
 

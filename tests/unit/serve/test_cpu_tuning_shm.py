@@ -4,6 +4,7 @@ import importlib.util
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,6 +16,7 @@ def tuning(monkeypatch):
     monkeypatch.setenv("PD_HARNESS_SHM_BUSY_LOOP_S", "0.0")
     monkeypatch.setenv("PD_HARNESS_SHM_RECHECK_MS", "20")
     spec = importlib.util.spec_from_file_location("pd_tuning_under_test", SITE)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     before = list(sys.meta_path)
     spec.loader.exec_module(mod)
@@ -30,7 +32,7 @@ def fake_shm(with_recheck: bool):
         def wait(self, timeout_ms=None):
             self.waits.append(timeout_ms)
 
-    m = types.ModuleType("vllm.distributed.device_communicators.shm_broadcast")
+    m: Any = types.ModuleType("vllm.distributed.device_communicators.shm_broadcast")  # a stand-in, set below
     m.SpinCondition = SpinCondition
     if with_recheck:
         m.SHM_READER_RECHECK_INTERVAL_MS = 5000
@@ -63,15 +65,16 @@ def test_old_vllm_without_a_recheck_never_waits_unbounded(tuning, capsys):
 def test_engine_idle_steps_sleep_longer_and_nothing_else_changes(monkeypatch, capsys):
     monkeypatch.setenv("PD_HARNESS_ENGINE_IDLE_SLEEP_MS", "10")
     spec = importlib.util.spec_from_file_location("pd_tuning_idle_under_test", SITE)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     before = list(sys.meta_path)
     try:
         spec.loader.exec_module(mod)
-        core = types.ModuleType("vllm.v1.engine.core")
+        core: Any = types.ModuleType("vllm.v1.engine.core")  # a stand-in, set below
         import time
 
         core.time = time
-        slept = []
+        slept: list[float] = []
         monkeypatch.setattr(time, "sleep", slept.append)
         mod._patch(core)
         core.time.sleep(0.001)

@@ -32,6 +32,7 @@ def bound_elsewhere(port: int, host: str):
         "time.sleep(120)\n"
     )
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
     try:
         assert p.stdout.readline().strip() == "bound"
         yield p

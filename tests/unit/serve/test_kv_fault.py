@@ -6,6 +6,7 @@ import sys
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ class Meta:
 
 
 def fake_worker_module():
-    m = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    m: Any = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")  # a stand-in
 
     class NixlBaseConnectorWorker:
         num_blocks = 6
@@ -53,6 +54,7 @@ def fault(monkeypatch, tmp_path):
     monkeypatch.setenv("PD_HARNESS_FAULT_KV_SCALE", "2.0")
     monkeypatch.setattr(sys, "path", [str(FAULTS.parent), str(tmp_path)])  # no other sitecustomize to chain to
     spec = importlib.util.spec_from_file_location("pd_fault_under_test", FAULTS)
+    assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     before = list(sys.meta_path)
     spec.loader.exec_module(mod)
@@ -85,6 +87,7 @@ def test_it_does_nothing_without_its_variable(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "path", [str(INJECT), str(tmp_path)])
     before = list(sys.meta_path)
     spec = importlib.util.spec_from_file_location("pd_fault_off", SITE)
+    assert spec is not None and spec.loader is not None
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     assert sys.meta_path == before
 
@@ -95,6 +98,7 @@ def test_it_chains_to_the_next_sitecustomize(monkeypatch, tmp_path):
     monkeypatch.delenv("PD_CHAINED", raising=False)
     monkeypatch.setattr(sys, "path", [str(INJECT), str(tmp_path)])
     spec = importlib.util.spec_from_file_location("pd_fault_chain", SITE)
+    assert spec is not None and spec.loader is not None
     spec.loader.exec_module(importlib.util.module_from_spec(spec))
     import os
 

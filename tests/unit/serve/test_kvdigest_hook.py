@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 spec = importlib.util.spec_from_file_location("pd_kv_digest_math", "harness/serve/inject/pd_kv_digest.py")
+assert spec is not None and spec.loader is not None
 hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 

@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 
 INJECT = "harness/serve/inject/"
 spec = importlib.util.spec_from_file_location("pd_kv_digest_state_test", INJECT + "pd_kv_digest.py")
+assert spec is not None and spec.loader is not None
 hook = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(hook)
 state = hook.state

@@ -40,6 +40,7 @@ def test_other_process_holding_lock_is_respected(tmp_path):
         "print('held', flush=True); time.sleep(30)\n"
     ).format(str(__import__("pathlib").Path(__file__).resolve().parents[3]), str(tmp_path))
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None
     try:
         assert p.stdout.readline().strip() == "held"
         with pytest.raises(PortExhausted):

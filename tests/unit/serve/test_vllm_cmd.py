@@ -1,4 +1,5 @@
 import json
+from typing import Any
 
 import pytest
 
@@ -102,7 +103,7 @@ def test_gpu_spec_sets_devices_and_utilization():
     ],
 )
 def test_bad_specs_rejected(bad):
-    kw = dict(role="decode", model="/m", served_model_name="m")
+    kw: dict[str, Any] = dict(role="decode", model="/m", served_model_name="m")
     kw.update(bad)
     with pytest.raises(ValueError):
         ServerSpec(**kw)

@@ -15,7 +15,9 @@ QUESTION = re.compile(r"^(\w+) has (.+)\. How many (\w+) does \1 have\?$")
 
 def asked_count(question: str) -> tuple[str, str, int]:
     """(name, item, count) that the question asks for, parsed from its own text."""
-    name, facts, item = QUESTION.match(question).groups()
+    asked = QUESTION.match(question)
+    assert asked is not None, question
+    name, facts, item = asked.groups()
     counts = {it: int(n) for n, it in re.findall(r"(\d+) (\w+)", facts)}
     return name, item, counts[item]
 
@@ -103,5 +105,6 @@ def test_lm_eval_renders_the_expected_few_shot_prompt_and_scores_the_number(tmp_
     assert gen["until"] == ["Question:", "</s>", "\n\n"]
     doc = task.dataset["test"][0]
     right = answer_number(doc["answer"])
+    assert right is not None
     assert task.process_results(doc, [right]) == {"exact_match": 1.0}
     assert task.process_results(doc, [str(int(right) + 1)]) == {"exact_match": 0.0}

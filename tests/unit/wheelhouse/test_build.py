@@ -10,12 +10,13 @@ import urllib.error
 from email.message import Message
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
 from harness.wheelhouse import build
 from harness.wheelhouse.build import Plan, ReleaseUnavailable, Request, verify, wheel_metadata
-from harness.wheelhouse.index import IndexFile, expand_platform, releases
+from harness.wheelhouse.index import Index, IndexFile, expand_platform, releases
 from harness.wheelhouse.pip import PipTarget, Sources, Unservable, stub_wheel
 from tests.unit.wheelhouse.wheels import make_wheel, write_manifest
 
@@ -121,14 +122,14 @@ def pip_asked(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "WORK_DIR", tmp_path / "work")
     (tmp_path / "work").mkdir()
     asked: list[list[str]] = []
+    answers: dict[str, str] = {}
 
     def fake(target, sources, lines, work, log, find_links=()):
         asked.append(lines)
-        return fake.answers.get(lines[0].split("==")[1])
+        return answers.get(lines[0].split("==")[1])
 
-    fake.answers = {}
     monkeypatch.setattr(build, "pip_resolves", fake)
-    return SimpleNamespace(asked=asked, answers=fake.answers)
+    return SimpleNamespace(asked=asked, answers=answers)
 
 
 def _error(plan: Plan, index: FakeIndex, requirement: str = "flashinfer-python==0.7.3", **kw):
@@ -136,7 +137,7 @@ def _error(plan: Plan, index: FakeIndex, requirement: str = "flashinfer-python==
     target = PipTarget(sys.executable, "3.12", PLATFORM)
     said: list[str] = []
     e = Unservable(f"no distribution of {requirement} on the index for python 3.12 {PLATFORM}", requirement)
-    return e, build.older_release_error(e, plan, req, target, index, io.StringIO(), said.append), said
+    return e, build.older_release_error(e, plan, req, target, cast(Index, index), io.StringIO(), said.append), said
 
 
 def test_an_unservable_pin_names_why_and_the_older_release_pip_confirms(pip_asked):

@@ -153,7 +153,7 @@ def test_closure_check_finds_what_the_folder_and_image_lack():
         "lib": ("2.1", ["six; python_version > '3.11'"]),
         "six": ("1.17.0", []),
     }
-    image = {"torch": "2.11.0+cu130"}
+    image: dict[str, str | None] = {"torch": "2.11.0+cu130"}
     assert wh.check_closure(["app==1.0"], wheels, image, ENV) == []
     assert wh.check_closure(["app==1.0"], {k: v for k, v in wheels.items() if k != "six"}, image, ENV) == [
         "lib 2.1 needs six: not in the folder, not in the image"
@@ -223,7 +223,8 @@ def test_unserved_names_the_requirement_and_what_the_index_has_near_it():
     assert wh.unserved(["win-only; sys_platform == 'win32'", "flashinfer-python[x]>=0.7"], ENV, served) is None
     missing = wh.unserved(["nowhere>=1"], ENV, served)
     assert missing == wh.Unserved("nowhere>=1") and "the index serves no nowhere for that target" in missing.why()
-    assert wh.unserved(["llguidance<1.8,>=1.7"], ENV, served).nearest == ("1.6.1",)
+    near = wh.unserved(["llguidance<1.8,>=1.7"], ENV, served)
+    assert near is not None and near.nearest == ("1.6.1",)
 
 
 def test_a_pre_release_counts_as_pip_counts_it():
@@ -236,7 +237,7 @@ def test_the_newest_older_release_that_the_index_serves_everything_for():
     chosen, checked = wh.installable_release(RELEASES[1:], "2.14.0+cu130", ENV, served)
     assert chosen == "0.33.0"
     assert [(c.version, c.blocker is None) for c in checked] == [("0.33.1", False), ("0.33.0", True)]
-    assert "flashinfer-python==0.7.3" in checked[0].blocker
+    assert "flashinfer-python==0.7.3" in (checked[0].blocker or "")
 
 
 def test_releases_whose_torch_pin_misses_the_image_torch_do_not_count():

@@ -86,9 +86,11 @@ def test_answers_are_assembled_from_the_stream(server):
     run = run_load(url, "m", reqs, {"a": [1, 2, 3], "b": [1, 2, 3, 4, 5]}, GenerationSettings(), 2, run_tag="x-")
     assert [o.status for o in run.outcomes] == ["ok", "ok"]
     a = run.outcomes[0].completion
+    assert a is not None
     assert a.token_ids == (100, 101, 102, 103) and a.text == "t0 t1 t2 t3 " and a.prompt_tokens == 3
     assert a.top_logprobs[0] == {100: -0.5} and a.finish_reason == "length"
-    assert run.outcomes[0].ttft_s is not None and run.outcomes[0].latency_s >= run.outcomes[0].ttft_s
+    first = run.outcomes[0]
+    assert first.ttft_s is not None and first.latency_s is not None and first.latency_s >= first.ttft_s
     body = fake.bodies["x-a"]
     assert body["prompt"] == [1, 2, 3] and body["stream"] and body["stream_options"] == {"include_usage": True}
     assert "ignore_eos" not in body and body["temperature"] == 0.0

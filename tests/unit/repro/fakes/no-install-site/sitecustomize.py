@@ -2,4 +2,4 @@
 
 import importlib.metadata
 
-importlib.metadata.version = lambda name: "0"
+importlib.metadata.version = lambda distribution_name: "0"
