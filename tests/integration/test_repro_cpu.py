@@ -21,6 +21,24 @@ REPO = Path(__file__).resolve().parents[2]
 # a hang fails this module's test, not all of CI: about 3x a 0.21.0 run, its bundle and replay
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 ASSERT_TEXT = "Remote P worker KV layer cache must be of shape"
+# fake secrets of each kind in the run's environment (vLLM reads none of them): neither the run nor its bundle may
+# hold one (a maintainer hands the bundle on)
+SECRETS = {
+    "HF_TOKEN": "fake-hf-7c1",
+    "VLLM_TEST_DB_PASSWD": "fake-pw-7c2",
+    "HF_MIRROR": "https://me:fake-url-7c3@m.example/",
+}
+
+
+def holding_a_secret(*folders: Path) -> list[tuple[Path, str]]:
+    return [
+        (p, s)
+        for folder in folders
+        for p in folder.rglob("*")
+        if p.is_file() and p.suffix not in (".npz", ".safetensors")
+        for s in ("fake-hf-7c1", "fake-pw-7c2", "fake-url-7c3")
+        if s in p.read_text(errors="replace")
+    ]
 
 
 def e2e(run_dir: Path, version: str) -> dict:
@@ -45,6 +63,7 @@ def e2e(run_dir: Path, version: str) -> dict:
         capture_output=True,
         text=True,
         timeout=1800,
+        env={**os.environ, **SECRETS},
     )
     assert (run_dir / "report.json").exists(), cp.stdout[-3000:] + cp.stderr[-3000:]
     return json.loads((run_dir / "report.json").read_text())
@@ -92,6 +111,7 @@ def run_0_21(tmp_path_factory):
 
 def test_repro_of_a_0_21_run_reproduces_45330_from_a_clean_directory(run_0_21, tmp_path):
     out = bundle(run_0_21, tmp_path / "bundle")
+    assert holding_a_secret(run_0_21, out) == []  # the run's environment held three
     python = str(ensure_env("cpu", "0.21.0"))
     clean = tmp_path / "clean"
     cp = replay(out, clean, {"REPRO_PYTHON": python}, 900)
