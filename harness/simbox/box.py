@@ -9,7 +9,18 @@ discovery reads in the real NVML's place (harness/gpu/source.py).
   8x80:free=30                every GPU with only 30 GiB free (someone else holds the rest)
   8x80:name=NVIDIA H200       another model name
   8x80:driver=525.60.13       another driver version (default: DRIVER)
+  8x80:torch=2.11.0+cu130     the torch build the box's environments hold (the image's torch), as torch.__version__
+                              prints it: its version and, from its local tag, the CUDA it was built for (+cpu: a CPU
+                              build); default: each environment's own torch version, built for CUDA (TORCH_CUDA)
+  8x80:no-lm-eval=0.21.0      lm-eval does not import in the environment of these vLLM versions (comma-separated; the
+                              pinned one by its number), where it is installed
   unreadable                  NVML cannot be read (nvmlInit fails, as with no driver loaded)
+
+Options join with ``:`` (``8x80:driver=570.86.15:torch=2.13.0+cu130``). torch= and no-lm-eval= describe the box's
+software, not its GPUs: what the doctor (harness/doctor/inventory.py) reads of the night's environments on the box. The
+environments themselves are the repository's (``.venv``, ``.venvs/vllm-<version>``): whether one is installed, its
+vLLM and the torch its vLLM requires are read there; the box says what torch it holds and where lm-eval is missing.
+A model missing from the box, gated or not, is a hub cache without it (``HF_HOME``), which the runs read too.
 
 Without ``visible=`` the real environment's CUDA_VISIBLE_DEVICES applies. Simulated UUIDs are
 ``GPU-00000000-0000-4000-8000-<index as 12 hex digits>``. ``FakeNvml`` is also what the unit tests
@@ -38,8 +49,15 @@ GIB = 2**30
 # Names nvidia-smi prints for the usual sizes, so dry runs read like the real box.
 NAMES = {80: "NVIDIA H100 80GB HBM3", 40: "NVIDIA A100-SXM4-40GB", 141: "NVIDIA H200", 24: "NVIDIA L4"}
 _BOX = re.compile(r"^(\d+)x(\d+(?:\.\d+)?)$")
-EXAMPLES = "8x80, 8x40, 8x80:visible=4,5,6,7, 8x80:free=30, 8x80:driver=525.60.13, unreadable"
+EXAMPLES = (
+    "8x80, 8x40, 8x80:visible=4,5,6,7, 8x80:free=30, 8x80:driver=525.60.13, 8x80:torch=2.11.0+cu130, "
+    "8x80:no-lm-eval=0.21.0, unreadable"
+)
 DRIVER = "580.65.06"  # what a simulated box's NVML reports as its driver version, unless driver= says otherwise
+# The CUDA the box's environments' torch is built for, unless torch= says otherwise (DRIVER runs it).
+TORCH_CUDA = "13.0"
+_TORCH = re.compile(r"\d+(\.\d+)+\+(cu(\d+)(\d)|cpu)")  # 2.11.0+cu130 (CUDA 13.0), 2.13.0+cu128, 2.13.0+cpu
+_VERSION = re.compile(r"\d+(\.\d+)+[a-z0-9.]*")  # a vLLM version: 0.21.0, 0.11.0rc1
 
 
 class NVMLError(Exception):
@@ -139,6 +157,21 @@ class SimulatedBox:
     visible: str | None = None  # the caller's CUDA_VISIBLE_DEVICES on that box; None: the real environment's
     unreadable: bool = False
     driver: str = DRIVER  # the NVIDIA driver version NVML reports
+    torch: str | None = None  # the torch every environment on the box holds; None: its own version, for TORCH_CUDA
+    no_lm_eval: tuple[str, ...] = ()  # vLLM versions whose environment on the box has no lm-eval
+
+    def env_torch(self, own: str | None) -> tuple[str | None, str | None]:
+        """(torch version, the CUDA it is built for) of an environment on the box whose torch here is ``own`` (None:
+        it has none): torch= when given, else ``own``'s version built for TORCH_CUDA."""
+        if self.torch is not None:
+            return self.torch, torch_cuda(self.torch)
+        if own is None:
+            return None, None
+        return f"{own.split('+')[0]}+cu{TORCH_CUDA.replace('.', '')}", TORCH_CUDA
+
+    def has_lm_eval(self, version: str, own: bool) -> bool:
+        """Whether lm-eval imports in the box's environment of vLLM ``version``, where it does here as ``own``."""
+        return own and version not in self.no_lm_eval
 
     def module(self, claims: Sequence[Claim] = ()) -> FakeNvml:
         """The box as NVML shows it with ``claims`` (live processes) running: their PIDs on their GPUs, their
@@ -160,8 +193,16 @@ class SimulatedBox:
         return ":".join(p for p in self.spec.strip().split(":") if not p.startswith("visible="))
 
 
+def torch_cuda(torch: str) -> str | None:
+    """The CUDA a torch build's local tag names: ``2.11.0+cu130`` -> ``13.0``, ``+cu128`` -> ``12.8``; None: a CPU
+    build (``+cpu``)."""
+    m = _TORCH.fullmatch(torch)
+    return f"{m.group(3)}.{m.group(4)}" if m and m.group(3) else None
+
+
 def parse_box(spec: str) -> SimulatedBox:
-    """``8x80[:visible=...][:free=G][:name=...]`` or ``unreadable``; ValueError saying what is wrong."""
+    """``8x80[:visible=...][:free=G][:name=...][:driver=V][:torch=T][:no-lm-eval=V,...]`` or ``unreadable``;
+    ValueError saying what is wrong."""
     head, *opts = spec.strip().split(":")
     if head == UNREADABLE and not opts:
         return SimulatedBox(spec, unreadable=True)
@@ -179,10 +220,14 @@ def parse_box(spec: str) -> SimulatedBox:
             kw["name"] = value
         elif key == "driver" and re.fullmatch(r"\d+(\.\d+)*", value):
             kw["driver"] = value
+        elif key == "torch" and _TORCH.fullmatch(value):
+            kw["torch"] = value
+        elif key == "no-lm-eval" and value and all(_VERSION.fullmatch(v) for v in value.split(",")):
+            kw["no_lm_eval"] = tuple(value.split(","))
         else:
             raise ValueError(
-                f"{SIMULATED_ENV}={spec!r}: {opt!r} is not visible=IDS, free=GIB (<= the GPU's), name=NAME "
-                "or driver=VERSION"
+                f"{SIMULATED_ENV}={spec!r}: {opt!r} is not visible=IDS, free=GIB (<= the GPU's), name=NAME, "
+                "driver=VERSION, torch=VERSION+cuNNN|+cpu (e.g. 2.11.0+cu130) or no-lm-eval=VLLM_VERSIONS"
             )
     return SimulatedBox(spec, int(m.group(1)), float(m.group(2)), **kw)
 
