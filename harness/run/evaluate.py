@@ -24,7 +24,7 @@ from harness.checks.load import (
 )
 from harness.checks.prefix_cache import check_sources
 from harness.checks.transport import CHECK_NAME as KV_NETWORK_CHECK
-from harness.checks.transport import check_kv_over_network
+from harness.checks.transport import check_kv_over_network, kv_transports
 from harness.checks.usage_stats import CHECK_NAME as USAGE_CHECK
 from harness.checks.usage_stats import check_no_usage_reporting
 from harness.run import simulated
@@ -197,6 +197,15 @@ def digest_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
     return [kv_digest.check(kv_digest.compare(records))]
 
 
+def record_kv_transport(ctx: RunContext, pd: PDResult) -> str:
+    """On one host: what UCX chose to carry D's KV reads, per D log and rank, from its protocol tables, kept in the
+    report (``config.kv_transport``); the words to add to the skipped network check's reason."""
+    used = kv_transports({k: v for k, v in (pd.logs or {}).items() if k.startswith("decode")})
+    every = sorted({t for per in used.values() for ts in per.values() for t in ts})
+    ctx.report.config["kv_transport"] = {"transports": every, "per_rank": used}
+    return f"; UCX carried D's KV reads over {', '.join(every)}" if every else "; UCX printed no KV read table"
+
+
 def server_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
     """What the servers did besides the transfer: KV over the network between hosts, no usage reporting, nothing
     held after the run (each skipped with why where it cannot be made)."""
@@ -210,6 +219,8 @@ def server_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
             if pd.attached
             else "P and D on one host, where a same-host transport is what UCX should use"
         )
+        if not pd.attached:
+            why += record_kv_transport(ctx, pd)
         ctx.report.skipped_checks.append({"name": KV_NETWORK_CHECK, "reason": why})
     if pd.environs is not None:
         checks.append(check_no_usage_reporting(pd.environs))

@@ -101,7 +101,7 @@ def make_server(
     binds = _node_binds(cpu_bind, len(nodes))
     spec = replace(
         _spec(cfg, role, tp, model, name, block_size, binds[0], kv_layout, kv_load_failure_policy, placement),
-        extra_env=(*((("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else ()), *host_env(cfg, host)),
+        extra_env=(*((("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else ()), *host_env(cfg, host, role)),
         num_blocks=num_blocks,
         log_requests=log_requests,
         kv_digest_dir=str(kv_digest_dir(logs_dir, label or role)) if cfg.kv_digest and role != "baseline" else None,
@@ -114,7 +114,7 @@ def make_server(
     followers = []
     for rank, node in enumerate(nodes[1:], start=1):
         f_spec = replace(
-            spec, node_rank=rank, host_ip=node.address, cpu_bind=binds[rank], extra_env=host_env(cfg, node)
+            spec, node_rank=rank, host_ip=node.address, cpu_bind=binds[rank], extra_env=host_env(cfg, node, role)
         )
         f_name = f"{label or role}-node{rank}"
         # no health of its own: D's API on rank 0 answers only once every node has joined
@@ -211,10 +211,11 @@ def _managed(
     return ManagedProcess(spec)
 
 
-def host_env(cfg: E2EConfig, host: Host) -> tuple[tuple[str, str], ...]:
-    """What a server gets from its host: the host's own settings and, where P and D are on different hosts, UCX's
-    protocol tables in its log (the evidence of which transport carried the KV, checks/transport.py)."""
-    proto = tuple(PROTO_INFO_ENV.items()) if cfg.hosts.spans_hosts else ()
+def host_env(cfg: E2EConfig, host: Host, role: str = "decode") -> tuple[tuple[str, str], ...]:
+    """What a server gets from its host: the host's own settings and, on P and D, UCX's protocol tables in its log
+    (the evidence of which transport carried the KV, checks/transport.py: between hosts the network check, on one
+    host the record of what UCX chose, e.g. cuda_ipc or a slower copy on a GPU box)."""
+    proto = tuple(PROTO_INFO_ENV.items()) if role != "baseline" or cfg.hosts.spans_hosts else ()
     return (*host.env, *proto)
 
 

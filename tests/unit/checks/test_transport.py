@@ -68,3 +68,22 @@ def test_interleaved_processes_keep_their_own_tables():
 def test_no_table_is_a_failure_that_says_so():
     check = check_kv_over_network({"decode": "INFO nothing from UCX here"}, ranks=1)
     assert not check.passed and "cannot tell what carried the KV" in check.detail
+
+
+def test_on_one_host_what_carried_the_kv_is_recorded_and_said_not_judged():
+    from types import SimpleNamespace
+    from typing import cast
+
+    from harness.run.context import RunContext
+    from harness.run.evaluate import record_kv_transport
+    from harness.run.pd import PDResult
+
+    report = SimpleNamespace(config={})
+    pd = SimpleNamespace(logs={"decode": DEFAULT, "prefill": TCP})
+    words = record_kv_transport(cast(RunContext, SimpleNamespace(report=report)), cast(PDResult, pd))
+    assert report.config["kv_transport"]["transports"] == ["cma/memory"]  # D's log only: P's tables are not D's reads
+    assert words == "; UCX carried D's KV reads over cma/memory"
+    pd = SimpleNamespace(logs={"decode": "no tables here"})
+    assert record_kv_transport(cast(RunContext, SimpleNamespace(report=report)), cast(PDResult, pd)).endswith(
+        "UCX printed no KV read table"
+    )

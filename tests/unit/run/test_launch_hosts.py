@@ -34,12 +34,15 @@ def test_the_baseline_goes_to_ds_host(tmp_path):
     assert srv.proc.spec.argv[3] == "pdh-t-b" and srv.url.startswith("http://10.213.0.3:")
 
 
-def test_one_host_stays_as_it_was(tmp_path):
+def test_one_host_stays_local_and_p_and_d_print_ucx_s_choice(tmp_path):
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
         srv = make_server(E2EConfig(), alloc, "decode", 1, "/m", "tiny", 32, None, tmp_path)
+        base = make_server(E2EConfig(), alloc, "baseline", 1, "/m", "tiny", 32, None, tmp_path / "b")
     argv, env = srv.proc.spec.argv, srv.proc.spec.env
     assert argv[0] != "ip" and argv[argv.index("--host") + 1] == "127.0.0.1"
-    assert env["VLLM_HOST_IP"] == "127.0.0.1" and "UCX_PROTO_INFO" not in env
+    # on one box too, D's log says which transport carried the KV (the report records it); the baseline moves none
+    assert env["VLLM_HOST_IP"] == "127.0.0.1" and env["UCX_PROTO_INFO"] == "y"
+    assert "UCX_PROTO_INFO" not in base.proc.spec.env
 
 
 def test_the_proxy_runs_on_its_host(tmp_path):
