@@ -16,10 +16,10 @@ from pathlib import Path
 
 from harness.core import progress
 from harness.core.files import write_atomic
-from harness.matrix import html as matrix_html
 from harness.matrix.config import pair_config
 from harness.matrix.plan import PlannedPair
 from harness.models.config import ModelEntry
+from harness.render import matrix_page as matrix_html
 from harness.run.config import E2EConfig
 
 # A run's failure class -> the matrix outcome it stands for (the rest keep their class name).

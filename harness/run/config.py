@@ -14,6 +14,7 @@ from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
 from harness.hosts.faults import NEEDS_HOLD, NET_FAULTS
 from harness.hosts.placement import RunHosts
+from harness.render.run_page import tp_text
 from harness.serve.axes import ServerAxes
 from harness.serve.servers import ATTACHED_HEALTH_GRACE_S, Attach, Served
 from harness.serve.vllm_cmd import CpuTuning
@@ -275,11 +276,6 @@ class E2EConfig:
         for name in self.tp_unknown:  # a default is no fact: say that it is not known
             d[name] = TP_UNKNOWN
         return d
-
-
-def tp_text(value: object) -> str:
-    """A TP size of a report's config for people: "TP2", or "TP unknown (not served)"."""
-    return f"TP{value}" if isinstance(value, int) else f"TP {value}"
 
 
 def env_defaults(env: Mapping[str, str] = os.environ) -> dict[str, object]:

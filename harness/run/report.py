@@ -14,9 +14,9 @@ from harness.checks.kv_digest import location_in
 from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.core.redact import redact_tree
-from harness.run import html as run_html
+from harness.render import run_page as run_html
+from harness.render.run_page import tp_text
 from harness.run.attach_report import attach_markdown
-from harness.run.config import tp_text
 from harness.upstream.known import load_known
 
 

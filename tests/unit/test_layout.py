@@ -24,6 +24,7 @@ LAYERS = [
     "accuracy",
     "gpu",
     "simbox",
+    "render",
     "run",
     "matrix",
     "releases",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from harness.checks.check import Check
-from harness.run import html as run_html
+from harness.render import run_page as run_html
 from harness.run.report import Report, write_report
 from harness.workload.token_text import divergence_spans, load_decoder, token_span
 
@@ -215,7 +215,7 @@ def test_report_json_and_md_are_unchanged_by_the_page(tmp_path):
 
 
 def test_a_long_failure_leads_with_counts_and_folds_the_request_ids(tmp_path):
-    from harness.run.html import _reason
+    from harness.render.run_page import _reason
 
     ids = ", ".join(f"load{i:03d}-t{i}" for i in range(84))
     detail = "102 prompts: 18 exact, 0 tolerated (top-5), 84 mismatched; first divergence p01-w2 at token 0"

@@ -5,9 +5,9 @@ import io
 import re
 
 from harness.core import progress
-from harness.matrix import html as matrix_html
 from harness.matrix.plan import PlannedPair
 from harness.matrix.run import PairResult, run_matrix, write_matrix_report
+from harness.render import matrix_page as matrix_html
 from harness.run.config import E2EConfig
 
 

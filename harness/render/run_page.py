@@ -18,7 +18,6 @@ from typing import Any
 
 from harness.checks.check import failed_checks_reason
 from harness.checks.kv_digest import location_in
-from harness.run.config import tp_text
 
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;
@@ -75,6 +74,11 @@ def page(title: str, body: str) -> str:
         f"<style>{CSS}</style></head><body>\n{body}\n</body></html>\n"
     )
     return doc.encode("ascii", "xmlcharrefreplace").decode("ascii")
+
+
+def tp_text(value: object) -> str:
+    """A TP size of a report's config for people: "TP2", or "TP unknown (not served)"."""
+    return f"TP{value}" if isinstance(value, int) else f"TP {value}"
 
 
 def href(path: str, base: Path) -> str:

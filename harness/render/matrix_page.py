@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness.run.html import esc, href, page
+from harness.render.run_page import esc, href, page
 
 # Outcomes with a colour of their own; every other failure class is coloured as a failure.
 OUTCOME_CLASS = {"ok": "o-ok", "assert-45330": "o-assert-45330", "rejected": "o-rejected"}
