@@ -11,8 +11,8 @@ from pathlib import Path
 
 import psutil
 
-from harness.run.launch import RUN_TAG_ENV
 from harness.serve.ports import PortAllocator
+from harness.serve.procs import RUN_TAG_ENV
 
 # `make test-full`: the tests beyond CI's representative cut (marked `full`, tests/conftest.py) run too.
 FULL = os.environ.get("PD_HARNESS_FULL") == "1"

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from harness.workload.completion import Completion
 
-# Part of every cached baseline's key (harness/run/baseline_cache.py): bump it when what a comparison needs from the
+# Part of every cached baseline's key (harness/run/baseline_key.py): bump it when what a comparison needs from the
 # baseline, or how it reads it, changes, so that no baseline recorded under the old rules is compared under the new.
 COMPARISON_VERSION = 1
 

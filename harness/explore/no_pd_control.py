@@ -28,10 +28,9 @@ from harness.matrix.run import OUTCOME_OF_CLASS
 from harness.repro.bundle import ServerCommand, split_command
 from harness.run.evaluate import MIN_PROMPTS, answered_check, match_check
 from harness.run.failures import from_checks, from_exception
-from harness.run.launch import RUN_TAG_ENV
 from harness.run.prompts_file import PROMPTS_FILE
 from harness.serve.ports import PortAllocator, server_ports
-from harness.serve.procs import ManagedProcess, ProcessFailed, ProcessSpec
+from harness.serve.procs import RUN_TAG_ENV, ManagedProcess, ProcessFailed, ProcessSpec
 from harness.serve.vllm_cmd import FATAL_LOG_PATTERNS
 from harness.workload.client import CompletionRun, GenerationSettings, TokenPrompt, run_completions
 from harness.workload.prompts import Prompt

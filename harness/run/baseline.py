@@ -1,7 +1,8 @@
 """The baseline phase: a plain (non-disaggregated) server at D's TP answers the prompts (and lm-eval), alone.
 
 Its answers may come from a cache instead: the pairs of one matrix share them in memory, and on CPU they are kept on
-disk between runs (``baseline_cache.py``) unless ``--fresh-baseline`` or ``PD_HARNESS_NO_BASELINE_CACHE=1``.
+disk between runs (harness/cache/baseline.py, keyed by ``baseline_key.py``) unless ``--fresh-baseline`` or
+``PD_HARNESS_NO_BASELINE_CACHE=1``.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 import requests
 
 from harness.accuracy.lm_eval import EvalRun
+from harness.cache import baseline as disk
 from harness.checks.spec_decode import Acceptance, acceptance
 from harness.core import progress
-from harness.run import baseline_cache as disk
+from harness.run.baseline_key import key_inputs, new_meta
 from harness.run.context import RunContext
 from harness.run.launch import Server
 from harness.run.load import baseline_load
@@ -146,7 +148,7 @@ def _store(ctx: RunContext, look: _DiskLookup, result: BaselineResult, command: 
     why_not = disk.cacheable(result)
     if why_not is not None:
         return {**info, "stored": False, "not_stored_because": why_not}
-    meta = disk.new_meta(ctx, command)
+    meta = new_meta(ctx, command)
     try:
         assert look.inputs is not None
         disk.write_entry(
@@ -207,7 +209,7 @@ def _lookup(ctx: RunContext, server_id: dict[str, Any], block_size: int | None) 
             }
         )
     try:
-        inputs = disk.key_inputs(ctx, server_id, block_size)
+        inputs = key_inputs(ctx, server_id, block_size)
     except Exception as e:  # noqa: BLE001 - e.g. the interpreter cannot report its environment: launch, as without a cache
         return _DiskLookup(info={"used": False, "key": None, "reason": f"no key: {type(e).__name__}: {e}"})
     key = disk.cache_key(inputs)

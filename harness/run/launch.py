@@ -20,14 +20,12 @@ from harness.hosts.placement import LOCAL, RAY_STOP_GRACE_S, Host
 from harness.run.config import E2EConfig
 from harness.serve.axes import MODEL_PLACEHOLDER
 from harness.serve.ports import PortAllocator, Ports, ServerPorts, server_ports
-from harness.serve.procs import ManagedProcess, ProcessSpec
+from harness.serve.procs import RUN_TAG_ENV, ManagedProcess, ProcessSpec
 from harness.serve.vllm_cmd import API_SERVER_MODULE, FATAL_LOG_PATTERNS, Command, ServerSpec, build_server_command
 from harness.simbox.box import SIMULATED_ENV, simulated_box
 from harness.simbox.claims import STATE_ENV, box_state
 
 PROXY_SCRIPT = REPO_ROOT / "toy_proxy_server.py"
-# Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
-RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
 STANDIN_MODULE = "harness.simbox.standin"  # what serves a simulated GPU box in vLLM's place
 
 

@@ -54,6 +54,8 @@ from harness.core import progress
 
 LOG_TAIL_LINES = 40
 OWNER_ENV = "PD_HARNESS_OWNER"  # <pid>:<start time>:<pid namespace> of the harness that started the process
+# Every process of a run carries its logs folder in this variable, so leftovers can be found by owner, never by name.
+RUN_TAG_ENV = "PD_HARNESS_RUN_LOGS"
 
 
 class ProcessFailed(RuntimeError):

@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 # These tests read the baseline's own log, start-up timing and failures: every run must launch its baseline, never
-# reuse one from the disk cache (harness/run/baseline_cache.py). The runs inherit this environment.
+# reuse one from the disk cache (harness/cache/baseline.py). The runs inherit this environment.
 os.environ["PD_HARNESS_NO_BASELINE_CACHE"] = "1"
 
 

@@ -22,6 +22,7 @@ LAYERS = [
     "checks",
     "upstream",
     "accuracy",
+    "cache",
     "gpu",
     "simbox",
     "render",

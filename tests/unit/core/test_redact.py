@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness.cache import baseline as baseline_cache
 from harness.checks.check import Check
 from harness.core.redact import MASK, is_secret_name, redact_argv, redact_env, redact_text, redact_tree
-from harness.run import baseline_cache
 from harness.run.report import Report, write_report
 
 SECRET_NAMES = [

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from harness.core.paths import REPO_ROOT
-from harness.run.launch import RUN_TAG_ENV
+from harness.serve.procs import RUN_TAG_ENV
 from tests.fakes.fake_vllm import CRASH_LINE
 from tests.helpers import processes_tagged
 

@@ -6,8 +6,9 @@ from harness.cluster.remote import REMOTE_GRACE_S
 from harness.core.errors import ConfigError
 from harness.hosts.placement import RAY_STOP_GRACE_S, REMOTE_MODULE, Host, RayNode, RunHosts
 from harness.run.config import E2EConfig
-from harness.run.launch import RUN_TAG_ENV, make_proxy, make_server
+from harness.run.launch import make_proxy, make_server
 from harness.serve.ports import PortAllocator
+from harness.serve.procs import RUN_TAG_ENV
 
 A = Host("a", "10.213.0.2", "pdh-t-a", (("UCX_TLS", "tcp"),))
 B = Host("b", "10.213.0.3", "pdh-t-b", (("UCX_TLS", "tcp"),))

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from harness.run import baseline_cache as bc
+from harness.cache import baseline as bc
 from harness.run import pipeline
+from harness.run.baseline_key import key_inputs
 from harness.run.config import E2EConfig
 from harness.run.context import RunContext
 from harness.run.prompt_fit import harness_made, model_prompts
@@ -75,7 +76,7 @@ def ctx_for(tmp_path: Path, model: Path) -> RunContext:
 def key_prompts(ctx: RunContext, monkeypatch, tmp_path: Path) -> list:
     monkeypatch.setattr(bc, "cache_root", lambda: tmp_path / "cache")
     monkeypatch.setattr(bc, "python_identity", lambda python: {"executable": python})
-    return bc.key_inputs(ctx, {"argv": [], "env": {}}, 32, environ={})["prompts"]
+    return key_inputs(ctx, {"argv": [], "env": {}}, 32, environ={})["prompts"]
 
 
 def test_baseline_cache_keys_hold_the_word_texts_for_the_harness_own_models_and_the_ids_for_another(

@@ -14,9 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness.run.launch import RUN_TAG_ENV, make_proxy
+from harness.run.launch import make_proxy
 from harness.serve.ports import PortAllocator, PortExhausted, default_lock_dir
-from harness.serve.procs import ManagedProcess, ProcessSpec, start_all
+from harness.serve.procs import RUN_TAG_ENV, ManagedProcess, ProcessSpec, start_all
 from tests.helpers import FULL, processes_tagged
 
 

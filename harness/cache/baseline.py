@@ -4,8 +4,9 @@ A baseline answers fixed prompts greedily, alone: the same server command, model
 generation settings give the same answers. So a run (a repeated ``make e2e``, a bisect probe, the pairs of a CPU
 matrix) can take them from an earlier run instead of starting a server for a minute and a half.
 
-The key is a sha256 over a canonical JSON of the inputs (``key_inputs``); the entry, ``<root>/<key>/entry.json``,
-holds the answers, the load prompts they answered, and where they came from (``meta``: the run folder, the time).
+The key is a sha256 over a canonical JSON of the inputs (a run builds them: ``key_inputs`` of run/baseline_key.py);
+the entry, ``<root>/<key>/entry.json``, holds the answers, the load prompts they answered, and where they came from
+(``meta``: the run folder, the time).
 Entries are written to a temporary name and renamed, so a reader sees a whole entry or none. Anything wrong with
 an entry (half written, edited, another format) is a miss, never an error: the run computes the baseline again and
 overwrites it. Only CPU baselines are cached: GPU numerics depend on the GPU model, the kernels chosen at start-up
@@ -15,7 +16,6 @@ and CUDA graphs, none of which the key could capture reliably.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import hashlib
 import json
 import os
@@ -27,18 +27,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from harness.accuracy.lm_eval import EvalRun, Sample, lm_eval_argv
-from harness.checks.compare import COMPARISON_VERSION
+from harness.accuracy.lm_eval import EvalRun, Sample
 from harness.core.files import sha256_of
 from harness.core.paths import CACHE_ROOT
 from harness.core.redact import is_secret_name, redact_argv, redact_env, redact_text
-from harness.run.context import RunContext
-from harness.run.launch import RUN_TAG_ENV
+from harness.serve.procs import RUN_TAG_ENV
 from harness.workload.client import CompletionRun, RequestFailed
 from harness.workload.completion import Completion
-from harness.workload.load import LoadRequest, plan_load
-from harness.workload.load_client import LoadOutcome, LoadRun, load_body
-from harness.workload.prefix import PrefixCase, plan_prefix
+from harness.workload.load import LoadRequest
+from harness.workload.load_client import LoadOutcome, LoadRun
+from harness.workload.prefix import PrefixCase
 
 ENV_DISABLE = "PD_HARNESS_NO_BASELINE_CACHE"  # 1: neither read nor write the disk cache
 ENTRY_FORMAT = 2  # the layout of entry.json; part of the key, so a new layout never reads an old entry
@@ -247,57 +245,6 @@ def cpu_identity() -> dict[str, Any]:
         if name in ("model name", "flags", "Features") and name not in out:
             out[name] = value.strip() if name == "model name" else hashlib.sha256(value.strip().encode()).hexdigest()
     return out
-
-
-def key_inputs(
-    ctx: RunContext, server: Mapping[str, Any], block_size: int | None, environ: Mapping[str, str] = os.environ
-) -> dict[str, Any]:
-    """Everything that can change the baseline's answers (``server``: its ``command_identity``)."""
-    cfg = ctx.cfg
-    load = None
-    if cfg.load.enabled:
-        plan = plan_load(cfg.load, block_size or 16, cfg.model_len, cfg.max_tokens, cfg.seed)
-        load = {
-            "settings": cfg.load.to_dict(),
-            "plan": [r.to_dict() for r in plan],
-            "body": load_body(ctx.gen, ctx.served_name, plan[0], [0]) if plan else None,
-        }
-    accuracy = None
-    if ctx.accuracy is not None:
-        s = ctx.accuracy
-        accuracy = {
-            "settings": s.to_dict(),
-            "argv": lm_eval_argv(cfg.python, "<url>", ctx.served_name, s, Path("<out>"))[1:] if s.task else None,
-            "task_files_sha256": files_hash(Path(s.include_path), cache_root() / FILE_HASHES)
-            if s.include_path
-            else None,
-        }
-    gen = {
-        k: v for k, v in asdict(ctx.gen).items() if k != "timeout_s"
-    }  # a deadline: a late answer is a failure, never cached
-    return {
-        "entry_format": ENTRY_FORMAT,
-        "comparison_version": COMPARISON_VERSION,
-        "device": cfg.device,
-        "tp": cfg.tp_d,
-        "dtype": cfg.dtype,
-        "block_size": block_size,
-        "kv_pool_blocks": ctx.pool_blocks(block_size),
-        "max_model_len": cfg.model_len,
-        "server": dict(server),
-        "inherited_env": inherited_env(environ, server.get("env", {})),
-        "model": model_identity(ctx.model, cache_root() / FILE_HASHES),
-        "served_model_name": ctx.served_name,
-        "python": python_identity(cfg.python),
-        "cpu": cpu_identity(),
-        # what is sent: the text (the harness's own models: keys as ever), or the model's token ids
-        "prompts": [[p.id, p.payload] for p in ctx.prompts],
-        "generation": {**gen, "body": ctx.gen.body(ctx.served_name, "<prompt>")},
-        "load": load,
-        # D's prefix-cache scenarios (their prompts follow from the plan, the tokenizer and the seed, all keyed)
-        "prefix_scenarios": [c.to_dict() for c in plan_prefix(block_size or 16)] if cfg.axes.prefix_caching_d else None,
-        "accuracy": accuracy,
-    }
 
 
 # -- entries ------------------------------------------------------------------------------------------------------
@@ -535,15 +482,3 @@ def read_entry(root: Path, key: str) -> Entry:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CacheMiss(f"entry corrupted ({type(e).__name__}: {e})") from None
-
-
-def new_meta(ctx: RunContext, command: str) -> dict[str, Any]:
-    """Where an entry came from: the run folder that computed it, when, with which command and versions."""
-    t = ctx.report.timings_s
-    return {
-        "from_run": str(ctx.run_dir),
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": redact_text(command),
-        "versions": dict(ctx.report.versions),
-        "timings_s": {k: round(v, 3) for k, v in t.items() if k.startswith(("baseline_", "lm_eval_baseline"))},
-    }
