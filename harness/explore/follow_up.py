@@ -10,7 +10,6 @@ marks the finding "needs no P/D": it is no P/D finding, and neither shrunk nor b
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +18,7 @@ from harness.core.errors import ConfigError
 from harness.core.safe import comment, load_json_object
 from harness.explore.no_pd_control import ControlResult, run_no_pd_control
 from harness.repro.bundle import write_bundle
-from harness.shrink.cli import real_probe, render, start_of
-from harness.shrink.search import shrink
+from harness.shrink.cli import search_and_write, start_of
 
 STEPS = ("control", "shrink", "bundle", "issue")
 DONE, SKIPPED, FAILED = "done", "skipped", "failed"
@@ -181,14 +179,11 @@ def real_follow_up(shrink_probes: int = 8, shrink_minutes: float = 60.0) -> Foll
 def shrink_run(run_dir: Path, max_probes: int, max_minutes: float) -> Smallest:
     """``python -m harness shrink RUN_DIR`` from Python: the search with real probes, shrink.json and shrink.md in
     ``<run_dir>/shrink``. ConfigError when the run cannot be shrunk."""
-    cls, start, carried, bad = start_of(load_json_object(Path(run_dir) / "report.json", "report"))
+    begun = start_of(load_json_object(Path(run_dir) / "report.json", "report"))
     out = Path(run_dir) / "shrink"
     out.mkdir(parents=True, exist_ok=True)
-    probe = real_probe(carried, out, max_minutes * 60)
-    result = shrink(start, cls, probe, max_probes, max_minutes * 60, failing_prompts=bad)
-    (out / "shrink.json").write_text(json.dumps({**result.to_dict(), "carried_flags": carried}, indent=2) + "\n")
-    (out / "shrink.md").write_text(render(result, carried, Path(run_dir)))
+    result = search_and_write(Path(run_dir), out, begun, max_probes, max_minutes)
     smallest = next(
-        (p.run_dir for p in reversed(result.probes) if p.settings == result.minimal and p.outcome == cls), None
+        (p.run_dir for p in reversed(result.probes) if p.settings == result.minimal and p.outcome == begun[0]), None
     )
     return Smallest(result.minimal.describe(), str(out), smallest, result.cut)

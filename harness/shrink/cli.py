@@ -145,6 +145,17 @@ def render(result: ShrinkResult, carried: list[str], run_dir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def search_and_write(run_dir: Path, out: Path, begun: tuple, max_probes: int, max_minutes: float):
+    """The search with real probes in ``out`` from ``begun`` (``start_of``'s answer for the run in ``run_dir``), its
+    shrink.json and shrink.md written there; the result."""
+    cls, start, carried, bad = begun
+    probe = real_probe(carried, out, max_minutes * 60)
+    result = shrink(start, cls, probe, max_probes, max_minutes * 60, failing_prompts=bad)
+    (out / "shrink.json").write_text(json.dumps({**result.to_dict(), "carried_flags": carried}, indent=2) + "\n")
+    (out / "shrink.md").write_text(render(result, carried, run_dir))
+    return result
+
+
 def main(a: argparse.Namespace) -> int:
     try:
         if a.max_probes < 1 or a.max_minutes <= 0:
@@ -166,11 +177,7 @@ def main(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else Path(a.run_dir) / "shrink"
     out.mkdir(parents=True, exist_ok=True)
     print(f"shrink: {cls} from {start.describe()}; at most {a.max_probes} probes, {a.max_minutes:g} min", flush=True)
-    result = shrink(
-        start, cls, real_probe(carried, out, a.max_minutes * 60), a.max_probes, a.max_minutes * 60, failing_prompts=bad
-    )
-    (out / "shrink.json").write_text(json.dumps({**result.to_dict(), "carried_flags": carried}, indent=2) + "\n")
-    (out / "shrink.md").write_text(render(result, carried, Path(a.run_dir)))
+    result = search_and_write(Path(a.run_dir), out, (cls, start, carried, bad), a.max_probes, a.max_minutes)
     print(result.summary())
     print(f"shrink: {out / 'shrink.md'}")
     return 0
