@@ -22,6 +22,13 @@ from harness.checks.check import Check
 CHECK_NAME = "kv_digest_match"
 UNAVAILABLE = "unavailable"  # a server rank's file saying why it could not digest (its vLLM's internals)
 STATE_PARTS = ("conv-x", "conv-B", "conv-C", "ssm")  # a Mamba state's parts (serve/inject/pd_kv_state.py)
+
+
+def row_word(part: str) -> str:
+    """What one row of ``part`` is: a conv state's channel, else a head (K, V, the MLA latent, an SSM head)."""
+    return "channel" if part in STATE_PARTS and part != "ssm" else "head"
+
+
 MAX_EXPLAINED = 2000  # mismatches looked up among P's digests: enough to name a pattern, bounded on big models
 
 
@@ -56,8 +63,7 @@ class Key:
 
     def text(self) -> str:
         if self.part in STATE_PARTS:
-            row = "head" if self.part == "ssm" else "channel"
-            return f"request {self.request_id}, {self.layer} {self.part} state, {row} {self.head}"
+            return f"request {self.request_id}, {self.layer} {self.part} state, {row_word(self.part)} {self.head}"
         return f"request {self.request_id}, {self.layer} {self.part}, head {self.head}, position {self.position}"
 
 
@@ -202,12 +208,11 @@ def explain(expected: Key, value: int, found: Key | None, block_size: int) -> tu
     if found.part != expected.part:
         if {found.part, expected.part} == {"K", "V"}:
             return "K/V swapped", f"P's {found.part} of head {found.head} position {found.position}{shift}"
-        row = "head" if found.part == "ssm" else "channel" if found.part in STATE_PARTS else "head"
-        return "another part", f"P's {found.part} {row} {found.head}"
+        return "another part", f"P's {found.part} {row_word(found.part)} {found.head}"
     if found.head != expected.head:
         where = "" if found.position == expected.position else f" position {found.position}"
         if expected.part in STATE_PARTS:
-            row = "head" if expected.part == "ssm" else "channel"
+            row = row_word(expected.part)
             return f"another {row}", f"P's {found.part} {row} {found.head}"
         return "another head", f"P's head {found.head}{where}"
     blocks = f" = {off // block_size:+d} blocks" if block_size and off % block_size == 0 else ""

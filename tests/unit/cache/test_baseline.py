@@ -35,14 +35,19 @@ def cache_here(tmp_path) -> Path:
     return tmp_path / "cache"
 
 
-@pytest.fixture
-def model_dir(tmp_path) -> Path:
+def fake_model(tmp_path: Path) -> Path:
+    """A model folder whose files the cache hashes (config, weights, tokenizer), under ``tmp_path``."""
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 1}))
     (d / "model.safetensors").write_bytes(b"\x00weights" * 100)
     (d / "tokenizer.json").write_text("{}")
     return d
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    return fake_model(tmp_path)
 
 
 # -- what the key is made of ------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +26,7 @@ from harness.workload.load import LoadRequest, LoadSettings
 from harness.workload.prefix import plan_prefix
 from harness.workload.prompts import Prompt, prompt_set
 from tests.unit.cache.test_baseline import answers as cached_answers
-from tests.unit.cache.test_baseline import completion
+from tests.unit.cache.test_baseline import completion, fake_model
 
 LOAD = LoadSettings(requests=6, concurrency=2, abort_every=3)
 
@@ -66,12 +65,7 @@ def cache_here(tmp_path, monkeypatch):
 
 @pytest.fixture
 def model_dir(tmp_path) -> Path:
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps({"num_attention_heads": 4, "num_key_value_heads": 1}))
-    (d / "model.safetensors").write_bytes(b"\x00weights" * 100)
-    (d / "tokenizer.json").write_text("{}")
-    return d
+    return fake_model(tmp_path)
 
 
 def make_ctx(tmp_path: Path, model_dir: Path, run: str = "run1", prompts=None, **cfg) -> RunContext:
