@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from harness.run.config import E2EConfig
-from harness.run.launch import make_server
+from harness.run.launch import WantedServer, make_server
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.vllm_cmd import plan_cpu_binding
@@ -24,12 +24,13 @@ from harness.serve.vllm_cmd import plan_cpu_binding
 def _servers(cfg: E2EConfig, alloc: PortAllocator, model: str, logs: Path, tag: str):
     binds = plan_cpu_binding(os.cpu_count() or 1, [cfg.tp_p, cfg.tp_d]) if cfg.device == "cpu" else [None, None]
     bs = cfg.block_sizes()
-    return [
-        make_server(
-            cfg, alloc, "prefill", cfg.tp_p, model, "tiny-llama", bs[0], binds[0], logs, label=f"prefill-{tag}"
-        ),
-        make_server(cfg, alloc, "decode", cfg.tp_d, model, "tiny-llama", bs[1], binds[1], logs, label=f"decode-{tag}"),
+    wants = [
+        WantedServer(
+            role=role, tp=tp, model=model, served_name="tiny-llama", block_size=b, cpu_bind=bind, label=f"{role}-{tag}"
+        )
+        for role, tp, b, bind in (("prefill", cfg.tp_p, bs[0], binds[0]), ("decode", cfg.tp_d, bs[1], binds[1]))
     ]
+    return [make_server(cfg, alloc, want, logs) for want in wants]
 
 
 def _round(cfg: E2EConfig, model: str, logs: Path, tag: str, parallel: bool) -> dict:

@@ -12,7 +12,7 @@ from harness.accuracy.settings import AccuracySettings
 from harness.gpu.run import GpuRun
 from harness.hosts.faults import HOLD_EVERY, NEEDS_HOLD
 from harness.run.config import E2EConfig
-from harness.run.launch import Server, make_proxy, make_server
+from harness.run.launch import Server, WantedServer, make_proxy, make_server
 from harness.run.preflight import CPU_MLA_BLOCK
 from harness.run.report import Report
 from harness.serve.ports import PortAllocator
@@ -83,21 +83,19 @@ class RunContext:
         """A server of this run (not started), recorded in the report's commands and logs."""
         placement = self.gpu.placement(role) if self.gpu is not None else None
         aborts = self.cfg.load.enabled and self.cfg.load.abort_every > 0 and role != "baseline"
-        srv = make_server(
-            self.cfg,
-            alloc,
-            role,
-            tp,
-            self.model,
-            self.served_name,
-            block_size,
-            cpu_bind,
-            self.logs,
-            kv_layout,
+        want = WantedServer(
+            role=role,
+            tp=tp,
+            model=self.model,
+            served_name=self.served_name,
+            block_size=block_size,
+            cpu_bind=cpu_bind,
+            kv_layout=kv_layout,
             placement=placement,
             num_blocks=self.pool_blocks(block_size),
             log_requests=aborts,
         )
+        srv = make_server(self.cfg, alloc, want, self.logs)
         self.report.commands[role] = srv.command
         self.report.logs[role] = str(srv.proc.spec.log_path)
         for name, proc, command in srv.followers:

@@ -12,6 +12,7 @@ from typing import Any
 
 from harness.checks.classify import FATAL_PATTERNS, REPEATED_FATAL
 from harness.checks.transport import PROTO_INFO_ENV
+from harness.core.errors import ConfigError
 from harness.core.files import claim_run_dir
 from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
@@ -21,7 +22,14 @@ from harness.run.config import E2EConfig
 from harness.serve.axes import MODEL_PLACEHOLDER
 from harness.serve.ports import PortAllocator, Ports, ServerPorts, server_ports
 from harness.serve.procs import RUN_TAG_ENV, ManagedProcess, ProcessSpec
-from harness.serve.vllm_cmd import API_SERVER_MODULE, FATAL_LOG_PATTERNS, Command, ServerSpec, build_server_command
+from harness.serve.vllm_cmd import (
+    API_SERVER_MODULE,
+    FATAL_LOG_PATTERNS,
+    ROLES,
+    Command,
+    ServerSpec,
+    build_server_command,
+)
 from harness.simbox.box import SIMULATED_ENV, simulated_box
 from harness.simbox.claims import STATE_ENV, box_state
 
@@ -72,49 +80,69 @@ def speculative_for(config: str | None, model: str) -> str | None:
     return None if config is None else config.replace(MODEL_PLACEHOLDER, model)
 
 
-def make_server(
-    cfg: E2EConfig,
-    alloc: Ports,
-    role: str,
-    tp: int,
-    model: str,
-    name: str,
-    block_size: int | None,
-    cpu_bind: str | None,
-    logs_dir: Path,
-    kv_layout: str | None = None,
-    label: str | None = None,
-    kv_load_failure_policy: str = "fail",
-    placement: ServerPlacement | None = None,
-    num_blocks: int | None = None,
-    log_requests: bool = False,
-) -> Server:
-    """A not-yet-started vLLM server of ``role`` with ports from ``alloc`` and its log in ``logs_dir``.
+@dataclass(frozen=True)
+class WantedServer:
+    """What one server of a run is asked to be; the run's own parts (its config, port allocator and logs folder) are
+    make_server's other arguments.
 
     ``label`` names the process and its log (default: the role); ``kv_load_failure_policy`` other than
     "fail" is for tests that must see the harness refuse a silently recomputed transfer. ``placement``
-    (GPU): the server's GPUs and memory share from the run's GPU plan (which holds a given --gpu-memory-utilization)."""
+    (GPU): the server's GPUs and memory share from the run's GPU plan (which holds a given --gpu-memory-utilization).
+    ``num_blocks``: its KV pool (None: vLLM's own); ``log_requests``: vLLM logs each request (a load phase's aborts
+    are read from it)."""
+
+    role: str  # prefill / decode / baseline
+    tp: int
+    model: str  # path or hub id
+    served_name: str
+    block_size: int | None
+    cpu_bind: str | None  # CPU: the cores of its ranks, separated by "|" in rank order
+    kv_layout: str | None = None
+    label: str | None = None
+    kv_load_failure_policy: str = "fail"
+    placement: ServerPlacement | None = None
+    num_blocks: int | None = None
+    log_requests: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"a server's role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.tp < 1:
+            raise ConfigError(f"a server's tp must be >= 1, got {self.tp}")
+
+    @property
+    def name(self) -> str:
+        """The name of its process and log."""
+        return self.label or self.role
+
+
+def make_server(cfg: E2EConfig, alloc: Ports, want: WantedServer, logs_dir: Path) -> Server:
+    """A not-yet-started vLLM server as ``want`` asks, with ports from ``alloc`` and its log in ``logs_dir``."""
+    role, tp = want.role, want.tp
     host = cfg.hosts.for_role(role)
     nodes = (host, *cfg.hosts.decode_nodes) if role == "decode" else (host,)
-    binds = _node_binds(cpu_bind, len(nodes))
+    binds = _node_binds(want.cpu_bind, len(nodes))
     spec = replace(
-        _spec(cfg, role, tp, model, name, block_size, binds[0], kv_layout, kv_load_failure_policy, placement),
-        extra_env=(*((("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if placement else ()), *host_env(cfg, host, role)),
-        num_blocks=num_blocks,
-        log_requests=log_requests,
-        kv_digest_dir=str(kv_digest_dir(logs_dir, label or role)) if cfg.kv_digest and role != "baseline" else None,
+        _spec(cfg, want, binds[0]),
+        extra_env=(
+            *((("CUDA_DEVICE_ORDER", CUDA_DEVICE_ORDER),) if want.placement else ()),
+            *host_env(cfg, host, role),
+        ),
+        num_blocks=want.num_blocks,
+        log_requests=want.log_requests,
+        kv_digest_dir=str(kv_digest_dir(logs_dir, want.name)) if cfg.kv_digest and role != "baseline" else None,
     )
     if len(nodes) > 1:  # rank 0's torch.distributed address, from our allocator like every port
         spec = replace(spec, nodes=len(nodes), master=(host.address, alloc.port()))
     ports = server_ports(alloc, tp // len(nodes))
     url = host.url(ports.http)
-    proc, shown = _process(cfg, spec, ports, host, label or role, logs_dir, f"{url}/health")
+    proc, shown = _process(cfg, spec, ports, host, want.name, logs_dir, f"{url}/health")
     followers = []
     for rank, node in enumerate(nodes[1:], start=1):
         f_spec = replace(
             spec, node_rank=rank, host_ip=node.address, cpu_bind=binds[rank], extra_env=host_env(cfg, node, role)
         )
-        f_name = f"{label or role}-node{rank}"
+        f_name = f"{want.name}-node{rank}"
         # no health of its own: D's API on rank 0 answers only once every node has joined
         f_proc, f_shown = _process(cfg, f_spec, server_ports(alloc, tp // len(nodes)), node, f_name, logs_dir, None)
         followers.append((f_name, f_proc, f_shown))
@@ -135,25 +163,24 @@ def _node_binds(cpu_bind: str | None, nodes: int) -> list[str | None]:
     return ["|".join(ranks[i * per : (i + 1) * per]) for i in range(nodes)]
 
 
-def _spec(
-    cfg: E2EConfig, role: str, tp: int, model: str, name: str, block_size: int | None, cpu_bind: str | None,
-    kv_layout: str | None, kv_load_failure_policy: str, placement: ServerPlacement | None
-) -> ServerSpec:  # fmt: skip
+def _spec(cfg: E2EConfig, want: WantedServer, cpu_bind: str | None) -> ServerSpec:
+    """The vLLM server of ``want`` under the run's settings; ``cpu_bind``: its first node's share of the binding."""
+    role, model, placement = want.role, want.model, want.placement
     return ServerSpec(
         role=role,  # type: ignore[arg-type]
         model=model,
-        served_model_name=name,
-        tp=tp,
+        served_model_name=want.served_name,
+        tp=want.tp,
         device=cfg.device,  # type: ignore[arg-type]
-        block_size=block_size,
-        kv_layout=kv_layout,
+        block_size=want.block_size,
+        kv_layout=want.kv_layout,
         cpu_bind=cpu_bind,
         kv_lease_s=cfg.lease_s,
         # the plan's share: the run's own value where one was given, checked against colocation by the plan
         gpu_memory_utilization=placement.gpu_memory_utilization if placement else cfg.gpu_memory_utilization,
         gpus=placement.gpus if placement else (),
         seed=cfg.seed,
-        kv_load_failure_policy=kv_load_failure_policy,
+        kv_load_failure_policy=want.kv_load_failure_policy,
         fault_kv_scale=cfg.decode_kv_fault if role == "decode" else None,
         fault_swap_heads=cfg.decode_swap_heads and role == "decode",
         max_model_len=cfg.model_len,

@@ -25,7 +25,7 @@ import requests
 
 from harness.checks.leak import LEASE_MARGIN_S, state_of
 from harness.proxy.app import prefill_body
-from harness.run.launch import make_server
+from harness.run.launch import WantedServer, make_server
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.prometheus import parse_metrics
@@ -97,8 +97,17 @@ def stages(tmp_path_factory):
     limit = LEASE_S + LEASE_MARGIN_S
     out: dict[str, dict] = {}
     with PortAllocator() as alloc, contextlib.ExitStack() as stack:
-        p = make_server(cfg, alloc, "prefill", 1, model, "tiny-llama", bs, p_bind, logs, log_requests=True)
-        d = make_server(cfg, alloc, "decode", 1, model, "tiny-llama", bs, d_bind, logs, log_requests=True)
+        want = WantedServer(
+            role="prefill",
+            tp=1,
+            model=model,
+            served_name="tiny-llama",
+            block_size=bs,
+            cpu_bind=p_bind,
+            log_requests=True,
+        )
+        p = make_server(cfg, alloc, want, logs)
+        d = make_server(cfg, alloc, dataclasses.replace(want, role="decode", cpu_bind=d_bind), logs)
         start_all([p.proc, d.proc], stack, cfg.ready_timeout_s)
         idle = state_of(parse_metrics(requests.get(f"{p.url}/metrics", timeout=10).text)).kv_blocks or 0
 

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from harness.checks.transfer import XFER_COUNT
-from harness.run.launch import kv_digest_dir, make_server
+from harness.run.launch import WantedServer, kv_digest_dir, make_server
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from harness.serve.prometheus import metric_sum, parse_metrics
@@ -42,26 +42,16 @@ def external(tmp_path_factory):
     logs = tmp_path_factory.mktemp("external") / "logs"
     cfg, model, bs, (p_bind, d_bind) = tiny_server_setup()
     cfg = dataclasses.replace(cfg, kv_lease_s=LEASE_S)
+    wants = {
+        role: WantedServer(role=role, tp=1, model=model, served_name="tiny-llama", block_size=bs, cpu_bind=bind)
+        for role, bind in (("prefill", p_bind), ("decode", d_bind), ("baseline", d_bind))
+    }
+    # a decode server that silently recomputes what it failed to load (vLLM's other failure policy)
+    wants["decode-recompute"] = dataclasses.replace(
+        wants["decode"], label="decode-recompute", kv_load_failure_policy="recompute"
+    )
     with PortAllocator() as alloc, contextlib.ExitStack() as stack:
-        servers = {
-            "prefill": make_server(cfg, alloc, "prefill", 1, model, "tiny-llama", bs, p_bind, logs),
-            "decode": make_server(cfg, alloc, "decode", 1, model, "tiny-llama", bs, d_bind, logs),
-            "baseline": make_server(cfg, alloc, "baseline", 1, model, "tiny-llama", bs, d_bind, logs),
-            # a decode server that silently recomputes what it failed to load (vLLM's other failure policy)
-            "decode-recompute": make_server(
-                cfg,
-                alloc,
-                "decode",
-                1,
-                model,
-                "tiny-llama",
-                bs,
-                d_bind,
-                logs,
-                label="decode-recompute",
-                kv_load_failure_policy="recompute",
-            ),
-        }
+        servers = {name: make_server(cfg, alloc, want, logs) for name, want in wants.items()}
         start_all([s.proc for s in servers.values()], stack, cfg.ready_timeout_s)
         yield servers
     assert processes_tagged(logs) == []

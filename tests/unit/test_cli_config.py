@@ -105,7 +105,7 @@ def test_proxy_faults_are_the_proxys_own():
 
 
 def test_edge_axis_flags_reach_the_run_and_only_d_gets_the_prefix_cache(tmp_path):
-    from harness.run.launch import make_server
+    from harness.run.launch import WantedServer, make_server
     from harness.serve.ports import PortAllocator
 
     c = cfg(["--device", "cpu", "--kv-cache-dtype", "fp8", "--prefix-caching-d", "--no-async-scheduling"])
@@ -113,7 +113,12 @@ def test_edge_axis_flags_reach_the_run_and_only_d_gets_the_prefix_cache(tmp_path
     assert cfg(["--device", "cpu"]).axes.set() == {}
     with PortAllocator() as alloc:
         cmds = {
-            role: make_server(c, alloc, role, 1, "/m", "m", 32, None, tmp_path).command
+            role: make_server(
+                c,
+                alloc,
+                WantedServer(role=role, tp=1, model="/m", served_name="m", block_size=32, cpu_bind=None),
+                tmp_path,
+            ).command
             for role in ("prefill", "decode", "baseline")
         }
     assert all("--kv-cache-dtype fp8" in x for x in cmds.values())

@@ -6,11 +6,24 @@ from harness.core.errors import ConfigError
 from harness.gpu.nvml import GpuCheckFailed
 from harness.gpu.run import GpuRun
 from harness.run.config import E2EConfig
-from harness.run.launch import make_server
+from harness.run.launch import WantedServer, make_server
 from harness.serve.ports import PortAllocator
 from tests.unit.gpu.fake_nvml import FakeNvml, gpus
 
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+
+
+def gpu_server(run: GpuRun, role: str, tp: int) -> WantedServer:
+    """A server of TinyLlama at ``role`` placed by ``run``'s plan."""
+    return WantedServer(
+        role=role,
+        tp=tp,
+        model=TINYLLAMA,
+        served_name=TINYLLAMA,
+        block_size=None,
+        cpu_bind=None,
+        placement=run.placement(role),
+    )
 
 
 def test_p2_d8_on_eight_gpus_is_colocated_and_staggered():
@@ -32,9 +45,7 @@ def test_the_placement_reaches_the_server_command(tmp_path):
     run = GpuRun(2, 8, TINYLLAMA, nvml=FakeNvml([gpus(8)]))
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3")
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(
-            cfg, alloc, "prefill", 2, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("prefill")
-        )
+        srv = make_server(cfg, alloc, gpu_server(run, "prefill", 2), tmp_path)
     env = srv.proc.spec.env
     assert (
         env["CUDA_VISIBLE_DEVICES"] == run.placement("prefill").cuda_visible_devices
@@ -50,9 +61,7 @@ def test_a_given_memory_utilization_reaches_the_server_through_the_plan(tmp_path
     assert run.placement("decode").gpu_memory_utilization == 0.3
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3", gpu_memory_utilization=0.3)
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(
-            cfg, alloc, "decode", 1, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
-        )
+        srv = make_server(cfg, alloc, gpu_server(run, "decode", 1), tmp_path)
     argv = list(srv.proc.spec.argv)
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.3"
 

@@ -13,7 +13,7 @@ from harness.gpu.plan import ModelMemory, UtilizationError, plan_gpus, render_pl
 from harness.gpu.run import GpuRun
 from harness.gpu.visible import resolve_visible
 from harness.run.config import E2EConfig
-from harness.run.launch import make_server
+from harness.run.launch import WantedServer, make_server
 from harness.serve.ports import PortAllocator
 from harness.simbox.box import SIMULATED_ENV, parse_box, sim_uuid
 from tests.unit.gpu.fake_nvml import FakeGpu, FakeNvml, gpus
@@ -156,9 +156,16 @@ def test_p2_d8_on_4_of_8_is_planned_and_launched_on_the_callers_gpus(monkeypatch
     assert run.placement("prefill").gpus == (4, 5) and run.placement("decode").gpus == (6, 7, 4, 5)
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3")
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(
-            cfg, alloc, "decode", 4, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
+        want = WantedServer(
+            role="decode",
+            tp=4,
+            model=TINYLLAMA,
+            served_name=TINYLLAMA,
+            block_size=None,
+            cpu_bind=None,
+            placement=run.placement("decode"),
         )
+        srv = make_server(cfg, alloc, want, tmp_path)
     env = srv.proc.spec.env
     assert env["CUDA_VISIBLE_DEVICES"] == "6,7,4,5" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 

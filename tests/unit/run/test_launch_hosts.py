@@ -6,7 +6,7 @@ from harness.cluster.remote import REMOTE_GRACE_S
 from harness.core.errors import ConfigError
 from harness.hosts.placement import RAY_STOP_GRACE_S, REMOTE_MODULE, Host, RayNode, RunHosts
 from harness.run.config import E2EConfig
-from harness.run.launch import make_proxy, make_server
+from harness.run.launch import WantedServer, make_proxy, make_server
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import RUN_TAG_ENV
 
@@ -15,10 +15,15 @@ B = Host("b", "10.213.0.3", "pdh-t-b", (("UCX_TLS", "tcp"),))
 C = Host("c", "10.213.0.4", "pdh-t-c")
 
 
+def tiny(role: str) -> WantedServer:
+    """A TP-1 server of ``role`` (the model's path and name stand-ins: nothing is started)."""
+    return WantedServer(role=role, tp=1, model="/m", served_name="tiny", block_size=32, cpu_bind=None)
+
+
 def test_a_server_on_a_namespace_host_binds_and_advertises_its_address(tmp_path):
     cfg = E2EConfig(hosts=RunHosts(prefill=A, decode=B, proxy=C))
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, "prefill", 1, "/m", "tiny", 32, None, tmp_path)
+        srv = make_server(cfg, alloc, tiny("prefill"), tmp_path)
     argv, env = srv.proc.spec.argv, srv.proc.spec.env
     assert argv[:4] == ("ip", "netns", "exec", "pdh-t-a")
     assert argv[argv.index("--host") + 1] == "10.213.0.2"
@@ -31,14 +36,14 @@ def test_a_server_on_a_namespace_host_binds_and_advertises_its_address(tmp_path)
 def test_the_baseline_goes_to_ds_host(tmp_path):
     cfg = E2EConfig(hosts=RunHosts(prefill=A, decode=B, proxy=C))
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, "baseline", 1, "/m", "tiny", 32, None, tmp_path)
+        srv = make_server(cfg, alloc, tiny("baseline"), tmp_path)
     assert srv.proc.spec.argv[3] == "pdh-t-b" and srv.url.startswith("http://10.213.0.3:")
 
 
 def test_one_host_stays_local_and_p_and_d_print_ucx_s_choice(tmp_path):
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(E2EConfig(), alloc, "decode", 1, "/m", "tiny", 32, None, tmp_path)
-        base = make_server(E2EConfig(), alloc, "baseline", 1, "/m", "tiny", 32, None, tmp_path / "b")
+        srv = make_server(E2EConfig(), alloc, tiny("decode"), tmp_path)
+        base = make_server(E2EConfig(), alloc, tiny("baseline"), tmp_path / "b")
     argv, env = srv.proc.spec.argv, srv.proc.spec.env
     assert argv[0] != "ip" and argv[argv.index("--host") + 1] == "127.0.0.1"
     # on one box too, D's log says which transport carried the KV (the report records it); the baseline moves none
@@ -62,7 +67,7 @@ R = Host("r", "10.213.0.5", env=(("UCX_TLS", "tcp"),), ray=RayNode("ray://10.213
 def test_a_server_on_a_ray_node_starts_through_the_launcher_with_its_own_settings(tmp_path):
     cfg = E2EConfig(hosts=RunHosts(prefill=R, decode=B, proxy=C))
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, "prefill", 1, "/m", "tiny", 32, None, tmp_path)
+        srv = make_server(cfg, alloc, tiny("prefill"), tmp_path)
     spec = srv.proc.spec
     argv, env = list(spec.argv), spec.env
     assert argv[1:9] == [

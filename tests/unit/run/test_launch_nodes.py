@@ -5,7 +5,7 @@ import pytest
 from harness.core.errors import ConfigError
 from harness.hosts.placement import Host, RunHosts
 from harness.run.config import E2EConfig
-from harness.run.launch import make_server
+from harness.run.launch import WantedServer, make_server
 from harness.serve.ports import PortAllocator
 
 A, B, C = (Host(n, f"10.213.0.{i}", f"pdh-t-{n}") for i, n in ((2, "a"), (3, "b"), (4, "c")))
@@ -14,7 +14,8 @@ A, B, C = (Host(n, f"10.213.0.{i}", f"pdh-t-{n}") for i, n in ((2, "a"), (3, "b"
 def test_d_across_two_nodes_is_a_leader_and_a_headless_follower(tmp_path):
     cfg = E2EConfig(tp_d=2, hosts=RunHosts(prefill=A, decode=B, decode_nodes=(C,)))
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, "decode", 2, "/m", "tiny", 32, "0|1", tmp_path)
+        want = WantedServer(role="decode", tp=2, model="/m", served_name="tiny", block_size=32, cpu_bind="0|1")
+        srv = make_server(cfg, alloc, want, tmp_path)
     lead = srv.proc.spec
     [(name, follower, shown)] = srv.followers
     assert name == "decode-node1" and follower.spec.health_url is None  # only rank 0 answers /health
@@ -36,7 +37,9 @@ def test_p_and_the_baseline_stay_on_one_node(tmp_path):
     cfg = E2EConfig(tp_d=2, hosts=RunHosts(prefill=A, decode=B, decode_nodes=(C,)))
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
         for role in ("prefill", "baseline"):
-            srv = make_server(cfg, alloc, role, 2 if role == "baseline" else 1, "/m", "tiny", 32, None, tmp_path)
+            tp = 2 if role == "baseline" else 1
+            want = WantedServer(role=role, tp=tp, model="/m", served_name="tiny", block_size=32, cpu_bind=None)
+            srv = make_server(cfg, alloc, want, tmp_path)
             assert srv.followers == () and "--nnodes" not in srv.proc.spec.argv
 
 

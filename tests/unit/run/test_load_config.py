@@ -5,7 +5,7 @@ import pytest
 from harness.cli import build_parser, config_from_args, main
 from harness.core.errors import ConfigError
 from harness.run.config import E2EConfig
-from harness.run.launch import make_server
+from harness.run.launch import WantedServer, make_server
 from harness.serve.ports import PortAllocator
 from harness.workload.load import LoadSettings
 
@@ -75,9 +75,17 @@ def test_a_context_too_short_for_a_decode_abort_is_refused():
 def test_servers_get_the_pool_and_request_logging_only_where_aborts_need_it(tmp_path):
     c = E2EConfig(python="/py")
     with PortAllocator() as alloc:
-        srv = make_server(
-            c, alloc, "decode", 1, "/m", "m", 32, None, tmp_path, num_blocks=c.pool_blocks(32), log_requests=True
+        want = WantedServer(
+            role="decode",
+            tp=1,
+            model="/m",
+            served_name="m",
+            block_size=32,
+            cpu_bind=None,
+            num_blocks=c.pool_blocks(32),
+            log_requests=True,
         )
+        srv = make_server(c, alloc, want, tmp_path)
     argv = srv.proc.spec.argv
     assert argv[argv.index("--num-gpu-blocks-override") + 1] == "32" and "--enable-log-requests" in argv
     assert argv[argv.index("--max-model-len") + 1] == "512"

@@ -9,7 +9,7 @@ from harness.cli import build_parser, config_from_args
 from harness.core.errors import ConfigError
 from harness.matrix.config import load_matrix
 from harness.run.config import E2EConfig
-from harness.run.launch import make_server
+from harness.run.launch import WantedServer, make_server
 from harness.serve.axes import ServerAxes
 from harness.serve.ports import PortAllocator
 
@@ -18,7 +18,8 @@ NGRAM = '{"method":"ngram","num_speculative_tokens":2,"prompt_lookup_max":3}'
 
 def argv_of(cfg: E2EConfig, role: str, tmp_path) -> list[str]:
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        srv = make_server(cfg, alloc, role, 1, "/m", "m", None, None, tmp_path)
+        want = WantedServer(role=role, tp=1, model="/m", served_name="m", block_size=None, cpu_bind=None)
+        srv = make_server(cfg, alloc, want, tmp_path)
     return list(srv.proc.spec.argv)
 
 

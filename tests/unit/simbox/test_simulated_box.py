@@ -19,7 +19,7 @@ from harness.core.paths import REPO_ROOT
 from harness.gpu.nvml import discover
 from harness.gpu.run import GpuRun
 from harness.run.config import E2EConfig
-from harness.run.launch import STANDIN_MODULE, make_server, simulated_spec
+from harness.run.launch import STANDIN_MODULE, WantedServer, make_server, simulated_spec
 from harness.serve.ports import PortAllocator
 from harness.serve.prometheus import parse_metrics
 from harness.simbox import standin
@@ -240,15 +240,20 @@ def test_it_streams_and_survives_a_client_that_goes_away(server):
 def test_under_the_switch_a_stand_in_serves_with_vllms_arguments(tmp_path, monkeypatch):
     run = GpuRun(2, 8, TINYLLAMA, nvml=FakeNvml([gpus(8)]))
     cfg = E2EConfig(device="gpu", model=TINYLLAMA, python="python3")
+    want = WantedServer(
+        role="decode",
+        tp=8,
+        model=TINYLLAMA,
+        served_name=TINYLLAMA,
+        block_size=None,
+        cpu_bind=None,
+        placement=run.placement("decode"),
+    )
     with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
-        real = make_server(
-            cfg, alloc, "decode", 8, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
-        )
+        real = make_server(cfg, alloc, want, tmp_path)
         monkeypatch.setenv(SIMULATED_ENV, "8x80")
         monkeypatch.setenv(STATE_ENV, str(tmp_path / "box"))
-        sim = make_server(
-            cfg, alloc, "decode", 8, TINYLLAMA, TINYLLAMA, None, None, tmp_path, placement=run.placement("decode")
-        )
+        sim = make_server(cfg, alloc, want, tmp_path)
     assert real.proc.spec.argv[2] == "vllm.entrypoints.openai.api_server" and "stand-in" not in real.command
     argv = list(sim.proc.spec.argv)
     flags = [x for x in argv[3:] if x.startswith("--")]
