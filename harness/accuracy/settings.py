@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from harness.core.errors import ConfigError
+
 OFFLINE_TASK = "gsm8k_offline"
 
 
@@ -33,6 +35,23 @@ class AccuracySettings:
     filter: str = "strict-match"
     min_baseline_score: float | None = None  # a model whose score makes the comparison meaningful (trained tiny model)
     expected_score: float | None = None  # a hub model's published score on the full task
+
+    def __post_init__(self) -> None:
+        """Refused when built, one line naming the flag: a value that no lm-eval run can take."""
+        for value, least, flag in (
+            (self.num_fewshot, 0, "--num-fewshot"),
+            (self.limit, 1, "--accuracy-limit"),
+            (self.num_concurrent, 1, "--lm-eval-concurrency"),
+            (self.max_gen_toks, 1, "max_gen_toks"),
+        ):
+            if value is not None and value < least:
+                raise ConfigError(f"{flag} must be >= {least}, got {value!r}")
+        for seconds, flag in ((self.timeout_s, "the accuracy timeout"), (self.request_timeout_s, "--request-timeout")):
+            if not seconds > 0:
+                raise ConfigError(f"{flag} must be > 0 seconds, got {seconds!r}")
+        for score, name in ((self.min_baseline_score, "min_baseline_score"), (self.expected_score, "expected_score")):
+            if score is not None and not 0 <= score <= 1:
+                raise ConfigError(f"{name} is a score in [0, 1], got {score!r}")
 
     @property
     def metric_key(self) -> str:

@@ -16,6 +16,7 @@ from harness.envs.vllm_env import requested_versions
 from harness.gpu.detect import default_device
 from harness.hosts.faults import NET_FAULTS
 from harness.hosts.placement import RunHosts
+from harness.models.rules import DEVICES, KV_LAYOUTS, as_device
 from harness.run.config import GPU_DEFAULT_MODEL, PROXY_FAULTS, AttachSettings, E2EConfig, env_defaults
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
 from harness.serve.vllm_cmd import CpuTuning
@@ -30,11 +31,11 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-p", type=positive_int, help="prefill TP size (default: $PREFILLER_TP_SIZE or 1)")
     g.add_argument("--tp-d", type=positive_int, help="decode TP size (default: $DECODER_TP_SIZE or 1)")
     g.add_argument("--model", help="model path or hub id (default on CPU: the tiny local model)")
-    g.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    g.add_argument("--device", choices=DEVICES, help="default: gpu if an NVIDIA GPU is present, else cpu")
     g.add_argument("--dtype", help="model dtype for every server (default: float32 on CPU, the model's own on GPU)")
     g.add_argument("--block-size-p", type=positive_int, help="default: $PREFILL_BLOCK_SIZE")
     g.add_argument("--block-size-d", type=positive_int, help="default: $DECODE_BLOCK_SIZE")
-    g.add_argument("--kv-layout-d", choices=["HND", "NHD"], help="default: $DECODER_KV_LAYOUT")
+    g.add_argument("--kv-layout-d", choices=KV_LAYOUTS, help="default: $DECODER_KV_LAYOUT")
     g.add_argument("--gpu-memory-utilization", type=float, help="default: $GPU_MEMORY_UTILIZATION")
     g.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="every server's KV cache dtype (default: vLLM's auto)"
@@ -286,7 +287,7 @@ def config_from_args(
     cfg = E2EConfig(
         **_tp_and_health(a, attached, pick),
         model=model,
-        device=device,
+        device=as_device(device),
         block_size_p=pick("block_size_p"),
         block_size_d=pick("block_size_d"),
         kv_layout_d=pick("kv_layout_d"),
@@ -327,7 +328,6 @@ def config_from_args(
             compilation_config=a.compilation_config,
         ),
     )
-    cfg.validate()
     if cfg.run_dir is not None:  # refused before anything is installed, launched or written
         problem = run_dir_problem(Path(cfg.run_dir), bool(getattr(a, "overwrite_run_dir", False)))
         if problem:
@@ -366,9 +366,7 @@ def _accuracy(a: argparse.Namespace) -> AccuracySettings | None:
     """The lm-eval phase's settings where any of its flags is given; None: no accuracy phase."""
     if not (a.accuracy or a.accuracy_task or a.accuracy_limit or a.num_fewshot is not None):
         return None
-    if a.num_fewshot is not None and a.num_fewshot < 0:
-        raise ConfigError("--num-fewshot must be >= 0")
-    return AccuracySettings(
+    return AccuracySettings(  # refuses what lm-eval cannot take, naming the flag
         task=a.accuracy_task,
         limit=a.accuracy_limit,
         num_fewshot=a.num_fewshot,

@@ -15,6 +15,7 @@ from pathlib import Path
 from harness.core.errors import ConfigError
 from harness.gpu.source import NvmlSource, source_for
 from harness.gpu.visible import VISIBLE_ENV, resolve_visible
+from harness.models.rules import DEVICES
 
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 
@@ -75,7 +76,7 @@ def default_device(env: Mapping[str, str] | None = None) -> str:
     env = os.environ if env is None else env
     pinned = env.get(DEVICE_ENV, "").strip()
     if pinned:
-        if pinned not in ("cpu", "gpu"):
+        if pinned not in DEVICES:
             raise ConfigError(f"{DEVICE_ENV}={pinned!r}: give cpu or gpu")
         return pinned
     return "gpu" if has_nvidia_gpu(env) else "cpu"

@@ -16,6 +16,7 @@ from harness.core.files import OVERWRITE_FLAG, claim_run_dir
 from harness.core.interrupts import catch_interrupts
 from harness.envs.vllm_env import versions_from
 from harness.gpu.detect import count_gpus, default_device
+from harness.models.rules import DEVICES, as_device
 from harness.run.config import UPSTREAM_ENV, E2EConfig, env_defaults
 from harness.workload.load import LoadSettings
 
@@ -37,7 +38,7 @@ def add_parser(sub) -> None:
     mx.add_argument("--model", help="entries of this model (id in configs/models.yaml or hub id)")
     mx.add_argument("--tp-p", type=positive_int)
     mx.add_argument("--tp-d", type=positive_int)
-    mx.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    mx.add_argument("--device", choices=DEVICES, help="default: gpu if an NVIDIA GPU is present, else cpu")
     mx.add_argument("--gpus", type=int, help="GPUs present (default: counted from /proc/driver/nvidia/gpus)")
     mx.add_argument("--json", action="store_true")
     mx.add_argument(
@@ -99,7 +100,7 @@ def base_config(
     var = UPSTREAM_ENV["gpu_memory_utilization"]
     raw = (os.environ if env is None else env).get(var, "") if device == "gpu" else ""
     return E2EConfig(
-        device=device,
+        device=as_device(device),
         fresh_baseline=fresh_baseline,
         load=LoadSettings() if load_requests is None else LoadSettings(requests=load_requests),
         gpu_memory_utilization=env_defaults({var: raw}).get("gpu_memory_utilization"),  # type: ignore[arg-type]

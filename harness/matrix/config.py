@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
 from harness.models.config import ModelEntry, load_models, load_yaml, require_unique_ids
+from harness.models.rules import Device, KvLayout, as_device, gqa_problem
 from harness.models.topology import ModelShape
 from harness.run.config import E2EConfig
 from harness.serve.axes import KV_BUFFER_DEVICES, KV_CACHE_DTYPES, ServerAxes
@@ -103,13 +104,13 @@ class MatrixEntry(BaseModel):
     id: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]*$")
     model: str = Field(min_length=1)  # an id of configs/models.yaml
     kv_heads: int | None = Field(default=None, ge=1)  # only for the tiny model: built locally with this K
-    device: Literal["cpu", "gpu"]
+    device: Device
     tp_p: int = Field(ge=1)
     tp_d: int = Field(ge=1)
     gpus: int | None = Field(default=None, ge=1)  # GPUs the pair needs (GPU entries)
     block_size_p: int | None = Field(default=None, ge=1)  # None: the run's default (32 on CPU, vLLM's on GPU)
     block_size_d: int | None = Field(default=None, ge=1)
-    kv_layout_d: Literal["HND", "NHD"] | None = None
+    kv_layout_d: KvLayout | None = None
     axes: Axes = Field(default_factory=Axes)
     expected: Expected
     known_failure: KnownFailure | None = None
@@ -225,7 +226,7 @@ def pair_config(
         tp_p=tp_p,
         tp_d=tp_d,
         model=model,
-        device=device,
+        device=as_device(device),
         python=python,
         run_dir=run_dir,
         axes=replace(base.axes, **axes),
@@ -248,10 +249,11 @@ def _entry_problem(path: Path, i: int, e: MatrixEntry, models: dict[str, ModelEn
     if e.model not in models:
         return f"{path}: entries.{i}.model: unknown model {e.model!r} (known: {', '.join(sorted(models))})"
     k = e.kv_heads if e.kv_heads is not None else models[e.model].kv_heads
-    if models[e.model].attention_heads % k:
-        return f"{path}: entries.{i}.kv_heads: {k} does not divide {models[e.model].attention_heads} attention heads"
+    gqa = gqa_problem(models[e.model].attention_heads, k)
+    if gqa:
+        return f"{path}: entries.{i}.kv_heads: {gqa}"
     try:
-        entry_config(e, models[e.model]).validate()
+        entry_config(e, models[e.model])  # refused when built
     except ConfigError as err:
         return f"{path}: entries.{i} ({e.id}): {err}"
     return None

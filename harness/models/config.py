@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from harness.core.errors import ConfigError
 from harness.core.paths import REPO_ROOT
+from harness.models.rules import gqa_problem
 
 MODELS_YAML = REPO_ROOT / "configs" / "models.yaml"
 
@@ -36,10 +37,9 @@ class ModelEntry(BaseModel):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelEntry:
-        if self.attention_heads % self.kv_heads:
-            raise ValueError(
-                f"attention_heads ({self.attention_heads}) must be a multiple of kv_heads ({self.kv_heads})"
-            )
+        problem = gqa_problem(self.attention_heads, self.kv_heads)
+        if problem:
+            raise ValueError(problem)
         return self
 
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.core.paths import CONFIGS_DIR
+from harness.models.rules import block_sizes_problem, gqa_problem, tp_head_problems, tp_pair_problem
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8_e4m3fn": 1}
 REGIMES = {
@@ -92,33 +93,23 @@ def regime(k: int, p: int, d: int) -> str:
 
 
 def shape_problem(shape: ModelShape) -> str | None:
-    """Why ``shape`` is no model vLLM loads, or None: in GQA each KV head serves an equal group of attention heads,
-    so K must divide them (unknown attention heads, 0, pass; MLA has no K to speak of)."""
-    if shape.mla:
-        return None
-    if shape.kv_heads < 1:
-        return f"K={shape.kv_heads} KV heads: a model has at least one"
-    if shape.attention_heads % shape.kv_heads:
-        return f"{shape.attention_heads} attention heads are not a multiple of K={shape.kv_heads} KV heads (GQA groups)"
-    return None
+    """Why ``shape`` is no model vLLM loads, or None (MLA has no K to speak of)."""
+    return None if shape.mla else gqa_problem(shape.attention_heads, shape.kv_heads)
 
 
 def validity(shape: ModelShape, p: int, d: int, bs_p: int, bs_d: int) -> list[str]:
     problem = shape_problem(shape)
     reasons = [problem] if problem else []
-    for side, tp in (("P", p), ("D", d)):
+    for side, tp in (("prefill", p), ("decode", d)):
         if tp < 1:
-            reasons.append(f"{side} tp must be >= 1")
-            continue
-        if shape.attention_heads % tp:
-            reasons.append(f"{side} tp {tp} does not divide {shape.attention_heads} attention heads")
-        if not shape.mla and tp > shape.kv_heads and tp % shape.kv_heads:
-            reasons.append(f"{side} tp {tp} > K={shape.kv_heads} must be a multiple of K")
-    if p >= 1 and d >= 1 and max(p, d) % min(p, d):
-        reasons.append(f"the larger TP ({max(p, d)}) must be a multiple of the smaller ({min(p, d)})")
-    if bs_p < 1 or bs_d < 1 or bs_d % bs_p:
-        reasons.append(f"P block size {bs_p} must divide D block size {bs_d}")
-    return reasons
+            reasons.append(f"{side} TP must be >= 1")
+        elif shape.kv_heads >= 1:
+            reasons += tp_head_problems(shape.attention_heads, shape.kv_heads, side, tp, shape.mla)
+    pair = tp_pair_problem(p, d)
+    if bs_p < 1 or bs_d < 1:
+        reasons.append(f"block sizes must be >= 1, got prefill {bs_p}, decode {bs_d}")
+    blocks = block_sizes_problem(bs_p, bs_d)
+    return reasons + [r for r in (pair, blocks) if r]
 
 
 def parse_version(v: str) -> tuple[int, ...]:

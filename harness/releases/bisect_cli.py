@@ -15,6 +15,7 @@ from harness.core.errors import ConfigError
 from harness.core.files import write_atomic
 from harness.core.interrupts import catch_interrupts
 from harness.core.paths import RUNS_ROOT
+from harness.models.rules import DEVICES
 from harness.releases.bisect import BisectError, BisectResult, Observation, bisect
 
 
@@ -36,7 +37,7 @@ def add_parser(sub) -> None:
         "--bad-outcome",
         help="the bad outcome (default: the failure the entry expects of a version family, e.g. assert-45330)",
     )
-    b.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    b.add_argument("--device", choices=DEVICES, help="default: gpu if an NVIDIA GPU is present, else cpu")
     b.add_argument("--run-dir", type=Path, help="default: runs/<timestamp>-bisect-<entry>")
     b.add_argument("--max-probes", type=int, default=8, help="most releases to run (default 8)")
     b.add_argument("--fresh", action="store_true", help="measure again instead of reusing stored results")

@@ -14,6 +14,7 @@ from harness.core.files import write_atomic
 from harness.core.interrupts import catch_interrupts
 from harness.core.paths import RUNS_ROOT
 from harness.core.safe import load_json_object, safe_name, shown
+from harness.models.rules import DEVICES
 from harness.releases.history import Cell, Column, HistoryTable, render_markdown, render_png
 
 
@@ -26,7 +27,7 @@ def add_parser(sub) -> None:
     h.add_argument(
         "--versions", required=True, help="A..B (every release the package index lists between, ends included) or A,B,C"
     )
-    h.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu if an NVIDIA GPU is present, else cpu")
+    h.add_argument("--device", choices=DEVICES, help="default: gpu if an NVIDIA GPU is present, else cpu")
     h.add_argument(
         "--out", type=Path, help="folder for history.md/.png/.json and the runs (default: runs/<timestamp>-history)"
     )

@@ -77,6 +77,7 @@ class Prober:
         from harness.envs.vllm_env import EnvSetupFailed, ensure_env
         from harness.matrix.plan import plan
         from harness.matrix.run import run_matrix
+        from harness.models.rules import as_device
         from harness.run.config import E2EConfig
 
         t0 = time.monotonic()
@@ -97,7 +98,7 @@ class Prober:
                 {version: pairs},
                 {version: python},
                 self.models,
-                E2EConfig(device=self.device, fresh_baseline=self.fresh_baseline),
+                E2EConfig(device=as_device(self.device), fresh_baseline=self.fresh_baseline),
                 run_dir,
                 out=self.out,
             )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from harness.accuracy.settings import AccuracySettings
@@ -14,6 +15,16 @@ from harness.core.errors import ConfigError
 from harness.core.paths import RUNS_ROOT
 from harness.hosts.faults import NEEDS_HOLD, NET_FAULTS
 from harness.hosts.placement import RunHosts
+from harness.models.rules import (
+    DEVICES,
+    KV_LAYOUTS,
+    VLLM_DEFAULT_BLOCK_SIZE,
+    Device,
+    KvLayout,
+    as_device,
+    block_sizes_problem,
+    layout_problem,
+)
 from harness.render.run_page import tp_text
 from harness.serve.axes import ServerAxes
 from harness.serve.servers import ATTACHED_HEALTH_GRACE_S, Attach, Served
@@ -22,7 +33,6 @@ from harness.workload.load import LoadSettings
 from harness.workload.prompts import prompt_set
 
 TP_UNKNOWN = "unknown (not served)"  # attach mode: a TP size neither served nor given
-VLLM_DEFAULT_BLOCK_SIZE = 16  # what vLLM uses where no block size is given (GPU)
 # |Δ logprob| of a chosen token between P/D and the baseline that noise cannot explain (docs/load.md: how measured).
 LOGPROB_THRESHOLD = {"cpu": 1e-3, "gpu": 1.5}
 # An fp8 KV cache keeps 3 mantissa bits, so P's float32 arithmetic at its own TP (5.5e-6 from the baseline's at D's TP)
@@ -55,8 +65,9 @@ HARNESS_PROXY_FAULTS = ("hold-between-hops",)  # what the harness sets itself (-
 
 @dataclass(frozen=True)
 class Bound:
-    """A numeric setting's allowed range, declared once: the CLI, the Makefile's variables and YAML entries all build
-    an E2EConfig, whose validate() checks every field against its bound (one line naming the flag)."""
+    """A numeric setting's allowed range, declared once on its field: the CLI, the Makefile's variables and YAML
+    entries all build an E2EConfig, which checks every field against its bound when built (one line naming the
+    flag)."""
 
     flag: str
     low: float | None = None  # None: no lower bound
@@ -76,21 +87,17 @@ class Bound:
         return None
 
 
-# Each numeric field's range (a value outside it cannot work: it would start servers and fail later, or never).
-BOUNDS = {
-    "max_tokens": Bound("--max-tokens", 1),
-    "logprobs": Bound("logprobs", 1, 20),  # no flag: the top-k the comparison asks for
-    "ready_timeout_s": Bound("--ready-timeout", 0, low_open=True),
-    "request_timeout_s": Bound("--request-timeout", 0, low_open=True),
-    "kv_lease_s": Bound("--kv-lease", 1),
-    "proxy_fault_every": Bound("--proxy-fault-every", 1),
-    "max_model_len": Bound("--max-model-len", 1),
-    "kv_pool_blocks": Bound("--kv-pool-blocks", 0),
-    "logprob_threshold": Bound("--logprob-threshold", 0, low_open=True),
-    "gpu_memory_utilization": Bound("--gpu-memory-utilization", 0, 1, low_open=True),
-    # a scale of D's received KV: a fault must stay finite in fp16/bf16 (65504) so the digest, not a NaN, catches it
-    "decode_kv_fault": Bound("--decode-kv-fault", 0, 100, low_open=True),
-}
+def bounded(
+    default: Any, flag: str, low: float | None = None, high: float | None = None, low_open: bool = False
+) -> Any:
+    """A numeric field with its range declared on it (a value outside it cannot work: it would start servers and
+    fail later, or never); E2EConfig checks it when built."""
+    return field(default=default, metadata={"bound": Bound(flag, low, high, low_open)})
+
+
+def bounds() -> dict[str, Bound]:
+    """Each bounded field of E2EConfig and its range."""
+    return {f.name: f.metadata["bound"] for f in fields(E2EConfig) if "bound" in f.metadata}
 
 
 @dataclass(frozen=True)
@@ -98,34 +105,37 @@ class E2EConfig:
     tp_p: int = 1
     tp_d: int = 1
     model: str | None = None  # None: the tiny local model on CPU
-    device: str = "cpu"
+    device: Device = "cpu"
     block_size_p: int | None = None
     block_size_d: int | None = None
-    kv_layout_d: str | None = None
-    gpu_memory_utilization: float | None = None
+    kv_layout_d: KvLayout | None = None
+    gpu_memory_utilization: float | None = bounded(None, "--gpu-memory-utilization", 0, 1, low_open=True)
     run_dir: Path | None = None
     runs_root: Path = RUNS_ROOT
     python: str = sys.executable  # the interpreter that has vLLM
     cpu_tuning: CpuTuning = field(default_factory=CpuTuning)
-    max_tokens: int = 16
-    logprobs: int = 5
-    ready_timeout_s: float = 600.0
-    request_timeout_s: float = 180.0
-    kv_lease_s: int | None = None  # None: 120 s on CPU (handshakes are slow there), vLLM's default on GPU
+    max_tokens: int = bounded(16, "--max-tokens", 1)
+    logprobs: int = bounded(5, "logprobs", 1, 20)  # no flag: the top-k the comparison asks for
+    ready_timeout_s: float = bounded(600.0, "--ready-timeout", 0, low_open=True)
+    request_timeout_s: float = bounded(180.0, "--request-timeout", 0, low_open=True)
+    # None: 120 s on CPU (handshakes are slow there), vLLM's default on GPU
+    kv_lease_s: int | None = bounded(None, "--kv-lease", 1)
     seed: int = 0
     fresh_baseline: bool = False  # compute the baseline again instead of reading the disk cache (it still writes it)
     accuracy: AccuracySettings | None = None  # None: no lm-eval run
     proxy_fault: str = "none"  # fault injection for tests: "corrupt-block-ids" hands D wrong remote block ids
-    proxy_fault_every: int = 1  # the fault applies to every n-th request through the proxy
+    proxy_fault_every: int = bounded(1, "--proxy-fault-every", 1)  # the fault hits every n-th request of the proxy
     load: LoadSettings = field(default_factory=LoadSettings)  # the load phase (requests=0: none)
-    max_model_len: int | None = None  # None: 512 on CPU, 2048 on GPU
-    kv_pool_blocks: int | None = None  # KV blocks per server; None: small when the load phase runs, 0: vLLM's default
-    logprob_threshold: float | None = None  # largest |Δ logprob| of a chosen token vs the baseline; None: the device's
+    max_model_len: int | None = bounded(None, "--max-model-len", 1)  # None: 512 on CPU, 2048 on GPU
+    # KV blocks per server; None: small when the load phase runs, 0: vLLM's default
+    kv_pool_blocks: int | None = bounded(None, "--kv-pool-blocks", 0)
+    # largest |Δ logprob| of a chosen token vs the baseline; None: the device's
+    logprob_threshold: float | None = bounded(None, "--logprob-threshold", 0, low_open=True)
     dtype: str | None = None  # None: float32 on CPU, the model's own on GPU
     enforce_eager: bool | None = None  # None: eager on CPU, CUDA graphs and compilation on GPU
-    decode_kv_fault: float | None = (
-        None  # fault injection: D scales the received KV of one layer by this (the run must fail)
-    )
+    # fault injection: D scales the received KV of one layer by this (the run must fail); it must stay finite in
+    # fp16/bf16 (65504) so the digest, not a NaN, catches it
+    decode_kv_fault: float | None = bounded(None, "--decode-kv-fault", 0, 100, low_open=True)
     decode_swap_heads: bool = False  # fault injection: D swaps the first two KV heads it received (the run must fail)
     kv_digest: bool = True  # P and D digest their KV (harness/serve/inject/); the check kv_digest_match
     # False: no baseline server; the KV digest alone judges D's KV (half the server starts: a transfer probe)
@@ -139,8 +149,12 @@ class E2EConfig:
     tp_unknown: tuple[str, ...] = ()
     health_grace_s: float = ATTACHED_HEALTH_GRACE_S  # attach mode: silence on /health for this long is a death
 
+    def __post_init__(self) -> None:
+        self.validate()  # a config that exists is one that can run: built by the CLI, a YAML entry or replace()
+
     def validate(self) -> None:
-        for name, bound in BOUNDS.items():
+        """Every field against its bound, then the rules across fields (one ConfigError line naming the flag)."""
+        for name, bound in bounds().items():
             problem = bound.problem(name, getattr(self, name))
             if problem:
                 raise ConfigError(problem)
@@ -153,20 +167,17 @@ class E2EConfig:
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         self._validate_attach()
-        if self.device not in ("cpu", "gpu"):
-            raise ConfigError(f"device must be cpu or gpu, got {self.device!r}")
+        as_device(self.device)
         for name in ("block_size_p", "block_size_d"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if self.block_size_p and self.block_size_d and self.block_size_d % self.block_size_p:
-            raise ConfigError(
-                f"prefill block size {self.block_size_p} must divide decode block size {self.block_size_d}"
-            )
-        if self.kv_layout_d is not None and self.kv_layout_d not in ("HND", "NHD"):
-            raise ConfigError(f"decode KV layout must be HND or NHD, got {self.kv_layout_d!r}")
-        if self.model is None and self.device == "gpu":
-            raise ConfigError("--model is required on GPU")
+        blocks = block_sizes_problem(self.block_size_p, self.block_size_d)
+        if blocks:
+            raise ConfigError(blocks)
+        layout = layout_problem(self.kv_layout_d)
+        if layout:
+            raise ConfigError(f"decode KV layout {layout}")
         if self.proxy_fault not in PROXY_FAULTS:
             raise ConfigError(f"proxy fault must be one of {', '.join(PROXY_FAULTS)}, got {self.proxy_fault!r}")
         if self.prompt_ids is not None:
@@ -286,8 +297,8 @@ def env_defaults(env: Mapping[str, str] = os.environ) -> dict[str, object]:
         if raw is None or raw == "":
             continue
         if key == "kv_layout_d":
-            if raw not in ("HND", "NHD"):
-                raise ConfigError(f"{var}={raw!r} must be HND or NHD")
+            if raw not in KV_LAYOUTS:
+                raise ConfigError(f"{var}={raw!r} must be {' or '.join(KV_LAYOUTS)}")
             out[key] = raw
             continue
         try:
@@ -302,7 +313,6 @@ def env_defaults(env: Mapping[str, str] = os.environ) -> dict[str, object]:
     return out
 
 
-DEVICES = ("cpu", "gpu")
 # Where vLLM 0.32.0 says its device and dtype: only /server_info, which it serves with VLLM_SERVER_DEV_MODE=1.
 SERVER_INFO_HINT = (
     "vLLM says them only at /server_info, served with VLLM_SERVER_DEV_MODE=1 (its /metrics and /v1/models do not)"
@@ -315,7 +325,7 @@ class AttachSettings:
     local baseline's placement), the model dtype and max_model_len (the local baseline's), each with its source."""
 
     model: str
-    device: str
+    device: Device
     dtype: str | None  # None: unknown; a baseline launched here then uses the device's default
     max_model_len: int | None  # None: unknown; the device's default
     baseline_here: bool  # no --baseline-url: the harness launches the baseline on this host
@@ -344,19 +354,19 @@ def _one(values: dict[str, str], what: str) -> str | None:
     return seen[0] if seen else None
 
 
-def _attach_device(served: Sequence[Served], flag: str | None, host_device: Callable[[], str]) -> tuple[str, str]:
+def _attach_device(served: Sequence[Served], flag: str | None, host_device: Callable[[], str]) -> tuple[Device, str]:
     reported = _one({s.url: s.device for s in served if s.device}, "device")
     if reported is not None and reported not in DEVICES:
         raise ConfigError(f"the attached servers run on {reported}; this harness compares runs on cpu or gpu")
     if flag is not None:
         if reported is not None and reported != flag:
             raise ConfigError(f"--device {flag}, but the attached servers report device {reported}")
-        return flag, "--device"
+        return as_device(flag), "--device"
     if reported is not None:
-        return reported, "the servers' /server_info"
+        return as_device(reported), "the servers' /server_info"
     # Servers on this host share its hardware: the host's default is the one a run launching them would take.
     if served and all(on_this_host(s.url) for s in served):
-        return host_device(), "this host (every attached server is on it)"
+        return as_device(host_device()), "this host (every attached server is on it)"
     raise ConfigError(
         f"attach mode: cannot tell which device the attached servers run on ({SERVER_INFO_HINT}); "
         "give --device cpu or --device gpu"

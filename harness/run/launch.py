@@ -60,6 +60,8 @@ def new_run_dir(cfg: E2EConfig) -> Path:
 def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
     """(model path or hub id, served model name). Accuracy runs on CPU use the tiny model trained on the offline
     task."""
+    if cfg.model is None and cfg.device == "gpu":  # a matrix's shared config names its models per pair
+        raise ConfigError("--model is required on GPU: the tiny local models are for CPU runs")
     if cfg.model is None and cfg.accuracy is not None:
         from harness.models.trained import TRAINED_NAME, ensure_trained_model
 
@@ -171,7 +173,7 @@ def _spec(cfg: E2EConfig, want: WantedServer, cpu_bind: str | None) -> ServerSpe
         model=model,
         served_model_name=want.served_name,
         tp=want.tp,
-        device=cfg.device,  # type: ignore[arg-type]
+        device=cfg.device,
         block_size=want.block_size,
         kv_layout=want.kv_layout,
         cpu_bind=cpu_bind,

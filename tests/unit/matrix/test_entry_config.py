@@ -32,7 +32,7 @@ def test_block_sizes_that_do_not_divide_are_refused_at_load_naming_the_entry(tmp
     p = tmp_path / "m.yaml"
     msg = config_error(load_matrix, p, HEAD + "    block_size_p: 64\n    block_size_d: 96\n" + TAIL)
     assert msg == f"{p}: entries.0 (odd-blocks): {refusal('--block-size-p', '64', '--block-size-d', '96')}"
-    assert "prefill block size 64 must divide decode block size 96" in msg
+    assert "prefill block size 64 does not divide decode block size 96" in msg
 
 
 def test_an_axis_value_the_run_refuses_is_refused_at_load_in_e2es_words(tmp_path):

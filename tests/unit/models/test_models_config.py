@@ -18,7 +18,7 @@ def test_shipped_models_file_is_valid():
     "text,field",
     [
         ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 0\n", "models.0.kv_heads"),
-        ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 3\n", "multiple of kv_heads"),
+        ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 3\n", "not a multiple of K=3 KV heads"),
         ("models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 1\n    colour: red\n", "models.0.colour"),
         (
             "models:\n  - id: x\n    attention_heads: 4\n    kv_heads: 1\n"

@@ -106,7 +106,7 @@ def test_mla_ignores_k_but_not_the_attention_heads():
     gqa, mla = ModelShape(6, 2, 64), ModelShape(6, 2, 576, mla=True)
     assert not predict(gqa, 1, 3).valid and predict(mla, 1, 3).valid
     t = predict(ModelShape(4, 4, 576, mla=True), 1, 3)
-    assert not t.valid and "does not divide 4 attention heads" in t.invalid_reasons[0]
+    assert not t.valid and "does not divide the model's 4 attention heads" in t.invalid_reasons[0]
 
 
 def test_preflight_mla_rule():

@@ -104,8 +104,18 @@ class FakeProxy:
         return []
 
 
+NS_HOSTS = {  # P on a namespace host of its own, as a network fault needs (never created: the servers are fakes)
+    "hosts": {
+        "a": {"address": "10.201.0.2", "netns": "pdh-t-a"},
+        "b": {"address": "10.201.0.3", "netns": "pdh-t-b"},
+    },
+    "prefill": "a",
+    "decode": "b",
+}
+
+
 def make_ctx(tmp_path: Path) -> RunContext:
-    cfg = E2EConfig(net_fault="p-link-down", kv_lease_s=30)
+    cfg = E2EConfig(net_fault="p-link-down", kv_lease_s=30, hosts=hosts_from_dict(NS_HOSTS))
     return RunContext(cfg, tmp_path / "run", Report(config={}), [], GenerationSettings())
 
 
@@ -260,15 +270,7 @@ class SideChannelServers(FakeServers):
 
 
 def side_channel_ctx(tmp_path: Path) -> RunContext:
-    hosts = {
-        "hosts": {
-            "a": {"address": "10.201.0.2", "netns": "pdh-t-a"},
-            "b": {"address": "10.201.0.3", "netns": "pdh-t-b"},
-        },
-        "prefill": "a",
-        "decode": "b",
-    }
-    cfg = E2EConfig(net_fault="side-channel-blocked", hosts=hosts_from_dict(hosts))
+    cfg = E2EConfig(net_fault="side-channel-blocked", hosts=hosts_from_dict(NS_HOSTS))
     return RunContext(cfg, tmp_path / "run", Report(config={}), [], GenerationSettings())
 
 
