@@ -259,10 +259,6 @@ def config_from_args(
     (harness/run/preflight.py: the model's files, TP vs heads, block sizes, CPU cores), before any vLLM environment is
     installed. ``attached`` (attach mode, see ``attach_config``): the model, device, dtype and max_model_len taken from
     the attached servers (this host's own device is then no default); its preflight is the local baseline's."""
-    import os
-    import sys as _sys
-    from dataclasses import replace
-
     defaults = env_defaults(os.environ if env is None else env)
 
     def pick(name: str, fallback=None):
@@ -270,10 +266,24 @@ def config_from_args(
         return v if v is not None else defaults.get(name, fallback)
 
     device = attached.device if attached else (a.device or default_device())
-    if attached is None:
-        model = a.model if a.model is not None else (GPU_DEFAULT_MODEL if device == "gpu" else None)
-    else:
-        model = attached.model
+    model = _model(a, attached, device)
+    python, version = _python_and_version(a, env)
+    cfg = _e2e_config(a, attached, pick, model, device, python)
+    return _refused_or_installed(cfg, a, attached, preflight, version, device)
+
+
+def _model(a: argparse.Namespace, attached: AttachSettings | None, device: str) -> str | None:
+    """The model: the attached D's, else --model, else the GPU default (None on CPU: the tiny local model)."""
+    if attached is not None:
+        return attached.model
+    return a.model if a.model is not None else (GPU_DEFAULT_MODEL if device == "gpu" else None)
+
+
+def _python_and_version(a: argparse.Namespace, env) -> tuple[str, list[str]]:
+    """The serving interpreter (--python, else this one) and the vLLM version asked for (--vllm-version or the
+    environment's), refusing a --python that does not run, both at once, or more than one version."""
+    import sys as _sys
+
     python = a.python or _sys.executable
     if a.python and not _runnable(a.python):
         raise ConfigError(f"--python {a.python}: no such executable (the interpreter that has vLLM)")
@@ -283,8 +293,15 @@ def config_from_args(
             raise ConfigError("give --python or --vllm-version, not both")
         if len(version) != 1:
             raise ConfigError("e2e runs one vLLM version at a time")
+    return python, version
+
+
+def _e2e_config(
+    a: argparse.Namespace, attached: AttachSettings | None, pick, model: str | None, device: str, python: str
+) -> E2EConfig:
+    """The E2EConfig the flags (and ``pick``'s env defaults) describe, validated as it is built."""
     tuning = CpuTuning(enabled=not a.no_cpu_tuning, progress_thread_delay_us=a.nixl_progress_delay_us)
-    cfg = E2EConfig(
+    return E2EConfig(
         **_tp_and_health(a, attached, pick),
         model=model,
         device=as_device(device),
@@ -316,18 +333,37 @@ def config_from_args(
         fresh_baseline=a.fresh_baseline,
         hosts=_hosts(a.hosts, attached is not None),
         net_fault=_net_fault(a.net_fault),
-        axes=ServerAxes(
-            kv_cache_dtype=a.kv_cache_dtype,
-            prefix_caching_d=a.prefix_caching_d,
-            async_scheduling=a.async_scheduling,
-            attention_backend=a.attention_backend,
-            kv_buffer_device=a.kv_buffer_device,
-            permute_local_kv_d=a.permute_local_kv_d,
-            speculative_config=a.speculative_config,
-            max_num_batched_tokens_p=a.max_num_batched_tokens_p,
-            compilation_config=a.compilation_config,
-        ),
+        axes=_axes(a),
     )
+
+
+def _axes(a: argparse.Namespace) -> ServerAxes:
+    """The edge-case axes' flags (serve/axes.py)."""
+    return ServerAxes(
+        kv_cache_dtype=a.kv_cache_dtype,
+        prefix_caching_d=a.prefix_caching_d,
+        async_scheduling=a.async_scheduling,
+        attention_backend=a.attention_backend,
+        kv_buffer_device=a.kv_buffer_device,
+        permute_local_kv_d=a.permute_local_kv_d,
+        speculative_config=a.speculative_config,
+        max_num_batched_tokens_p=a.max_num_batched_tokens_p,
+        compilation_config=a.compilation_config,
+    )
+
+
+def _refused_or_installed(
+    cfg: E2EConfig,
+    a: argparse.Namespace,
+    attached: AttachSettings | None,
+    preflight: bool,
+    version: list[str],
+    device: str,
+) -> E2EConfig:
+    """Refuse a reused run folder and (``preflight``) a run that cannot work here, the context fitted to the prompts
+    first; then the vLLM environment asked for is installed and its interpreter serves."""
+    from dataclasses import replace
+
     if cfg.run_dir is not None:  # refused before anything is installed, launched or written
         problem = run_dir_problem(Path(cfg.run_dir), bool(getattr(a, "overwrite_run_dir", False)))
         if problem:

@@ -171,7 +171,25 @@ def build_server_command(
     base_env: Mapping[str, str] | None = None,
 ) -> Command:
     """argv + env for one vLLM OpenAI server. ``base_env`` is consulted only for PYTHONPATH."""
-    argv: list[str] = [
+    argv = [
+        *_entry_args(spec, ports, python),
+        *_multi_node_args(spec),
+        *_engine_args(spec),
+        *_axes_args(spec),
+        *_kv_transfer_args(spec),
+        *spec.extra_args,
+    ]
+    injected_path, injected_env = _injected(spec)
+    device_path, device_env = _device_env(spec, tuning)
+    env = {**_server_env(spec, ports), **injected_env, **device_env}
+    env.update(_pythonpath([*injected_path, *device_path], base_env))
+    env.update(dict(spec.extra_env))
+    return Command(tuple(argv), with_no_track(env))  # last: no axis or caller turns usage reporting back on
+
+
+def _entry_args(spec: ServerSpec, ports: ServerPorts, python: str) -> list[str]:
+    """The entry module (a follower node's own), the model, where it listens, its TP size and seed."""
+    return [
         python, "-m", HEADLESS_MODULE if spec.node_rank else API_SERVER_MODULE,
         "--model", spec.model,
         "--served-model-name", spec.served_model_name,
@@ -180,13 +198,24 @@ def build_server_command(
         "--tensor-parallel-size", str(spec.tp),
         "--seed", str(spec.seed),
     ]  # fmt: skip
-    if spec.nodes > 1:
-        if spec.master is None:
-            raise ValueError("a TP group across nodes needs rank 0's address (master)")
-        argv += ["--nnodes", str(spec.nodes), "--node-rank", str(spec.node_rank)]
-        argv += ["--master-addr", spec.master[0], "--master-port", str(spec.master[1])]
-        if spec.node_rank:
-            argv.append("--headless")
+
+
+def _multi_node_args(spec: ServerSpec) -> list[str]:
+    """A TP group across nodes: the node count, this node's rank, rank 0's address; ``--headless`` on a follower."""
+    if spec.nodes <= 1:
+        return []
+    if spec.master is None:
+        raise ValueError("a TP group across nodes needs rank 0's address (master)")
+    argv = ["--nnodes", str(spec.nodes), "--node-rank", str(spec.node_rank)]
+    argv += ["--master-addr", spec.master[0], "--master-port", str(spec.master[1])]
+    if spec.node_rank:
+        argv.append("--headless")
+    return argv
+
+
+def _engine_args(spec: ServerSpec) -> list[str]:
+    """The engine's sizes and modes: block size, context, batch, dtype, eager, prefix cache, memory, KV pool, logs."""
+    argv: list[str] = []
     if spec.block_size is not None:
         argv += ["--block-size", str(spec.block_size)]
     if spec.max_model_len is not None:
@@ -204,6 +233,12 @@ def build_server_command(
         argv += ["--num-gpu-blocks-override", str(spec.num_blocks)]
     if spec.log_requests:
         argv.append("--enable-log-requests")
+    return argv
+
+
+def _axes_args(spec: ServerSpec) -> list[str]:
+    """The edge-case axes' flags (serve/axes.py), each only where the spec sets it."""
+    argv: list[str] = []
     if spec.kv_cache_dtype is not None:
         argv += ["--kv-cache-dtype", spec.kv_cache_dtype]
     if spec.async_scheduling is not None:
@@ -216,11 +251,19 @@ def build_server_command(
         argv += ["--compilation-config", spec.compilation_config]
     if spec.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
-    kv_cfg = spec.kv_transfer_config()
-    if kv_cfg is not None:
-        argv += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
-    argv += list(spec.extra_args)
+    return argv
 
+
+def _kv_transfer_args(spec: ServerSpec) -> list[str]:
+    """P's and D's NixlConnector config as compact JSON; nothing for the baseline."""
+    kv_cfg = spec.kv_transfer_config()
+    if kv_cfg is None:
+        return []
+    return ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
+
+
+def _server_env(spec: ServerSpec, ports: ServerPorts) -> dict[str, str]:
+    """Every server's variables: its address and ports, offline hub, unbuffered output, D's KV layout."""
     env: dict[str, str] = {
         "VLLM_HOST_IP": spec.host_ip,
         "VLLM_PORT": str(ports.internal_base),
@@ -233,7 +276,14 @@ def build_server_command(
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(ports.side_channel_base)
     if spec.kv_layout:
         env["VLLM_KV_CACHE_LAYOUT"] = spec.kv_layout
+    return env
+
+
+def _injected(spec: ServerSpec) -> tuple[list[str], dict[str, str]]:
+    """What the harness puts on the server's PYTHONPATH (a follower's entry, the digest and fault hooks) and the
+    variables that switch the hooks on."""
     path: list[str] = []
+    env: dict[str, str] = {}
     if spec.node_rank:
         path.append(str(REPO_ROOT))  # the follower's entry is harness.serve.headless, run by the serving interpreter
     digest = spec.kv_digest_dir is not None and spec.disaggregated
@@ -246,29 +296,42 @@ def build_server_command(
         env["PD_HARNESS_FAULT_KV_SCALE"] = str(spec.fault_kv_scale)
     if spec.fault_swap_heads:
         env["PD_HARNESS_FAULT_SWAP_HEADS"] = "1"
-    if spec.device == "cpu":
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kvcache_gib)
-        if spec.cpu_bind is not None:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
-        if tuning.enabled and spec.disaggregated:
-            path.append(str(TUNING_DIR))
-            env["PD_HARNESS_NIXL_PTHR_DELAY_US"] = str(tuning.progress_thread_delay_us)
-            if tuning.skip_nixl_core_pinning:
-                env["PD_HARNESS_SKIP_NIXL_PINNING"] = "1"
-            if tuning.shm_busy_loop_s is not None:
-                env["PD_HARNESS_SHM_BUSY_LOOP_S"] = str(tuning.shm_busy_loop_s)
-            if tuning.shm_recheck_ms is not None:
-                env["PD_HARNESS_SHM_RECHECK_MS"] = str(tuning.shm_recheck_ms)
-            if tuning.engine_idle_sleep_ms is not None:
-                env["PD_HARNESS_ENGINE_IDLE_SLEEP_MS"] = str(tuning.engine_idle_sleep_ms)
-    else:
-        if spec.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.gpus)
-    if path:
-        existing = (base_env if base_env is not None else os.environ).get("PYTHONPATH", "")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (*path, existing) if p)
-    env.update(dict(spec.extra_env))
-    return Command(tuple(argv), with_no_track(env))  # last: no axis or caller turns usage reporting back on
+    return path, env
+
+
+def _device_env(spec: ServerSpec, tuning: CpuTuning) -> tuple[list[str], dict[str, str]]:
+    """CPU: the KV cache space, the OpenMP binding and (P and D) the CPU tuning, with its folder for PYTHONPATH;
+    GPU: the visible devices."""
+    if spec.device != "cpu":
+        return [], ({"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in spec.gpus)} if spec.gpus else {})
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(spec.cpu_kvcache_gib)}
+    if spec.cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
+    if not (tuning.enabled and spec.disaggregated):
+        return [], env
+    return [str(TUNING_DIR)], {**env, **_cpu_tuning_env(tuning)}
+
+
+def _cpu_tuning_env(tuning: CpuTuning) -> dict[str, str]:
+    """The variables the CPU tuning's sitecustomize reads; a None setting leaves vLLM's own behaviour."""
+    env = {"PD_HARNESS_NIXL_PTHR_DELAY_US": str(tuning.progress_thread_delay_us)}
+    if tuning.skip_nixl_core_pinning:
+        env["PD_HARNESS_SKIP_NIXL_PINNING"] = "1"
+    if tuning.shm_busy_loop_s is not None:
+        env["PD_HARNESS_SHM_BUSY_LOOP_S"] = str(tuning.shm_busy_loop_s)
+    if tuning.shm_recheck_ms is not None:
+        env["PD_HARNESS_SHM_RECHECK_MS"] = str(tuning.shm_recheck_ms)
+    if tuning.engine_idle_sleep_ms is not None:
+        env["PD_HARNESS_ENGINE_IDLE_SLEEP_MS"] = str(tuning.engine_idle_sleep_ms)
+    return env
+
+
+def _pythonpath(path: list[str], base_env: Mapping[str, str] | None) -> dict[str, str]:
+    """PYTHONPATH: ``path`` ahead of the caller's own (``base_env``'s, else this process's); none without a path."""
+    if not path:
+        return {}
+    existing = (base_env if base_env is not None else os.environ).get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(p for p in (*path, existing) if p)}
 
 
 def plan_cpu_binding(n_cores: int, rank_counts: Sequence[int]) -> list[str]:

@@ -129,6 +129,8 @@ def kernel_patterns(names: tuple[str, ...]) -> list[str]:
 
 
 def plan_gpu(req: Request, index: Index, say) -> Plan:
+    """The GPU plan: the newest vLLM release (or --vllm) whose torch pin admits the image's torch, the nixl backend
+    of the image's CUDA major, and the harness's own requirements; torch is resolved with, never shipped."""
     env = wh.marker_env(req.python_version, PipTarget("", req.python_version, req.platform).machine)
     torch = req.torch
     assert torch is not None
@@ -136,7 +138,40 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
     rel = releases(files, req.python_version, PipTarget("", req.python_version, req.platform).platforms)
     if not rel:
         raise ConfigError(f"the index has no vllm wheel for python {req.python_version} {req.platform}")
+    chosen, checked, chosen_requires = _choose_release(req, index, rel, torch, env, say)
+    base = wh.base_version(torch)
+    index_cuda, image_cuda = _cuda_majors(req, index, torch)
+    harness = requirement_lines(REPO_ROOT / "requirements" / "harness.txt")
+    gpu_txt = requirement_lines(REPO_ROOT / "requirements" / "gpu.txt")
+    nixl = req.nixl or pinned_version(gpu_txt, "nixl")
+    if not nixl:
+        raise ConfigError("no nixl version: give --nixl")
+    backend = f"nixl-cu{image_cuda}"
+    return Plan(
+        roots=[f"vllm=={chosen}", f"{backend}=={nixl}", *harness],
+        resolve_only=[f"torch=={base}"],
+        no_deps=[f"nixl=={nixl}"],
+        harness_pins=harness,
+        vllm_releases=rel,
+        vllm_requires=chosen_requires,
+        info={
+            "vllm": {"version": chosen, "forced": req.vllm is not None, "checked": [asdict(c) for c in checked]},
+            "torch": {"image": torch, "cuda_major": image_cuda, "index_torch_cuda_major": index_cuda},
+            "nixl": {
+                "version": nixl,
+                "backend": backend,
+                "why": f"nixl {nixl} loads nixl_cu<major of torch.version.cuda>; the image's torch is CUDA "
+                f"{image_cuda}, so {backend}; the nixl meta package is installed with --no-deps because "
+                "its metadata asks for every backend",
+            },
+        },
+    )
 
+
+def _choose_release(
+    req: Request, index: Index, rel: dict[Version, IndexFile], torch: str, env: dict[str, str], say
+) -> tuple[str, list[wh.VllmCandidate], list[str]]:
+    """The vLLM release to ship (``wh.choose_vllm``), the releases looked at, and the chosen one's Requires-Dist."""
     requires: dict[str, list[str]] = {}
 
     def candidates():
@@ -152,6 +187,12 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
         + ("asked for (--vllm); its torch pin admits" if req.vllm else "newest release whose torch pin admits")
         + f" the image's torch {torch} (looked at {', '.join(f'{c.version} torch{c.torch}' for c in checked)})"
     )
+    return chosen, checked, requires[chosen]
+
+
+def _cuda_majors(req: Request, index: Index, torch: str) -> tuple[int | None, int]:
+    """The CUDA major of the index's torch (what its vllm wheels are built against) and of the image's (--cuda, its
+    local label, else the index's); ConfigError when the image's is unknown or the two differ."""
     torch_files = releases(
         index.project("torch"), req.python_version, PipTarget("", req.python_version, req.platform).platforms
     )
@@ -171,31 +212,7 @@ def plan_gpu(req: Request, index: Index, say) -> Plan:
             f"its vllm wheels are built against) for CUDA {index_cuda}: use an index with CUDA {image_cuda} "
             "builds of vllm (--index-url)"
         )
-    harness = requirement_lines(REPO_ROOT / "requirements" / "harness.txt")
-    gpu_txt = requirement_lines(REPO_ROOT / "requirements" / "gpu.txt")
-    nixl = req.nixl or pinned_version(gpu_txt, "nixl")
-    if not nixl:
-        raise ConfigError("no nixl version: give --nixl")
-    backend = f"nixl-cu{image_cuda}"
-    return Plan(
-        roots=[f"vllm=={chosen}", f"{backend}=={nixl}", *harness],
-        resolve_only=[f"torch=={base}"],
-        no_deps=[f"nixl=={nixl}"],
-        harness_pins=harness,
-        vllm_releases=rel,
-        vllm_requires=requires[chosen],
-        info={
-            "vllm": {"version": chosen, "forced": req.vllm is not None, "checked": [asdict(c) for c in checked]},
-            "torch": {"image": torch, "cuda_major": image_cuda, "index_torch_cuda_major": index_cuda},
-            "nixl": {
-                "version": nixl,
-                "backend": backend,
-                "why": f"nixl {nixl} loads nixl_cu<major of torch.version.cuda>; the image's torch is CUDA "
-                f"{image_cuda}, so {backend}; the nixl meta package is installed with --no-deps because "
-                "its metadata asks for every backend",
-            },
-        },
-    )
+    return index_cuda, image_cuda
 
 
 def wh_requires(index: Index, f: IndexFile) -> list[str]:
@@ -439,6 +456,21 @@ def no_deps_files(plan: Plan, target: PipTarget, index: Index) -> list[wh.Dist]:
     return out
 
 
+@dataclass(frozen=True)
+class _Selection:
+    """What a resolution ships: the dists kept, those left out (the image has them), the stubbed ones (name ->
+    version) and what the image has (name -> version)."""
+
+    kept: list[wh.Kept]
+    left: list[wh.LeftOut]
+    stubs: dict[str, str]
+    image: dict[str, str | None]
+
+    @property
+    def notes(self) -> dict[str, str]:
+        return {k.name: k.note for k in self.kept if k.note}
+
+
 def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
     """Plan, resolve, and (unless dry_run) download, repack, write the manifest and check the folder. Returns the
     manifest (the dry-run plan for dry_run)."""
@@ -454,6 +486,31 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
         _check_out_dir(req.out)
     index = Index(req.sources.index_url or "https://pypi.org/simple")
     target = PipTarget(req.resolver_python, req.python_version, req.platform)
+    plan, report = _plan_and_resolve(req, index, target, say)
+    dists = wh.parse_report(report)
+    sel = _select(req, plan, target, dists)
+    by_name = {d.name: d for d in dists}
+    ship = [by_name[k.name] for k in sel.kept] + no_deps_files(plan, target, index)
+    manifest = _manifest(req, plan, target, sel, by_name)
+    if req.dry_run:
+        return _dry_run_manifest(manifest, ship, sel, patterns, index)
+    folder = req.out
+    if folder is None:  # refused above: only a dry run goes without a folder
+        raise ConfigError("a wheelhouse needs an output folder (--out DIR)")
+    _fill_folder(folder, manifest, ship, sel, patterns, say)
+    write_atomic(folder / "requirements.txt", "".join(x + "\n" for x in manifest["requirements"]))
+    write_atomic(folder / "requirements-nodeps.txt", "".join(x + "\n" for x in plan.no_deps))
+    write_atomic(folder / "pip-report.json", json.dumps(redact_tree(report)) + "\n")
+    write_atomic(folder / MANIFEST, json.dumps(redact_tree(manifest), indent=1) + "\n")
+    manifest["verify"] = verify(folder, req.resolver_python, err=err)
+    manifest["build_s"] = round(time.monotonic() - t0, 1)
+    write_atomic(folder / MANIFEST, json.dumps(redact_tree(manifest), indent=1) + "\n")
+    return manifest
+
+
+def _plan_and_resolve(req: Request, index: Index, target: PipTarget, say) -> tuple[Plan, dict]:
+    """The plan and pip's report for it, in a work folder of its own (removed after); pip's log beside the folder
+    (or in WORK_DIR for a dry run). A GPU release pip cannot install becomes the error naming an older one."""
     WORK_DIR.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="resolve-", dir=WORK_DIR))  # one per run: runs may overlap
     log_path = WORK_DIR / "dry-run.log" if req.dry_run or req.out is None else req.out / "wheelhouse.log"
@@ -465,14 +522,17 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
                 f"(log {log_path})"
             )
             try:
-                report = resolve_plan(plan, target, req, work, log, index, say)
+                return plan, resolve_plan(plan, target, req, work, log, index, say)
             except Unservable as e:
                 if req.device != "gpu":
                     raise
                 raise older_release_error(e, plan, req, target, index, log, say) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    dists = wh.parse_report(report)
+
+
+def _select(req: Request, plan: Plan, target: PipTarget, dists: list[wh.Dist]) -> _Selection:
+    """Pure: which resolved dists the folder holds, which the image has (left out), and the --stub ones."""
     env = wh.marker_env(req.python_version, target.machine)
     graph = wh.build_graph(dists, env, plan.roots + plan.resolve_only)
     image, why = image_of(req, graph)
@@ -485,10 +545,12 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
         why[name] = "stubbed (--stub)"
     kept, left = wh.split_by_image(graph, image, plan.roots, why)
     left = [x for x in left if x.name not in stubs]
-    by_name = {d.name: d for d in dists}
-    ship = [by_name[k.name] for k in kept] + no_deps_files(plan, target, index)
-    notes = {k.name: k.note for k in kept if k.note}
-    manifest = {
+    return _Selection(kept, left, stubs, image)
+
+
+def _manifest(req: Request, plan: Plan, target: PipTarget, sel: _Selection, by_name: dict[str, wh.Dist]) -> dict:
+    """Pure: the manifest's target, choices, requirements, what is left out and the stubs (wheels come after)."""
+    return {
         "format": FORMAT,
         "device": req.device,
         "target": {
@@ -499,13 +561,13 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
             if req.freeze is not None
             else (f"torch {req.torch}" if req.torch else None),
         },
-        "system_site_packages": bool(image),
+        "system_site_packages": bool(sel.image),
         **plan.info,
         "sources": asdict(req.sources),
         "requirements": [_exact(x, by_name) for x in plan.roots],
         "constraints": bool(plan.constraints),
         "no_deps": plan.no_deps,
-        "left_out": [asdict(x) for x in left],
+        "left_out": [asdict(x) for x in sel.left],
         "stubs": [
             {
                 "name": n,
@@ -513,54 +575,53 @@ def build(req: Request, out=sys.stdout, err=sys.stderr) -> dict:
                 "why": "--stub: an empty stand-in wheel (no files, no requirements) meets "
                 "the requirement; the code is absent",
             }
-            for n, v in stubs.items()
+            for n, v in sel.stubs.items()
         ],
     }
-    if req.dry_run:
-        sizes = index_sizes(ship, index)
-        manifest["wheels"] = [
-            {
-                "name": d.name,
-                "version": d.version,
-                "file": _version_name(d),
-                "size": sizes.get(d.name),
-                "sha256": d.sha256,
-                "url": d.url,
-                **({"note": notes[d.name]} if d.name in notes else {}),
-            }
-            for d in ship
-        ]
-        manifest["wheels"] += [
-            {"name": n, "version": v, "file": stub_wheel_name(n, v), "size": 0, "stub": True} for n, v in stubs.items()
-        ]
-        manifest["dropped_kernels"] = _planned_drops(ship, patterns, index) if patterns else []
-        manifest["totals"] = _totals(manifest)
-        return manifest
-    folder = req.out
-    if folder is None:  # refused above: only a dry run goes without a folder
-        raise ConfigError("a wheelhouse needs an output folder (--out DIR)")
+
+
+def _dry_run_manifest(manifest: dict, ship: list[wh.Dist], sel: _Selection, patterns: list[str], index: Index) -> dict:
+    """The dry run's manifest: the wheels with their sizes on the index, the stubs, and the kernels that would go."""
+    sizes = index_sizes(ship, index)
+    notes = sel.notes
+    manifest["wheels"] = [
+        {
+            "name": d.name,
+            "version": d.version,
+            "file": _version_name(d),
+            "size": sizes.get(d.name),
+            "sha256": d.sha256,
+            "url": d.url,
+            **({"note": notes[d.name]} if d.name in notes else {}),
+        }
+        for d in ship
+    ]
+    manifest["wheels"] += [
+        {"name": n, "version": v, "file": stub_wheel_name(n, v), "size": 0, "stub": True} for n, v in sel.stubs.items()
+    ]
+    manifest["dropped_kernels"] = _planned_drops(ship, patterns, index) if patterns else []
+    manifest["totals"] = _totals(manifest)
+    return manifest
+
+
+def _fill_folder(folder: Path, manifest: dict, ship: list[wh.Dist], sel: _Selection, patterns: list[str], say) -> None:
+    """Download the wheels into ``folder``, remove wheels of an earlier build it no longer holds, drop the kernels,
+    write the stubs, and record each wheel, the drops and the totals in ``manifest``."""
     say(f"downloading {len(ship)} wheels into {folder}")
     paths = fetch_all([(d.url, d.sha256, folder / _version_name(d)) for d in ship])
-    wanted = {p.name for p in paths} | {stub_wheel_name(n, v) for n, v in stubs.items()}
+    wanted = {p.name for p in paths} | {stub_wheel_name(n, v) for n, v in sel.stubs.items()}
     for stale in folder.glob("*.whl"):
         if stale.name not in wanted:
             stale.unlink()
     dropped = _drop(paths, patterns, say) if patterns else []
+    notes = sel.notes
     manifest["wheels"] = [_wheel_entry(d, p, notes.get(d.name)) for d, p in zip(ship, paths, strict=True)]
-    for name, version in stubs.items():
+    for name, version in sel.stubs.items():
         p = stub_wheel(folder, name, version)
         manifest["wheels"].append({**_wheel_entry(wh.Dist(name, version, ()), p, None), "stub": True})
         say(f"stubbed {name} {version}: an empty stand-in wheel")
     manifest["dropped_kernels"] = dropped
     manifest["totals"] = _totals(manifest)
-    write_atomic(folder / "requirements.txt", "".join(x + "\n" for x in manifest["requirements"]))
-    write_atomic(folder / "requirements-nodeps.txt", "".join(x + "\n" for x in plan.no_deps))
-    write_atomic(folder / "pip-report.json", json.dumps(redact_tree(report)) + "\n")
-    write_atomic(folder / MANIFEST, json.dumps(redact_tree(manifest), indent=1) + "\n")
-    manifest["verify"] = verify(folder, req.resolver_python, err=err)
-    manifest["build_s"] = round(time.monotonic() - t0, 1)
-    write_atomic(folder / MANIFEST, json.dumps(redact_tree(manifest), indent=1) + "\n")
-    return manifest
 
 
 def _exact(line: str, by_name: dict[str, wh.Dist]) -> str:
