@@ -11,7 +11,7 @@ from harness.checks.classify import SIGNATURES
 from harness.checks.kv_digest import CHECK_NAME as KV_DIGEST_CHECK
 from harness.checks.kv_digest import location_from_report
 from harness.core.safe import shell_line
-from harness.run.report import known_upstream_line
+from harness.render.run_markdown import known_upstream_line
 
 
 def model_config(report: dict) -> dict:

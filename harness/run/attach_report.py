@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from harness.render.run_markdown import difference_line
 from harness.run.config import TP_UNKNOWN, E2EConfig
 from harness.serve.servers import Attach, Served, endpoints
 
@@ -41,8 +42,7 @@ class Difference:
         return {"setting": self.setting, "baseline": self.baseline, "servers": dict(self.servers)}
 
     def line(self) -> str:
-        servers = ", ".join(f"{n} {v}" for n, v in self.servers.items())
-        return f"{self.setting}: the baseline {self.baseline}; {servers}"
+        return difference_line(self.setting, self.baseline, self.servers)
 
 
 def _cache_side(name: str, served: Served | None, tp: str | None, tp_why: str) -> Side:
@@ -123,20 +123,3 @@ def attach_report(cfg: E2EConfig, attach: Attach) -> dict[str, Any]:
         "differences": [d.to_dict() for d in differences],
         "not_compared": not_compared,
     }
-
-
-def attach_markdown(attach: Mapping[str, Any] | None, config: Mapping[str, Any]) -> list[str]:
-    """report.md's section on the attached servers: their TP as known, and where the baseline differs from them."""
-    if not attach or "differences" not in attach:
-        return []
-    sources = attach.get("sources") or {}
-    lines = ["", "## Attached servers and the baseline", ""]
-    for name, who in (("tp_p", "P"), ("tp_d", "D")):
-        lines.append(f"- {who}'s TP: {config.get(name)} ({sources.get(name, 'not recorded')})")
-    lines.append(f"- the baseline's TP: {sources.get('baseline_tp', 'not recorded')}")
-    lines += ["", "Settings in which the baseline differs from the attached servers:", ""]
-    diffs = attach.get("differences") or []
-    lines += [f"- {Difference(d['setting'], d['baseline'], d['servers']).line()}" for d in diffs] or ["- none"]
-    if attach.get("not_compared"):
-        lines += ["", "Not compared:", ""] + [f"- {line}" for line in attach["not_compared"]]
-    return lines

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness.models.tiny import ensure_tiny_model
-from harness.run.attach_report import attach_markdown
+from harness.render.run_markdown import attach_markdown
 from harness.serve.ports import PortAllocator, server_ports
 from harness.serve.procs import RUN_TAG_ENV, ManagedProcess, ProcessSpec, start_all
 from tests.helpers import processes_tagged

@@ -8,10 +8,11 @@ from pathlib import Path
 from harness.accuracy.settings import AccuracySettings
 from harness.checks.check import Check
 from harness.gpu.run import GpuRun
+from harness.render.run_markdown import render_markdown, simulated_note
 from harness.run import simulated
 from harness.run.config import E2EConfig
 from harness.run.context import RunContext
-from harness.run.report import Report, render_markdown, simulated_note
+from harness.run.report import Report
 from harness.simbox.box import SIMULATED_ENV
 from harness.workload.client import GenerationSettings
 

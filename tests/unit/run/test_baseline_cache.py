@@ -13,12 +13,13 @@ import pytest
 
 from harness.accuracy.settings import AccuracySettings
 from harness.cache import baseline as bc
+from harness.render.run_markdown import render_markdown
 from harness.run import baseline as baseline_mod
 from harness.run import baseline_key as bk
 from harness.run.baseline import BaselineResult, run_baseline
 from harness.run.config import E2EConfig
 from harness.run.context import RunContext
-from harness.run.report import Report, render_markdown
+from harness.run.report import Report
 from harness.run.timing import breakdown
 from harness.serve.axes import ServerAxes
 from harness.workload.client import CompletionRun, GenerationSettings, RequestFailed

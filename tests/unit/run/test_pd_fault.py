@@ -9,10 +9,11 @@ import pytest
 from harness.checks.leak import FAULT_CHECK_NAME, state_of
 from harness.hosts.faults import NetFaultError
 from harness.hosts.placement import hosts_from_dict
+from harness.render.run_markdown import render_markdown
 from harness.run import failures, pd
 from harness.run.config import E2EConfig
 from harness.run.context import RunContext
-from harness.run.report import Report, render_markdown
+from harness.run.report import Report
 from harness.serve.ports import PortAllocator
 from harness.serve.procs import ProcessFailed
 from harness.serve.prometheus import parse_metrics

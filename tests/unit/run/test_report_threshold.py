@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from harness.checks.check import Check
-from harness.run.report import Report, render_markdown, write_report
+from harness.render.run_markdown import render_markdown
+from harness.run.report import Report, write_report
 
 LOGPROBS = Check(
     "logprobs_match_baseline",
