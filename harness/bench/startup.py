@@ -22,7 +22,11 @@ from harness.serve.vllm_cmd import plan_cpu_binding
 
 
 def _servers(cfg: E2EConfig, alloc: PortAllocator, model: str, logs: Path, tag: str):
-    binds = plan_cpu_binding(os.cpu_count() or 1, [cfg.tp_p, cfg.tp_d]) if cfg.device == "cpu" else [None, None]
+    binds = (
+        plan_cpu_binding(os.cpu_count() or 1, [cfg.ranks("prefill"), cfg.ranks("decode")])
+        if cfg.device == "cpu"
+        else [None, None]
+    )
     bs = cfg.block_sizes()
     wants = [
         WantedServer(

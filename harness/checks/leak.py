@@ -69,6 +69,23 @@ def state_of(samples: list[Sample]) -> ServerState:
     )
 
 
+ENGINE_LABEL = "engine"  # a data-parallel server's /metrics carries one series per engine under this label
+
+
+def states_of(metrics: Mapping[str, list[Sample]]) -> dict[str, ServerState]:
+    """Each server's state by name; a data-parallel server (more than one ``engine`` label) as one state per engine
+    ("decode engine 1"), so that one engine's held blocks cannot hide behind another's idle pool."""
+    out: dict[str, ServerState] = {}
+    for name, samples in metrics.items():
+        engines = sorted({s.labels[ENGINE_LABEL] for s in samples if ENGINE_LABEL in s.labels})
+        if len(engines) < 2:
+            out[name] = state_of(samples)
+            continue
+        for e in engines:
+            out[f"{name} engine {e}"] = state_of([s for s in samples if s.labels.get(ENGINE_LABEL, e) == e])
+    return out
+
+
 def held_blocks(s: ServerState, idle: ServerState | None) -> float:
     """Blocks (or, without a pool size, the usage share) held beyond the server's idle value; 0 when none."""
     if s.kv_blocks is not None:
@@ -139,7 +156,7 @@ def wait_idle(
     idle = dict(idle)
 
     def poll() -> tuple[dict[str, ServerState], float]:
-        return {name: state_of(samples) for name, samples in read().items()}, clock() - t0
+        return states_of(read()), clock() - t0
 
     states, waited = poll()
     first = states

@@ -104,6 +104,25 @@ def check_nixl_metrics(
     ]
 
 
+DP_ENGINE_LABEL = "engine"  # vLLM labels each DP engine's series in its API server's /metrics
+
+
+def check_dp_engines_received(before: list[Sample], after: list[Sample], dp: int) -> Check:
+    """With D at data parallel ``dp``, every engine must have taken transfers: requests spread over the engines, and
+    an engine whose NIXL side channel (one per DP rank) no P reached would otherwise hide behind the sum."""
+    per = {str(e): delta(before, after, XFER_COUNT, **{DP_ENGINE_LABEL: str(e)}) for e in range(dp)}
+    counts = {e: d.delta for e, d in per.items()}
+    labelled = any(s.name == XFER_COUNT and DP_ENGINE_LABEL in s.labels for s in after)
+    return Check(
+        "dp_engines_each_received",
+        labelled and all(c > 0 for c in counts.values()),
+        f"D's transfers per DP engine: {', '.join(f'engine {e}: {c:g}' for e, c in counts.items())}"
+        if labelled
+        else f"D's /metrics has no {XFER_COUNT} labelled by {DP_ENGINE_LABEL}: transfers per DP engine unknown",
+        {"per_engine": counts},
+    )
+
+
 def check_decode_log(log_text: str) -> list[Check]:
     plans = sorted(set(TRANSFER_PLAN.findall(log_text)))
     return [

@@ -71,6 +71,11 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="P's --max-num-batched-tokens: below a prompt's length P prefills in chunks",
     )
+    g.add_argument(
+        "--data-parallel-size-d",
+        type=positive_int,
+        help="D's --data-parallel-size (the baseline's too): engines at D's TP each, every one must take transfers",
+    )
     g.add_argument("--max-model-len", type=positive_int, help="default: 512 on CPU, 2048 on GPU")
     g.add_argument(
         "--kv-pool-blocks",
@@ -349,6 +354,7 @@ def _axes(a: argparse.Namespace) -> ServerAxes:
         speculative_config=a.speculative_config,
         max_num_batched_tokens_p=a.max_num_batched_tokens_p,
         compilation_config=a.compilation_config,
+        data_parallel_size_d=a.data_parallel_size_d,
     )
 
 

@@ -154,6 +154,8 @@ def transfer_checks(ctx: RunContext, pd: PDResult, n: int) -> list[Check]:
     prompt_tokens = sum(c.prompt_tokens or 0 for c in pd.completions.completions)
     checks = [transfer.check_prefill_params(n, pd.proxy_stats)]
     checks += transfer.check_nixl_metrics(pd.metrics_before, pd.metrics_after, n, prompt_tokens)
+    if ctx.cfg.axes.dp_d > 1:
+        checks.append(transfer.check_dp_engines_received(pd.metrics_before, pd.metrics_after, ctx.cfg.axes.dp_d))
     if pd.attached:  # servers started elsewhere: their logs are not ours to read; /metrics carries the proof
         why = "attach mode: the server logs are not available to the harness"
         ctx.report.skipped_checks += [

@@ -136,7 +136,10 @@ def make_server(cfg: E2EConfig, alloc: Ports, want: WantedServer, logs_dir: Path
     )
     if len(nodes) > 1:  # rank 0's torch.distributed address, from our allocator like every port
         spec = replace(spec, nodes=len(nodes), master=(host.address, alloc.port()))
-    ports = server_ports(alloc, tp // len(nodes))
+    dp = cfg.axes.dp_d if role != "prefill" else 1
+    if dp > 1:  # vLLM's DP coordinator listens here; the engines' own ports come from VLLM_PORT's block
+        spec = replace(spec, data_parallel_size=dp, dp_rpc_port=alloc.port())
+    ports = server_ports(alloc, tp * dp // len(nodes))  # a side channel port per DP engine, room for its ports
     url = host.url(ports.http)
     proc, shown = _process(cfg, spec, ports, host, want.name, logs_dir, f"{url}/health")
     followers = []

@@ -27,6 +27,7 @@ from harness.checks.leak import (
     ServerState,
     check_released_after_fault,
     state_of,
+    states_of,
     wait_idle,
 )
 from harness.hosts.faults import LinkCutter, NetFaultError, block_ports, dropped_packets, unblock_ports
@@ -94,7 +95,7 @@ def run_pd(ctx: RunContext, alloc: PortAllocator, servers: ServerSet) -> PDResul
         proxy, proxy_url = ctx.proxy(alloc, [ep.url for ep in servers.prefill], [ep.url for ep in servers.decode])
         ctx.report.timings_s["proxy_launch_to_ready"] = start_all([proxy], stack, 60)["proxy"]
         fault = start_net_fault(ctx, stack, servers)
-        idle = {name: state_of(samples) for name, samples in server_metrics(servers).items()}
+        idle = states_of(server_metrics(servers))
         try:
             out = serve_pd(ctx, servers, proxy_url, [servers, proxy], idle)
         except Exception:

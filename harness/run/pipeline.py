@@ -103,7 +103,7 @@ class PDRun:
         bs_p, bs_d = cfg.block_sizes()
         binds: list[str | None] = [None, None]
         if cfg.device == "cpu":
-            binds = list(plan_cpu_binding(os.cpu_count() or 1, [cfg.tp_p, cfg.tp_d]))
+            binds = list(plan_cpu_binding(os.cpu_count() or 1, [cfg.ranks("prefill"), cfg.ranks("decode")]))
         ctx.report.config["cpu_bind"] = {"prefill": binds[0], "decode": binds[1], "baseline": binds[1]}
         attached_baseline = self.attach.baseline_url if self.attach else None
 

@@ -33,6 +33,9 @@ class ServerAxes:
     # --compilation-config (JSON) on every server, the baseline included: e.g. a custom op turned off (the CPU
     # rotary-embedding op that mis-rotates MLA's strided views), so that an entry tests P/D and not that op
     compilation_config: str | None = None
+    # D's --data-parallel-size (the baseline's too, which serves D's settings): each DP rank an engine of its own at
+    # D's TP, with a NIXL side channel of its own; vLLM's API server spreads requests over them
+    data_parallel_size_d: int | None = None
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -50,8 +53,15 @@ class ServerAxes:
             speculative_problem(self.speculative_config)
         if self.compilation_config is not None:
             json_object_problem("compilation_config", self.compilation_config)
+        if self.data_parallel_size_d is not None and self.data_parallel_size_d < 1:
+            raise ValueError(f"data_parallel_size_d must be >= 1, got {self.data_parallel_size_d!r}")
         if self.max_num_batched_tokens_p is not None and self.max_num_batched_tokens_p < 1:
             raise ValueError(f"max_num_batched_tokens_p must be >= 1, got {self.max_num_batched_tokens_p!r}")
+
+    @property
+    def dp_d(self) -> int:
+        """D's data-parallel ranks (engines): 1 without the axis."""
+        return self.data_parallel_size_d or 1
 
     def set(self) -> dict[str, object]:
         """The axes that differ from their default: what a report and a matrix listing show."""

@@ -107,6 +107,10 @@ class ServerSpec:
     nodes: int = 1
     node_rank: int = 0
     master: tuple[str, int] | None = None
+    # data parallel (D and the baseline, serve/axes.py): engines of its own, each at ``tp``; vLLM's DP coordinator
+    # listens on ``dp_rpc_port`` (from the harness's allocator, like every port)
+    data_parallel_size: int | None = None
+    dp_rpc_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -251,6 +255,15 @@ def _axes_args(spec: ServerSpec) -> list[str]:
         argv += ["--compilation-config", spec.compilation_config]
     if spec.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.data_parallel_size is not None and spec.data_parallel_size > 1:
+        if spec.dp_rpc_port is None:
+            raise ValueError("a data-parallel server needs its coordinator's port (dp_rpc_port)")
+        argv += [
+            "--data-parallel-size",
+            str(spec.data_parallel_size),
+            "--data-parallel-rpc-port",
+            str(spec.dp_rpc_port),
+        ]
     return argv
 
 

@@ -225,7 +225,8 @@ def write_record(rank: int, request_id: str, layers, parts, heads, positions, di
         n = _COUNT[0]
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)[:120]
     body = {**meta, "side": SIDE, "rank": rank, "request_id": request_id, "layers": list(layers), "parts": parts}
-    tmp = os.path.join(folder, f".{n}.tmp.npz")
+    # the pid in the name: D at data parallel runs an engine per DP rank, each with a TP rank 0 writing here
+    tmp = os.path.join(folder, f".{os.getpid()}-{n}.tmp.npz")
     np.savez(
         tmp,
         digest=np.asarray(digests, dtype=np.int64),

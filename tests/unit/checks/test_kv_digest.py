@@ -134,6 +134,38 @@ def test_records_round_trip_through_the_hooks_file_format(tmp_path):
     assert all(os.path.commonpath([str(tmp_path), str(p)]) == str(tmp_path) for p in tmp_path.rglob("*"))
 
 
+def load_hook(name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, "harness/serve/inject/pd_kv_digest.py")
+    assert spec is not None and spec.loader is not None
+    hook: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_two_engines_of_one_dp_server_never_share_a_records_temporary_file(tmp_path, monkeypatch):
+    # D at data parallel 2: two engine processes, each a TP rank 0 with its own record counter, write into rank0/.
+    # Their first records are both number 1; the temporary file they are written to must still be their own.
+    engines = [load_hook("pd_kv_digest_dp0"), load_hook("pd_kv_digest_dp1")]
+    for hook in engines:
+        hook.FOLDER, hook.SIDE = str(tmp_path / "decode"), "decode"
+    written: list[str] = []
+    real_savez = np.savez
+
+    def savez(path, **arrays):  # record where each engine writes before it renames
+        written.append(str(path))
+        real_savez(path, **arrays)
+
+    monkeypatch.setattr(np, "savez", savez)
+    for pid, (hook, rid) in zip((101, 202), zip(engines, ("cmpl-a", "cmpl-b"), strict=True), strict=True):
+        monkeypatch.setattr(hook.os, "getpid", lambda pid=pid: pid)
+        hook.write_record(0, rid, ["l0"], ["K"], [0], np.arange(4), rng_digests(3)[:1, :1, :1, :4], {"block_size": 16})
+    assert len(set(written)) == 2, written
+    records, _ = kd.load(tmp_path)
+    assert sorted(r.request_id for r in records) == ["cmpl-a", "cmpl-b"]
+
+
 def test_equal_kv_in_another_request_does_not_hide_the_same_requests_head():
     # two prompts with a common prefix have equal KV there: D's wrong head is still named within its own request
     p = rng_digests(12)

@@ -7,6 +7,7 @@ import pytest
 
 from harness.cli import build_parser, config_from_args
 from harness.core.errors import ConfigError
+from harness.matrix.config import EDGE_YAML as EDGE
 from harness.matrix.config import load_matrix
 from harness.run.config import E2EConfig
 from harness.run.launch import WantedServer, make_server
@@ -93,3 +94,30 @@ def test_the_compilation_config_flag_and_entry_axis_are_validated_where_declared
     bad.write_text(head + "    axes: {compilation_config: 'custom_ops'}\n" + tail)
     with pytest.raises(ConfigError, match=r"entries\.0 \(x\): compilation_config is not JSON"):
         load_matrix(bad)
+
+
+def ports_of(cfg: E2EConfig, role: str, tmp_path) -> tuple[list[str], dict[str, str]]:
+    with PortAllocator(lock_dir=tmp_path / "locks") as alloc:
+        want = WantedServer(role=role, tp=1, model="/m", served_name="m", block_size=None, cpu_bind=None)
+        srv = make_server(cfg, alloc, want, tmp_path)
+    return list(srv.proc.spec.argv), dict(srv.proc.spec.env)
+
+
+def test_data_parallel_d_reaches_d_and_the_baseline_with_a_port_of_the_harness_and_not_p(tmp_path):
+    cfg = E2EConfig(python="python3", axes=ServerAxes(data_parallel_size_d=2))
+    for role in ("decode", "baseline"):  # the baseline serves D's settings, DP included
+        argv, _ = ports_of(cfg, role, tmp_path / role)
+        assert value(argv, "--data-parallel-size") == "2"
+        rpc = value(argv, "--data-parallel-rpc-port")  # vLLM's default (29550) would clash between two runs
+        assert rpc is not None and int(rpc) != int(value(argv, "--port") or 0)
+    argv, _ = ports_of(cfg, "prefill", tmp_path / "prefill")
+    assert "--data-parallel-size" not in argv and "--data-parallel-rpc-port" not in argv
+    assert "--data-parallel-size" not in ports_of(E2EConfig(python="python3"), "decode", tmp_path / "plain")[0]
+
+
+def test_data_parallel_d_is_a_flag_and_an_entry_axis():
+    assert cli("--data-parallel-size-d", "2").axes.set() == {"data_parallel_size_d": 2}
+    entry = next(e for e in load_matrix(EDGE)[0].entries if e.id == "edge-dp2-d-k1-p1-d1")
+    assert entry.settings() == {"data_parallel_size_d": 2}
+    with pytest.raises(SystemExit):
+        cli("--data-parallel-size-d", "0")
