@@ -15,10 +15,11 @@ from typing import cast
 import pytest
 
 from harness.wheelhouse import build
-from harness.wheelhouse.build import Plan, ReleaseUnavailable, Request, verify, wheel_metadata
+from harness.wheelhouse.build import Plan, ReleaseUnavailable, verify, wheel_metadata
 from harness.wheelhouse.index import Index, IndexFile, expand_platform, releases
 from harness.wheelhouse.pip import PipTarget, Sources, Unservable, stub_wheel
-from tests.unit.wheelhouse.wheels import make_wheel, write_manifest
+from tests.unit.wheelhouse.wheels import PLATFORM, make_wheel, write_manifest
+from tests.unit.wheelhouse.wheels import gpu_request as _request
 
 
 def test_verify_passes_a_complete_folder_and_names_what_is_missing(tmp_path, monkeypatch):
@@ -45,7 +46,6 @@ def test_stub_wheels_stand_for_the_image(tmp_path):
 
 # --- the chosen vLLM release cannot be installed -------------------------------------------------------------------
 
-PLATFORM = "manylinux_2_31_x86_64"
 VLLM_REQUIRES = {
     "0.34.0": ["torch==2.14.0", "flashinfer-python==0.7.3", "numpy"],
     "0.33.1": ["torch==2.14.0", "flashinfer-python==0.7.3", "numpy"],
@@ -100,20 +100,6 @@ def _gpu_plan(chosen: str, index: FakeIndex) -> Plan:
         vllm_releases=rel,
         vllm_requires=index.requires[chosen],
     )
-
-
-def _request(**kw) -> Request:
-    args = dict(
-        out=None,
-        device="gpu",
-        python_version="3.12",
-        platform=PLATFORM,
-        resolver_python=sys.executable,
-        sources=Sources(),
-        torch="2.14.0+cu130",
-        dry_run=True,
-    )
-    return Request(**{**args, **kw})
 
 
 @pytest.fixture

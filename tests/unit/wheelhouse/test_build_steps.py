@@ -18,10 +18,9 @@ from harness.core.errors import ConfigError
 from harness.wheelhouse import build
 from harness.wheelhouse.build import ReleaseUnavailable, Request
 from harness.wheelhouse.index import Index, IndexFile
-from harness.wheelhouse.pip import Sources, Unservable
-from tests.unit.wheelhouse.wheels import make_wheel
+from harness.wheelhouse.pip import Unservable
+from tests.unit.wheelhouse.wheels import PLATFORM, gpu_request, make_wheel
 
-PLATFORM = "manylinux_2_31_x86_64"
 FA2 = "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"
 TAGS = {"vllm": f"cp38-abi3-{PLATFORM}", "torch": f"cp312-cp312-{PLATFORM}"}
 # name -> version -> Requires-Dist, as the index and pip's report give them
@@ -127,20 +126,6 @@ def world(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "fetch_all", fetch_all)
     monkeypatch.setattr(build, "verify", verify)
     return w
-
-
-def gpu_request(**kw) -> Request:
-    args = dict(
-        out=None,
-        device="gpu",
-        python_version="3.12",
-        platform=PLATFORM,
-        resolver_python=sys.executable,
-        sources=Sources(),
-        torch="2.14.0+cu130",
-        dry_run=True,
-    )
-    return Request(**{**args, **kw})
 
 
 def run(req: Request, said: list[str] | None = None) -> dict:

@@ -9,9 +9,26 @@ import zipfile
 from pathlib import Path
 
 from harness.core.files import sha256_of
-from harness.wheelhouse.build import wheel_metadata
+from harness.wheelhouse.build import Request, wheel_metadata
+from harness.wheelhouse.pip import Sources
 
 DATA = Path(__file__).parent / "data"
+PLATFORM = "manylinux_2_31_x86_64"
+
+
+def gpu_request(**kw) -> Request:
+    """A dry-run GPU wheelhouse request for this test machine's Python; ``kw`` overrides a field."""
+    args = dict(
+        out=None,
+        device="gpu",
+        python_version="3.12",
+        platform=PLATFORM,
+        resolver_python=sys.executable,
+        sources=Sources(),
+        torch="2.14.0+cu130",
+        dry_run=True,
+    )
+    return Request(**{**args, **kw})
 
 
 def load(name: str):
