@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
-from harness.serve.prometheus import Sample
+from harness.serve.prometheus import Sample, metric_sum
 from harness.workload.load import LoadRequest
 from harness.workload.load_client import LoadRun
 
@@ -235,3 +235,21 @@ def latency_summary(run: LoadRun) -> dict:
         "mean_e2e_s": statistics.fmean(e2e) if e2e else None,
         "wall_s": run.wall_s,
     }
+
+
+PREEMPTIONS = "vllm:num_preemptions_total"
+
+
+def check_d_preempted(before: list[Sample], after: list[Sample]) -> Check:
+    """A run whose D pool was made small to preempt (the axis kv_pool_blocks_d) must show that D preempted: outputs
+    that match prove nothing about preemption unless it happened."""
+    grew = (metric_sum(after, PREEMPTIONS) or 0) - (metric_sum(before, PREEMPTIONS) or 0)
+    seen = metric_sum(after, PREEMPTIONS) is not None
+    return Check(
+        "d_preempted",
+        seen and grew > 0,
+        f"D preempted {grew:g} times over the run ({PREEMPTIONS})"
+        if seen
+        else f"D's /metrics has no {PREEMPTIONS}: whether D preempted is unknown",
+        {"preemptions": grew if seen else None},
+    )

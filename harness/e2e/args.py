@@ -72,6 +72,11 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
         help="P's --max-num-batched-tokens: below a prompt's length P prefills in chunks",
     )
     g.add_argument(
+        "--kv-pool-blocks-d",
+        type=positive_int,
+        help="D's KV pool in blocks (P and the baseline keep the run's): small, the load phase preempts on D",
+    )
+    g.add_argument(
         "--data-parallel-size-d",
         type=positive_int,
         help="D's --data-parallel-size (the baseline's too): engines at D's TP each, every one must take transfers",
@@ -355,6 +360,7 @@ def _axes(a: argparse.Namespace) -> ServerAxes:
         max_num_batched_tokens_p=a.max_num_batched_tokens_p,
         compilation_config=a.compilation_config,
         data_parallel_size_d=a.data_parallel_size_d,
+        kv_pool_blocks_d=a.kv_pool_blocks_d,
     )
 
 

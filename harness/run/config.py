@@ -212,6 +212,17 @@ class E2EConfig:
             self.axes.validate()
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.axes.kv_pool_blocks_d is not None and not self.load.enabled:
+            raise ConfigError(
+                "--kv-pool-blocks-d needs the load phase (--load-requests > 0): its concurrent requests are what "
+                "fills D's pool and preempts"
+            )
+        d_pool, bs_d = self.axes.kv_pool_blocks_d, self.block_sizes()[1] or VLLM_DEFAULT_BLOCK_SIZE
+        if d_pool is not None and d_pool * bs_d < self.model_len:  # vLLM refuses to start below one longest request
+            raise ConfigError(
+                f"--kv-pool-blocks-d {d_pool} holds {d_pool * bs_d} tokens in blocks of {bs_d}, fewer than one request "
+                f"of --max-model-len {self.model_len}: vLLM refuses to start; give >= {-(-self.model_len // bs_d)}"
+            )
         if self.load.enabled and self.load.abort_max_tokens >= self.model_len:
             raise ConfigError(
                 f"load abort_max_tokens {self.load.abort_max_tokens} leaves no room for a prompt "

@@ -68,6 +68,11 @@ class RunContext:
         """The KV blocks each server of this run gets (E2EConfig.pool_blocks, in the blocks vLLM will serve)."""
         return self.cfg.pool_blocks(self.pool_block_size(block_size), self.kv_cache_groups)
 
+    def server_pool(self, role: str, block_size: int | None) -> int | None:
+        """A server's KV blocks: D's own where the run sizes it to preempt (kv_pool_blocks_d), else the run's."""
+        d_pool = self.cfg.axes.kv_pool_blocks_d
+        return d_pool if role == "decode" and d_pool is not None else self.pool_blocks(block_size)
+
     def timed(self, key: str, t0: float) -> None:
         self.report.timings_s[key] = time.monotonic() - t0
 
@@ -92,7 +97,7 @@ class RunContext:
             cpu_bind=cpu_bind,
             kv_layout=kv_layout,
             placement=placement,
-            num_blocks=self.pool_blocks(block_size),
+            num_blocks=self.server_pool(role, block_size),
             log_requests=aborts,
         )
         srv = make_server(self.cfg, alloc, want, self.logs)

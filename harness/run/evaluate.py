@@ -12,6 +12,7 @@ from harness.checks.load import (
     blocks_needed,
     check_aborts,
     check_answers,
+    check_d_preempted,
     check_logprobs,
     check_match,
     check_reuse,
@@ -336,6 +337,9 @@ def evaluate_load(ctx: RunContext, baseline: BaselineResult, pd: PDResult) -> tu
         )
     else:
         checks.append(reuse)
+    if ctx.cfg.axes.kv_pool_blocks_d is not None:  # the run was made to preempt on D: show that it did
+        d_after = [x for name, samples in load.metrics_after.items() if name.startswith("decode") for x in samples]
+        checks.append(check_d_preempted(pd.metrics_before, d_after))
     s = ctx.cfg.load
     run = load.run
     # by where the cancel landed (the proxy's stage), not by plan: a planned prefill cancel may land in the decode hop

@@ -36,6 +36,9 @@ class ServerAxes:
     # D's --data-parallel-size (the baseline's too, which serves D's settings): each DP rank an engine of its own at
     # D's TP, with a NIXL side channel of its own; vLLM's API server spreads requests over them
     data_parallel_size_d: int | None = None
+    # D's KV pool in blocks (P and the baseline keep the run's): below what the load phase's concurrent requests hold,
+    # D preempts requests whose KV came from P and recomputes them itself
+    kv_pool_blocks_d: int | None = None
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -53,6 +56,8 @@ class ServerAxes:
             speculative_problem(self.speculative_config)
         if self.compilation_config is not None:
             json_object_problem("compilation_config", self.compilation_config)
+        if self.kv_pool_blocks_d is not None and self.kv_pool_blocks_d < 1:
+            raise ValueError(f"kv_pool_blocks_d must be >= 1, got {self.kv_pool_blocks_d!r}")
         if self.data_parallel_size_d is not None and self.data_parallel_size_d < 1:
             raise ValueError(f"data_parallel_size_d must be >= 1, got {self.data_parallel_size_d!r}")
         if self.max_num_batched_tokens_p is not None and self.max_num_batched_tokens_p < 1:

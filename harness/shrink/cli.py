@@ -79,6 +79,7 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
         ("--max-num-batched-tokens-p", axes.get("max_num_batched_tokens_p")),
         ("--compilation-config", axes.get("compilation_config")),
         ("--data-parallel-size-d", axes.get("data_parallel_size_d")),
+        ("--kv-pool-blocks-d", axes.get("kv_pool_blocks_d")),
     ):
         if value is not None:
             carried += [flag, str(value)]
