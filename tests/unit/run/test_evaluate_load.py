@@ -8,6 +8,7 @@ from harness.run.context import RunContext
 from harness.run.evaluate import evaluate_load
 from harness.run.load import PDLoad
 from harness.run.pd import PDResult
+from harness.serve.axes import ServerAxes
 from harness.workload.load import LoadSettings
 from harness.workload.load_client import LoadRun
 from tests.unit.checks.test_load_checks import STATS0, outcome, stats
@@ -15,7 +16,7 @@ from tests.unit.checks.test_load_checks import STATS0, outcome, stats
 
 def evaluate(outcomes, attached, after=STATS0, logs=None):
     report = SimpleNamespace(skipped_checks=[], load=None)
-    cfg = SimpleNamespace(block_sizes=lambda: (16, 16), load=LoadSettings())
+    cfg = SimpleNamespace(block_sizes=lambda: (16, 16), load=LoadSettings(), axes=ServerAxes())
     ctx = SimpleNamespace(
         gen=SimpleNamespace(logprobs=5), cfg=cfg, load_requests=[o.request for o in outcomes], report=report
     )
