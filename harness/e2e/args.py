@@ -76,6 +76,17 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="D's KV pool in blocks (P and the baseline keep the run's): small, the load phase preempts on D",
     )
+    g.add_argument("--pipeline-parallel-size-p", type=positive_int, help="P's --pipeline-parallel-size")
+    g.add_argument(
+        "--decode-context-parallel-size-d",
+        type=positive_int,
+        help="D's --decode-context-parallel-size (the baseline's too); must divide D's TP size",
+    )
+    g.add_argument(
+        "--kv-offload-bytes",
+        type=positive_int,
+        help="P and D run NixlConnector in a MultiConnector beside an OffloadingConnector with this much host memory",
+    )
     g.add_argument(
         "--data-parallel-size-d",
         type=positive_int,
@@ -361,6 +372,9 @@ def _axes(a: argparse.Namespace) -> ServerAxes:
         compilation_config=a.compilation_config,
         data_parallel_size_d=a.data_parallel_size_d,
         kv_pool_blocks_d=a.kv_pool_blocks_d,
+        pipeline_parallel_size_p=a.pipeline_parallel_size_p,
+        decode_context_parallel_size_d=a.decode_context_parallel_size_d,
+        kv_offload_bytes=a.kv_offload_bytes,
     )
 
 

@@ -82,6 +82,9 @@ class Axes(BaseModel):
     compilation_config: str | None = None  # JSON, every server (serve/axes.py)
     data_parallel_size_d: int | None = Field(default=None, ge=1)  # D's and the baseline's DP ranks (serve/axes.py)
     kv_pool_blocks_d: int | None = Field(default=None, ge=1)  # D's KV pool in blocks: preemption on D (serve/axes.py)
+    pipeline_parallel_size_p: int | None = Field(default=None, ge=1)  # P's pipeline stages (serve/axes.py)
+    decode_context_parallel_size_d: int | None = Field(default=None, ge=1)  # D's and the baseline's DCP size
+    kv_offload_bytes: int | None = Field(default=None, ge=1)  # MultiConnector: Nixl and Offloading (serve/axes.py)
     # A value a run cannot take (a speculative_config without a "method", ...) is refused by E2EConfig.validate when
     # the file is loaded (load_matrix), as e2e refuses the flag.
 

@@ -201,10 +201,14 @@ class E2EConfig:
                 "node's (run GPU entries as tasks with `matrix --ray`, or attach servers started on the nodes)"
             )
         nodes = 1 + len(self.hosts.decode_nodes)
-        if self.axes.dp_d > 1 and (nodes > 1 or self.device == "gpu"):  # the plans place TP ranks, not DP engines
-            raise ConfigError(
-                "D's data parallelism runs on one CPU host so far: the GPU plan and D's nodes place TP ranks only"
+        if (self.axes.dp_d > 1 or self.axes.pp_p > 1) and (nodes > 1 or self.device == "gpu"):
+            raise ConfigError(  # the plans place TP ranks, not DP engines or pipeline stages
+                "D's data parallelism and P's pipeline stages run on one CPU host so far: the GPU plan and D's nodes "
+                "place TP ranks only"
             )
+        dcp = self.axes.decode_context_parallel_size_d
+        if dcp is not None and self.tp_d % dcp:
+            raise ConfigError(f"D's decode context parallel size {dcp} must divide D's TP size {self.tp_d}")
         if self.tp_d % nodes:
             raise ConfigError(f"D's TP size {self.tp_d} does not split evenly over its {nodes} nodes")
         try:
@@ -290,7 +294,7 @@ class E2EConfig:
     def ranks(self, role: str) -> int:
         """The worker ranks of a server of ``role``: its TP size, times D's DP ranks on D and the baseline (which
         serves D's settings); what its CPU binding and ports are planned for."""
-        return self.tp_p if role == "prefill" else self.tp_d * self.axes.dp_d
+        return self.tp_p * self.axes.pp_p if role == "prefill" else self.tp_d * self.axes.dp_d
 
     def block_sizes(self) -> tuple[int | None, int | None]:
         # vLLM's CPU attention needs a multiple of 32; pick it so prompts span several blocks.

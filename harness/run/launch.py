@@ -139,7 +139,8 @@ def make_server(cfg: E2EConfig, alloc: Ports, want: WantedServer, logs_dir: Path
     dp = cfg.axes.dp_d if role != "prefill" else 1
     if dp > 1:  # vLLM's DP coordinator listens here; the engines' own ports come from VLLM_PORT's block
         spec = replace(spec, data_parallel_size=dp, dp_rpc_port=alloc.port())
-    ports = server_ports(alloc, tp * dp // len(nodes))  # a side channel port per DP engine, room for its ports
+    # a side channel port per DP engine and room for every rank's ports (P's pipeline stages each a TP group)
+    ports = server_ports(alloc, cfg.ranks(role) // len(nodes))
     url = host.url(ports.http)
     proc, shown = _process(cfg, spec, ports, host, want.name, logs_dir, f"{url}/health")
     followers = []
@@ -196,6 +197,9 @@ def _spec(cfg: E2EConfig, want: WantedServer, cpu_bind: str | None) -> ServerSpe
         attention_backend=cfg.axes.attention_backend,
         speculative_config=speculative_for(cfg.axes.speculative_config, model),
         compilation_config=cfg.axes.compilation_config,
+        pipeline_parallel_size=cfg.axes.pipeline_parallel_size_p if role == "prefill" else None,
+        decode_context_parallel_size=cfg.axes.decode_context_parallel_size_d if role != "prefill" else None,
+        kv_offload_bytes=cfg.axes.kv_offload_bytes if role != "baseline" else None,
         max_num_batched_tokens=cfg.axes.max_num_batched_tokens_p if role == "prefill" else None,
         kv_buffer_device=cfg.axes.kv_buffer_device,
         prefix_caching=role == "decode" and cfg.axes.prefix_caching_d,

@@ -39,6 +39,13 @@ class ServerAxes:
     # D's KV pool in blocks (P and the baseline keep the run's): below what the load phase's concurrent requests hold,
     # D preempts requests whose KV came from P and recomputes them itself
     kv_pool_blocks_d: int | None = None
+    # P's --pipeline-parallel-size: P's layers split over stages (each at P's TP); D reads each stage's layers
+    pipeline_parallel_size_p: int | None = None
+    # D's --decode-context-parallel-size (the baseline's too): D's decode splits the context over ranks of its TP group
+    decode_context_parallel_size_d: int | None = None
+    # P and D run NixlConnector inside a MultiConnector beside an OffloadingConnector with this much host memory
+    # (bytes): KV also offloaded, a repeated prompt served from the offloaded copy
+    kv_offload_bytes: int | None = None
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -56,12 +63,20 @@ class ServerAxes:
             speculative_problem(self.speculative_config)
         if self.compilation_config is not None:
             json_object_problem("compilation_config", self.compilation_config)
+        for name in ("pipeline_parallel_size_p", "decode_context_parallel_size_d", "kv_offload_bytes"):
+            if (v := getattr(self, name)) is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v!r}")
         if self.kv_pool_blocks_d is not None and self.kv_pool_blocks_d < 1:
             raise ValueError(f"kv_pool_blocks_d must be >= 1, got {self.kv_pool_blocks_d!r}")
         if self.data_parallel_size_d is not None and self.data_parallel_size_d < 1:
             raise ValueError(f"data_parallel_size_d must be >= 1, got {self.data_parallel_size_d!r}")
         if self.max_num_batched_tokens_p is not None and self.max_num_batched_tokens_p < 1:
             raise ValueError(f"max_num_batched_tokens_p must be >= 1, got {self.max_num_batched_tokens_p!r}")
+
+    @property
+    def pp_p(self) -> int:
+        """P's pipeline stages: 1 without the axis."""
+        return self.pipeline_parallel_size_p or 1
 
     @property
     def dp_d(self) -> int:

@@ -111,6 +111,9 @@ class ServerSpec:
     # listens on ``dp_rpc_port`` (from the harness's allocator, like every port)
     data_parallel_size: int | None = None
     dp_rpc_port: int | None = None
+    pipeline_parallel_size: int | None = None  # P: pipeline stages, each at ``tp``
+    decode_context_parallel_size: int | None = None  # D and the baseline: DCP within the TP group
+    kv_offload_bytes: int | None = None  # P and D: a MultiConnector of Nixl and Offloading with this host memory
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -151,7 +154,18 @@ class ServerSpec:
             cfg["enable_permute_local_kv"] = True
         if self.kv_lease_s is not None:
             cfg["kv_connector_extra_config"] = {"kv_lease_duration": self.kv_lease_s}
-        return cfg
+        if self.kv_offload_bytes is None:
+            return cfg
+        offload = {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"cpu_bytes_to_use": self.kv_offload_bytes},
+        }
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"connectors": [cfg, offload]},
+        }
 
 
 @dataclass(frozen=True)
@@ -255,6 +269,10 @@ def _axes_args(spec: ServerSpec) -> list[str]:
         argv += ["--compilation-config", spec.compilation_config]
     if spec.max_num_batched_tokens is not None:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.pipeline_parallel_size is not None and spec.pipeline_parallel_size > 1:
+        argv += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
+    if spec.decode_context_parallel_size is not None and spec.decode_context_parallel_size > 1:
+        argv += ["--decode-context-parallel-size", str(spec.decode_context_parallel_size)]
     if spec.data_parallel_size is not None and spec.data_parallel_size > 1:
         if spec.dp_rpc_port is None:
             raise ValueError("a data-parallel server needs its coordinator's port (dp_rpc_port)")

@@ -80,6 +80,9 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
         ("--compilation-config", axes.get("compilation_config")),
         ("--data-parallel-size-d", axes.get("data_parallel_size_d")),
         ("--kv-pool-blocks-d", axes.get("kv_pool_blocks_d")),
+        ("--pipeline-parallel-size-p", axes.get("pipeline_parallel_size_p")),
+        ("--decode-context-parallel-size-d", axes.get("decode_context_parallel_size_d")),
+        ("--kv-offload-bytes", axes.get("kv_offload_bytes")),
     ):
         if value is not None:
             carried += [flag, str(value)]

@@ -234,7 +234,7 @@ def write_record(rank: int, request_id: str, layers, parts, heads, positions, di
         heads=np.asarray(heads, dtype=np.int64),
         meta=np.frombuffer(json.dumps(body).encode(), dtype=np.uint8),
     )
-    os.replace(tmp, os.path.join(folder, f"{n:06d}-{safe}.npz"))
+    os.replace(tmp, os.path.join(folder, f"{n:06d}-{os.getpid()}-{safe}.npz"))  # pipeline stages share a rank
 
 
 def digest_request(worker, request_id: str, block_ids, layout, meta: dict) -> None:

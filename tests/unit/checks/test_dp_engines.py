@@ -50,7 +50,7 @@ def test_d_at_dp_2_is_refused_where_no_plan_places_its_engines(settings):
             "decode": ["a", "b"],
         }
         settings = dict(tp_d=2, hosts=hosts_from_dict(hosts))
-    with pytest.raises(ConfigError, match="data parallelism runs on one CPU host so far"):
+    with pytest.raises(ConfigError, match="pipeline stages run on one CPU host so far"):
         E2EConfig(axes=ServerAxes(data_parallel_size_d=2), **settings)
 
 

@@ -121,3 +121,57 @@ def test_data_parallel_d_is_a_flag_and_an_entry_axis():
     assert entry.settings() == {"data_parallel_size_d": 2}
     with pytest.raises(SystemExit):
         cli("--data-parallel-size-d", "0")
+
+
+def test_pipeline_stages_reach_p_only_and_dcp_d_and_the_baseline(tmp_path):
+    cfg = E2EConfig(
+        python="python3", tp_d=2, axes=ServerAxes(pipeline_parallel_size_p=2, decode_context_parallel_size_d=2)
+    )
+    argv = {role: argv_of(cfg, role, tmp_path / role) for role in ("prefill", "decode", "baseline")}
+    assert value(argv["prefill"], "--pipeline-parallel-size") == "2"
+    assert value(argv["prefill"], "--decode-context-parallel-size") is None
+    for role in ("decode", "baseline"):  # the baseline runs D's DCP too: the same feature without P/D
+        assert value(argv[role], "--decode-context-parallel-size") == "2"
+        assert value(argv[role], "--pipeline-parallel-size") is None
+    assert cfg.ranks("prefill") == 2  # P's CPU binding and ports count both stages
+    with pytest.raises(ConfigError, match="decode context parallel size 2 must divide D's TP size 1"):
+        E2EConfig(axes=ServerAxes(decode_context_parallel_size_d=2))
+
+
+def test_kv_offload_wraps_nixl_in_a_multiconnector_on_p_and_d_not_the_baseline(tmp_path):
+    import json
+
+    cfg = E2EConfig(python="python3", axes=ServerAxes(kv_offload_bytes=1 << 30))
+    kv = {role: value(argv_of(cfg, role, tmp_path / role), "--kv-transfer-config") for role in ("prefill", "decode")}
+    for text in kv.values():
+        assert text is not None
+        multi = json.loads(text)
+        nixl, offload = multi["kv_connector_extra_config"]["connectors"]
+        assert multi["kv_connector"] == "MultiConnector" and multi["kv_role"] == nixl["kv_role"] == offload["kv_role"]
+        assert nixl["kv_connector"] == "NixlConnector" and nixl["kv_load_failure_policy"] == "fail"
+        assert offload == {
+            "kv_connector": "OffloadingConnector",
+            "kv_role": multi["kv_role"],
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30},
+        }
+    assert "--kv-transfer-config" not in argv_of(cfg, "baseline", tmp_path / "baseline")
+    plain = json.loads(
+        value(argv_of(E2EConfig(python="python3"), "decode", tmp_path / "plain"), "--kv-transfer-config") or ""
+    )
+    assert plain["kv_connector"] == "NixlConnector"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "AssertionError: Decode Context Parallelism (DCP) requires attention implementations to return the softmax LSE "
+        "during decode, but CPUMLAImpl does not. Try a different backend by setting --attention-backend or disable "
+        "DCP.",
+        "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs",
+    ],
+)
+def test_vllm_cpus_refusals_of_dcp_and_offloading_are_unsupported(line):
+    from harness.checks.classify import classify
+
+    assert classify({"decode": f"INFO starting\n{line}\n"}).cls == "unsupported"
+    assert classify({"decode": "INFO starting\nException: the engine core died\n"}).cls != "unsupported"
