@@ -90,8 +90,11 @@ class DigestComparison:
 
 
 def record_files(folder: Path) -> frozenset[Path]:
-    """The record files under ``folder`` now (attach mode: what was there before a run is not the run's)."""
-    return frozenset(folder.rglob("*.npz")) if folder.is_dir() else frozenset()
+    """The record files under ``folder`` now (attach mode: what was there before a run is not the run's); a hidden
+    one is a record still being written (the hook renames it when whole), or one a killed server left half written."""
+    if not folder.is_dir():
+        return frozenset()
+    return frozenset(p for p in folder.rglob("*.npz") if not p.name.startswith("."))
 
 
 def load(folder: Path, before: frozenset[Path] = frozenset()) -> tuple[list[DigestRecord], list[str]]:
@@ -101,7 +104,7 @@ def load(folder: Path, before: frozenset[Path] = frozenset()) -> tuple[list[Dige
     unavailable: list[str] = []
     if not folder.is_dir():
         return records, unavailable
-    for path in sorted(set(folder.rglob("*.npz")) - before):
+    for path in sorted(record_files(folder) - before):
         records.append(read_record(path))
     for path in sorted(folder.rglob(f"{UNAVAILABLE}*.txt")):
         unavailable.append(f"{path.parent.name}/{path.stem}: {path.read_text().strip()}")

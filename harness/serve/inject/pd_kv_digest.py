@@ -15,7 +15,7 @@ mod 2**64 (torch's int64 wraps). Exact and order-independent; a change of one wo
 tokens, then their V (C = 2*head_size seen as 2*block_size rows); other backends hold [K | V] per token. A local head
 h of rank r is global head (r*K)//tp + h (vLLM's QKVParallelLinear). MLA: one latent part "L", the whole row.
 
-Record: ``<folder>/rank<r>/<n>-<request>.npz`` with ``digest`` int64 [layers, parts, heads, positions],
+Record: ``<folder>/rank<r>/<n>-<pid>-<request>.npz`` with ``digest`` int64 [layers, parts, heads, positions],
 ``positions`` int64, ``heads`` int64 (global), ``meta`` (UTF-8 JSON bytes: side, rank, tp, request_id — P's id on
 both sides —, layers, parts, block_size, left_out, skipped layers). A rank that cannot digest writes
 ``<folder>/unavailable-rank<r>.txt`` with why, once. harness/checks/kv_digest.py reads both.

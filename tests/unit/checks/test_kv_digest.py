@@ -166,6 +166,17 @@ def test_two_engines_of_one_dp_server_never_share_a_records_temporary_file(tmp_p
     assert sorted(r.request_id for r in records) == ["cmpl-a", "cmpl-b"]
 
 
+def test_a_record_left_half_written_by_a_killed_server_is_not_read(tmp_path):
+    # the hook writes a hidden temporary file and renames it when whole; a server killed in between leaves it behind
+    hook = load_hook("pd_kv_digest_half")
+    hook.FOLDER, hook.SIDE = str(tmp_path / "decode"), "decode"
+    hook.write_record(0, "cmpl-a", ["l0"], ["K"], [0], np.arange(4), rng_digests(3)[:1, :1, :1, :4], {"block_size": 16})
+    (tmp_path / "decode" / "rank0" / ".77-2.tmp.npz").write_bytes(b"PK\x03\x04 cut")
+    records, _ = kd.load(tmp_path)
+    assert [r.request_id for r in records] == ["cmpl-a"]
+    assert all(not p.name.startswith(".") for p in kd.record_files(tmp_path))
+
+
 def test_equal_kv_in_another_request_does_not_hide_the_same_requests_head():
     # two prompts with a common prefix have equal KV there: D's wrong head is still named within its own request
     p = rng_digests(12)
