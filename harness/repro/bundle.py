@@ -341,8 +341,8 @@ def write_rule(out: Path, files: dict[str, tuple[Path, tuple[str, str] | None]])
 
 def copy_digests(run_dir: Path, out: Path, ids: list[str]) -> None:
     """The run's KV digest records (checks/kv_digest.py) of the replayed requests, P's and D's, into the bundle's
-    ``kv_digest/`` (the same layout: ``<side>/rank<r>/<n>-<pid>-<request>.npz``). A record is named after P's request id,
-    which holds the harness's id as ``-pd-<id>-``."""
+    ``kv_digest/`` (the same layout: ``<side>/rank<r>/<n>-<pid>-<request>.npz``). A record is named after P's request
+    id, which holds the harness's id as ``-pd-<id>-``."""
     src = run_dir / "kv_digest"
     if not ids or not src.is_dir():
         return
