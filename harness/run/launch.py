@@ -19,7 +19,7 @@ from harness.core.paths import REPO_ROOT
 from harness.gpu.plan import CUDA_DEVICE_ORDER, ServerPlacement
 from harness.hosts.placement import LOCAL, RAY_STOP_GRACE_S, Host
 from harness.run.config import E2EConfig
-from harness.serve.axes import MODEL_PLACEHOLDER
+from harness.serve.axes import EAGLE_PLACEHOLDER, MODEL_PLACEHOLDER
 from harness.serve.ports import PortAllocator, Ports, ServerPorts, server_ports
 from harness.serve.procs import RUN_TAG_ENV, ManagedProcess, ProcessSpec
 from harness.serve.vllm_cmd import (
@@ -77,9 +77,21 @@ def resolve_model(cfg: E2EConfig) -> tuple[str, str]:
 
 def speculative_for(config: str | None, model: str) -> str | None:
     """The speculative config a server gets: ``{model}`` stands for the served model's path (a draft that equals the
-    target: greedy acceptance near 100 %, so any drop is P/D's), which a matrix entry cannot name before it is
-    built."""
-    return None if config is None else config.replace(MODEL_PLACEHOLDER, model)
+    target: greedy acceptance near 100 %, so any drop is P/D's), ``{eagle}`` for a tiny EAGLE head built beside it
+    (models/eagle.py): paths a matrix entry cannot name before they are built."""
+    if config is None:
+        return None
+    if EAGLE_PLACEHOLDER in config:
+        from harness.models.eagle import ensure_eagle_head
+
+        try:
+            head = ensure_eagle_head(Path(model))
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"speculative_config names {EAGLE_PLACEHOLDER}, but no EAGLE head for {model}: {e}"
+            ) from None
+        config = config.replace(EAGLE_PLACEHOLDER, str(head))
+    return config.replace(MODEL_PLACEHOLDER, model)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_BUFFER_DEVICES = ("cpu", "cuda", "xpu")
 MODEL_PLACEHOLDER = "{model}"  # in speculative_config: the run's own model (the draft equals the target)
+EAGLE_PLACEHOLDER = "{eagle}"  # in speculative_config: a tiny EAGLE head built for the run's model (models/eagle.py)
 
 
 @dataclass(frozen=True)
