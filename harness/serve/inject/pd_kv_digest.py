@@ -315,14 +315,16 @@ def digest_states(rank: int, request_id: str, names, plan, block, base: dict, gr
         write_record(rank, request_id, names, [part], plan.globals_[part], [state.STATE_POSITION], digests, body)
 
 
-def after_step(runner, scheduler_output) -> None:
-    """P: digest each request whose prompt this step's forward completed."""
+def completed_prompts(runner, scheduler_output) -> list[tuple]:
+    """P: what to digest of each request whose prompt this step's forward completed, read from the runner's state now
+    (it moves on with the next step): (request id, kernel block ids, layout, meta)."""
     worker = _STATE.get("worker")
     if worker is None:
-        return
+        return []
     done: set[str] = _STATE.setdefault("p_done", set())
     for rid in getattr(scheduler_output, "finished_req_ids", ()) or ():
         done.discard(rid)
+    out = []
     for rid, n in dict(scheduler_output.num_scheduled_tokens).items():
         state = runner.requests.get(rid)
         if state is None or rid in done or state.num_computed_tokens + n < state.num_prompt_tokens:
@@ -339,7 +341,14 @@ def after_step(runner, scheduler_output) -> None:
             read, offsets, positions = p_layout(blocks, prompt, bs, max(0, prompt - window) if window else 0)
             return read, offsets, positions, 0
 
-        digest_request(worker, rid, ids, layout, {"block_size": bs, "num_tokens": prompt})
+        out.append((rid, ids, layout, {"block_size": bs, "num_tokens": prompt}))
+    return out
+
+
+def digest_pending(pending: list[tuple]) -> None:
+    worker = _STATE.get("worker")
+    for rid, ids, layout, meta in pending:
+        digest_request(worker, rid, ids, layout, meta)
 
 
 def after_receive(worker, metas: dict, finished) -> None:
@@ -425,14 +434,33 @@ def _patch_get_finished(cls) -> None:
 
 
 def patch_runner(cls) -> None:
-    """P: digest after each execute_model (its forward and the connector's save have run; sampling has not)."""
+    """P: digest once the step that completed a prompt has run whole: its forward and the connector's save
+    (execute_model) and, where vLLM samples apart, its sampling and the drafter's forward (sample_tokens): speculative
+    decoding writes the drafter's layers' KV there, after execute_model has returned."""
     if SIDE != "prefill":  # D computes its own prompt positions too: never digested (not what P sent)
         return
     execute = cls.execute_model
+    sample = getattr(cls, "sample_tokens", None)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         out = execute(self, scheduler_output, *args, **kwargs)
-        _guarded("digesting P's prompt KV", after_step, self, scheduler_output)
+        pending: list[tuple] = []
+        _guarded("finding P's completed prompts", lambda: pending.extend(completed_prompts(self, scheduler_output)))
+        if out is None and sample is not None:  # vLLM calls sample_tokens next: digest after it
+            self._pd_digest_pending = pending
+        else:
+            _guarded("digesting P's prompt KV", digest_pending, pending)
         return out
 
     cls.execute_model = execute_model
+    if sample is None:
+        return
+
+    def sample_tokens(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        pending, self._pd_digest_pending = getattr(self, "_pd_digest_pending", None), None
+        if pending:
+            _guarded("digesting P's prompt KV", digest_pending, pending)
+        return out
+
+    cls.sample_tokens = sample_tokens

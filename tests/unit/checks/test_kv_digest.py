@@ -3,6 +3,7 @@
 from typing import Any
 
 import numpy as np
+import pytest
 
 from harness.checks import kv_digest as kd
 
@@ -237,3 +238,41 @@ def test_a_position_the_window_needs_but_d_never_received_fails_the_check():
         num_tokens=8,
     )
     assert kd.check(kd.compare([record("prefill", "r", p, heads=(0,)), full])).passed
+
+
+class FakeRunner:
+    """A model runner as vLLM's v1 one: execute_model runs the forward and returns None, sample_tokens then samples
+    and runs the drafter (whose layers' KV it writes)."""
+
+    def __init__(self, events: list, returns=None):
+        self.events, self.returns = events, returns
+
+    def execute_model(self, scheduler_output):
+        self.events.append("forward")
+        return self.returns
+
+    def sample_tokens(self, grammar_output=None):
+        self.events.append("drafter")
+        return "sampled"
+
+
+@pytest.mark.parametrize("returns, order", [(None, ["forward", "drafter", "digest"]), ("out", ["forward", "digest"])])
+def test_p_digests_a_prompt_after_the_drafter_has_written_its_layers(returns, order):
+    # speculative decoding writes the drafter's KV in sample_tokens, after execute_model: a digest taken between the
+    # two read the drafter's layers stale (another request's, from a block used before)
+    hook = load_hook("pd_kv_digest_p")
+    hook.SIDE = "prefill"
+    events: list[str] = []
+    hook.completed_prompts = lambda runner, so: [("cmpl-a", [0], None, {})]
+    hook.digest_pending = lambda pending: events.append("digest") if pending else None
+
+    class Runner(FakeRunner):
+        pass
+
+    hook.patch_runner(Runner)
+    runner = Runner(events, returns)
+    out = runner.execute_model(object())
+    if returns is None:
+        assert events == ["forward"]  # not yet: vLLM calls sample_tokens next
+        assert runner.sample_tokens() == "sampled"
+    assert out == returns and events == order
