@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("explore", help="a budgeted search of P/D settings for new, deduplicated failures")
     budget = p.add_mutually_exclusive_group(required=True)
     budget.add_argument("--runs", type=positive_int, help="samples to run (skipped ones do not count)")
-    budget.add_argument("--hours", type=positive, help="stop starting samples after this long")
+    budget.add_argument("--hours", type=positive(float), help="stop starting samples after this long")
     p.add_argument("--seed", type=non_negative_int, default=0, help="the sampler's seed (default 0)")
     p.add_argument("--space", type=Path, default=SPACE_YAML, help="the declared space (configs/explore_space.yaml)")
     p.add_argument("--vllm-version", help="default: $VLLM_VERSION or the one .venv serves")

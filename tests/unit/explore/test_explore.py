@@ -147,3 +147,20 @@ def test_a_failure_an_edge_entry_records_for_that_model_family_is_known_not_new(
         model="tiny-qwen3",
     )
     assert bs[0] == KNOWN  # the block-size finding's entries name the settings, whatever the model
+
+
+def test_an_hours_budget_is_parsed_as_a_number_and_bounds_the_loop(tmp_path, monkeypatch):
+    import argparse
+
+    from harness.explore import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    assert parser.parse_args(["explore", "--hours", "0.5"]).hours == 0.5
+    with pytest.raises(SystemExit):  # refused by argparse with its message, not a traceback later
+        parser.parse_args(["explore", "--hours", "0"])
+    clock = iter(range(0, 10**9, 600))  # each reading of the clock ten minutes later
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    oracle = PlantedFault()
+    ran = explore(new_explore(tmp_path, oracle), Sampler(space(), 5), runs=None, hours=1.0)
+    assert 1 <= ran == len(oracle.ran) < 6  # the hour ran out: no sample started after it
