@@ -1,5 +1,6 @@
-"""python -m harness bench {proxy, e2e, lifecycle, startup}: overhead measurements. Targets are printed, never enforced:
-the exit code is 0 whenever the measurement completed."""
+"""python -m harness bench {proxy, e2e, lifecycle, startup, explore}: overhead measurements, and explore's throughput
+from a finished or running explore's folder. Targets are printed, never enforced: the exit code is 0 whenever the
+measurement completed."""
 
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ def _concurrency(s: str) -> list[int]:
 
 
 def add_parser(sub) -> None:
-    b = sub.add_parser("bench", help="proxy, harness and process-lifecycle overhead measurements")
+    b = sub.add_parser(
+        "bench", help="proxy, harness and process-lifecycle overhead, and explore throughput measurements"
+    )
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
 
     p = bsub.add_parser(
@@ -58,6 +61,12 @@ def add_parser(sub) -> None:
     lc.add_argument("--ready-after", type=positive(float), default=3.0, help="seconds before the backend turns ready")
     lc.add_argument("--log-dir", type=Path)
     lc.add_argument("--json", action="store_true")
+
+    ex = bsub.add_parser(
+        "explore", help="an explore's samples per hour and where their time went, from its folder (runs nothing)"
+    )
+    ex.add_argument("--dir", type=Path, required=True, help="the explore folder (holding explore.json)")
+    ex.add_argument("--json", action="store_true")
 
 
 def _print(d: dict, as_json: bool, render) -> None:
@@ -120,7 +129,23 @@ def startup_main(a: argparse.Namespace) -> int:
     return _measured("start-up", lambda: run_startup_bench(a.repeats, a.tp_p, a.tp_d, a.log_dir), render, a.json)
 
 
+def explore_main(a: argparse.Namespace) -> int:
+    from harness.bench.explore_rate import ExploreRateError, explore_rate, render
+
+    try:
+        r = explore_rate(a.dir)
+    except ExploreRateError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    _print(r.to_dict(), a.json, lambda _: render(r))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
-    return {"proxy": proxy_main, "e2e": e2e_main, "lifecycle": lifecycle_main, "startup": startup_main}[args.bench_cmd](
-        args
-    )
+    return {
+        "proxy": proxy_main,
+        "e2e": e2e_main,
+        "lifecycle": lifecycle_main,
+        "startup": startup_main,
+        "explore": explore_main,
+    }[args.bench_cmd](args)
