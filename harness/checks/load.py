@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
-from harness.serve.prometheus import Sample, metric_sum
+from harness.serve.prometheus import Sample, delta
 from harness.workload.load import LoadRequest
 from harness.workload.load_client import LoadRun
 
@@ -243,8 +243,8 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 def check_d_preempted(before: list[Sample], after: list[Sample]) -> Check:
     """A run whose D pool was made small to preempt (the axis kv_pool_blocks_d) must show that D preempted: outputs
     that match prove nothing about preemption unless it happened."""
-    grew = (metric_sum(after, PREEMPTIONS) or 0) - (metric_sum(before, PREEMPTIONS) or 0)
-    seen = metric_sum(after, PREEMPTIONS) is not None
+    counted = delta(before, after, PREEMPTIONS)
+    grew, seen = counted.delta, counted.present
     return Check(
         "d_preempted",
         seen and grew > 0,

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from harness.checks.check import Check
 from harness.checks.leak import expiries, explain_expiries
-from harness.serve.prometheus import Sample, metric_sum
+from harness.serve.prometheus import Sample, delta
 
 XFER_COUNT = "vllm:nixl_xfer_time_seconds_count"
 BYTES_SUM = "vllm:nixl_bytes_transferred_sum"
@@ -36,24 +35,6 @@ LEASE_PATTERNS = (
     re.compile(r"Releasing expired KV blocks for request .*"),
     re.compile(r"Potentially invalid KV blocks for .*"),
 )
-
-
-@dataclass(frozen=True)
-class MetricDelta:
-    before: float | None
-    after: float | None
-
-    @property
-    def present(self) -> bool:
-        return self.after is not None
-
-    @property
-    def delta(self) -> float:
-        return (self.after or 0.0) - (self.before or 0.0)
-
-
-def delta(before: list[Sample], after: list[Sample], name: str, **labels: str) -> MetricDelta:
-    return MetricDelta(metric_sum(before, name, **labels), metric_sum(after, name, **labels))
 
 
 def check_prefill_params(requests_sent: int, stats: dict) -> Check:

@@ -100,6 +100,26 @@ def metric_sum(samples: Sequence[Sample], name: str, **labels: str) -> float | N
     return total if found else None
 
 
+@dataclass(frozen=True)
+class MetricDelta:
+    """A counter read before and after a phase: its growth, and whether the server exposes it at all."""
+
+    before: float | None
+    after: float | None
+
+    @property
+    def present(self) -> bool:
+        return self.after is not None
+
+    @property
+    def delta(self) -> float:
+        return (self.after or 0.0) - (self.before or 0.0)
+
+
+def delta(before: Sequence[Sample], after: Sequence[Sample], name: str, **labels: str) -> MetricDelta:
+    return MetricDelta(metric_sum(before, name, **labels), metric_sum(after, name, **labels))
+
+
 def first_present(samples: Sequence[Sample], names: Sequence[str], **labels: str) -> tuple[str, float] | None:
     """Metric names move between vLLM releases: the first candidate present, with its sum."""
     for n in names:
