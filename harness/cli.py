@@ -71,7 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--family",
         default="llama",
-        help="llama (default), qwen3, qwen2, mistral, gemma3, deepseek_v2 (MLA), granitemoehybrid (Mamba2 + attention)",
+        help=(
+            "llama (default), qwen3, qwen2, mistral, gemma3, deepseek_v2 (MLA), qwen3_moe (routed experts), "
+            "mimo (a Qwen2 with an MTP layer), granitemoehybrid (Mamba2 + attention)"
+        ),
     )
     t.add_argument("--sliding-window", type=positive_int, help="tokens (mistral, gemma3; default 64)")
     t.add_argument("--kv-heads", type=positive_int, default=1, help="K (deepseek_v2: must equal --heads)")

@@ -92,6 +92,11 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
         type=positive_int,
         help="D's --data-parallel-size (the baseline's too): engines at D's TP each, every one must take transfers",
     )
+    g.add_argument(
+        "--expert-parallel-d",
+        action="store_true",
+        help="D's --enable-expert-parallel (the baseline's too): an MoE model's experts split over D's ranks",
+    )
     g.add_argument("--max-model-len", type=positive_int, help="default: 512 on CPU, 2048 on GPU")
     g.add_argument(
         "--kv-pool-blocks",
@@ -375,6 +380,7 @@ def _axes(a: argparse.Namespace) -> ServerAxes:
         pipeline_parallel_size_p=a.pipeline_parallel_size_p,
         decode_context_parallel_size_d=a.decode_context_parallel_size_d,
         kv_offload_bytes=a.kv_offload_bytes,
+        expert_parallel_d=a.expert_parallel_d,
     )
 
 

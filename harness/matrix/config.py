@@ -85,6 +85,7 @@ class Axes(BaseModel):
     pipeline_parallel_size_p: int | None = Field(default=None, ge=1)  # P's pipeline stages (serve/axes.py)
     decode_context_parallel_size_d: int | None = Field(default=None, ge=1)  # D's and the baseline's DCP size
     kv_offload_bytes: int | None = Field(default=None, ge=1)  # MultiConnector: Nixl and Offloading (serve/axes.py)
+    expert_parallel_d: bool = False  # D's and the baseline's --enable-expert-parallel (serve/axes.py)
     # A value a run cannot take (a speculative_config without a "method", ...) is refused by E2EConfig.validate when
     # the file is loaded (load_matrix), as e2e refuses the flag.
 

@@ -14,7 +14,9 @@ Other families (``TinyModelSpec.family``) have the same shape knobs plus what
 makes each family different for the KV cache: q/k norms and a head_dim apart
 from the hidden size (qwen3), qkv bias (qwen2), a sliding window on every layer
 (mistral) or on every other layer (gemma3), MLA (deepseek_v2: one latent KV
-"head" per token, replicated on every TP rank), and a hybrid (granitemoehybrid: Mamba2 layers, whose per-request
+"head" per token, replicated on every TP rank), routed experts (qwen3_moe: every MLP a mixture of 4, which
+expert parallelism splits over ranks), multi-token prediction (mimo: a Qwen2 with an MTP layer whose KV P/D moves
+too, models/mtp.py), and a hybrid (granitemoehybrid: Mamba2 layers, whose per-request
 SSM/conv state NIXL moves apart from the attention KV, interleaved with attention layers).
 """
 
@@ -257,6 +259,7 @@ def build_model(spec: TinyModelSpec, vocab_size: int):
 SLIDING_DEFAULT = {"mistral": 64, "gemma3": 64}  # small, so the harness prompts (up to ~250 tokens) cross it
 MLA_FAMILIES = ("deepseek_v2",)
 HYBRID_FAMILIES = ("granitemoehybrid",)
+MTP_FAMILIES = ("mimo",)  # a Qwen2 with multi-token-prediction layers (models/mtp.py)
 # vLLM's CPU MLA decode kernel only compiles for a 576-wide latent (kv_lora_rank 512 + rope 64, as DeepSeek).
 MLA_KV_LORA_RANK = 512
 MLA_ROPE_DIM = 64
@@ -344,6 +347,26 @@ def deepseek_v2_config(spec: TinyModelSpec, vocab_size: int):
     )
 
 
+def qwen3_moe_config(spec: TinyModelSpec, vocab_size: int):
+    from transformers import Qwen3MoeConfig
+
+    # Every layer's MLP a mixture of routed experts (no shared expert, as Qwen3-MoE): 4 experts, top 2, so expert
+    # parallelism over 2 ranks places 2 on each. GQA attention as qwen3, so its KV moves as the other families' does.
+    # Qwen3-MoE reads head_dim as Qwen3 does, though transformers' signature leaves it to **kwargs
+    return Qwen3MoeConfig(  # type: ignore[call-arg]
+        **_common(spec, vocab_size),
+        hidden_size=spec.heads * spec.head_dim // 2,
+        head_dim=spec.head_dim,
+        use_sliding_window=False,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    )
+
+
 def granitemoehybrid_config(spec: TinyModelSpec, vocab_size: int):
     from transformers import GraniteMoeHybridConfig
 
@@ -374,9 +397,11 @@ FAMILIES = {
     "llama": None,  # build_model's own recipe
     "qwen3": qwen3_config,
     "qwen2": qwen2_config,
+    "mimo": qwen2_config,  # the Qwen2 recipe; write_model adds the MTP layers
     "mistral": mistral_config,
     "gemma3": gemma3_config,
     "deepseek_v2": deepseek_v2_config,
+    "qwen3_moe": qwen3_moe_config,
     "granitemoehybrid": granitemoehybrid_config,
 }
 
@@ -408,6 +433,10 @@ def spec_for_model_entry(entry: ModelEntry, kv_heads: int | None = None) -> Tiny
 
 def write_model(spec: TinyModelSpec, out: Path, vocab_size: int) -> None:
     build_model(spec, vocab_size).save_pretrained(out, safe_serialization=True)
+    if spec.family in MTP_FAMILIES:  # the MTP layers transformers' Qwen2 does not know, added to its checkpoint
+        from harness.models.mtp import add_mtp_layers
+
+        add_mtp_layers(out, spec.seed)
 
 
 def is_built(folder: Path) -> bool:

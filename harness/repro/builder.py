@@ -13,7 +13,7 @@ import json
 import pprint
 from pathlib import Path
 
-from harness.models import tiny
+from harness.models import mtp, tiny
 
 SPEC_FILE = "harness_tiny_model.json"  # written next to a tiny model by the recipe
 
@@ -43,6 +43,8 @@ def main(out: Path) -> int:
     out.mkdir(parents=True, exist_ok=True)
     vocab_size = train_tokenizer(spec, out)
     build_model(spec, vocab_size).save_pretrained(out, safe_serialization=True)
+    if SPEC.get("family") in MTP_FAMILIES:
+        add_mtp_layers(out, spec.seed)
     (out / "model_spec.json").write_text(json.dumps(SPEC, indent=2))
     got = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
     if RUN_WEIGHTS_SHA256 is None:
@@ -96,4 +98,8 @@ def builder_script(spec: dict, run_weights_sha256: str | None) -> str:
             parts.append("\n" + inspect.getsource(recipe))
         parts.append(f"\n\nFAMILIES = {{{family!r}: {config_fn.__name__}}}\n")
         parts.append("\n" + inspect.getsource(tiny.build_family_model))
+    parts.append(f"\n\nMTP_FAMILIES = {tiny.MTP_FAMILIES!r}\n")
+    if family in tiny.MTP_FAMILIES:  # the MTP layers the run's model carries, added to the checkpoint as there
+        parts.append(f"MTP_ARCHITECTURE = {mtp.MTP_ARCHITECTURE!r}\nMTP_LAYERS = {mtp.MTP_LAYERS}\n")
+        parts.append("\n" + inspect.getsource(mtp.add_mtp_layers))
     return "".join(parts) + FOOTER

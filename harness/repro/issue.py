@@ -202,8 +202,10 @@ def environment_section(report: dict, locked: bool) -> list[str]:
 def model_section(report: dict, dec) -> list[str]:
     cfg, mc = report.get("config") or {}, model_config(report)
     tiny = Path(str(cfg.get("resolved_model") or "")).joinpath("harness_tiny_model.json").exists()
+    family = str((cfg.get("model_heads") or {}).get("family") or "llama")
     what = (
-        "(a tiny random-weights Llama; `build_model.py` of the bundle rebuilds it offline, same weights)"
+        f"(a tiny random-weights model of the {family} family; `build_model.py` of the bundle rebuilds it offline, "
+        "same weights)"
         if tiny
         else f"({cfg.get('resolved_model')})"
     )

@@ -206,6 +206,11 @@ class E2EConfig:
                 "D's data parallelism and P's pipeline stages run on one CPU host so far: the GPU plan and D's nodes "
                 "place TP ranks only"
             )
+        if self.axes.expert_parallel_d and self.ranks("decode") < 2:
+            raise ConfigError(
+                "--expert-parallel-d needs D on more than one rank (--tp-d or --data-parallel-size-d > 1): on one rank "
+                "every expert is local"
+            )
         dcp = self.axes.decode_context_parallel_size_d
         if dcp is not None and self.tp_d % dcp:
             raise ConfigError(f"D's decode context parallel size {dcp} must divide D's TP size {self.tp_d}")

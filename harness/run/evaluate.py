@@ -6,6 +6,8 @@ from harness.accuracy.checks import accuracy_checks
 from harness.checks import kv_digest, spec_decode, transfer
 from harness.checks.check import Check
 from harness.checks.compare import ComparisonResult, compare_completions
+from harness.checks.expert_parallel import CHECK_NAME as EP_CHECK
+from harness.checks.expert_parallel import check_d_expert_parallel
 from harness.checks.leak import check_no_leak
 from harness.checks.load import (
     Pool,
@@ -237,6 +239,14 @@ def server_checks(ctx: RunContext, pd: PDResult) -> list[Check]:
         )
     if pd.idle is not None:
         checks.append(check_no_leak(pd.idle, None if pd.attached else pd.logs))
+    if ctx.cfg.axes.expert_parallel_d:
+        if pd.attached:
+            ctx.report.skipped_checks.append(
+                {"name": EP_CHECK, "reason": "attach mode: D's logs (where each rank says its experts) are not ours"}
+            )
+        else:
+            decode_logs = {k: v for k, v in pd.logs.items() if k.startswith("decode")}
+            checks.append(check_d_expert_parallel(decode_logs, ctx.cfg.ranks("decode")))
     return checks
 
 

@@ -212,6 +212,7 @@ def _spec(cfg: E2EConfig, want: WantedServer, cpu_bind: str | None) -> ServerSpe
         pipeline_parallel_size=cfg.axes.pipeline_parallel_size_p if role == "prefill" else None,
         decode_context_parallel_size=cfg.axes.decode_context_parallel_size_d if role != "prefill" else None,
         kv_offload_bytes=cfg.axes.kv_offload_bytes if role != "baseline" else None,
+        enable_expert_parallel=role != "prefill" and cfg.axes.expert_parallel_d,
         max_num_batched_tokens=cfg.axes.max_num_batched_tokens_p if role == "prefill" else None,
         kv_buffer_device=cfg.axes.kv_buffer_device,
         prefix_caching=role == "decode" and cfg.axes.prefix_caching_d,

@@ -47,6 +47,9 @@ class ServerAxes:
     # P and D run NixlConnector inside a MultiConnector beside an OffloadingConnector with this much host memory
     # (bytes): KV also offloaded, a repeated prompt served from the offloaded copy
     kv_offload_bytes: int | None = None
+    # D's --enable-expert-parallel (the baseline's too): an MoE model's experts split over D's ranks (TP or DP) instead
+    # of each expert's weights; P keeps its experts whole, so only D's MLPs differ, and the KV that moves does not
+    expert_parallel_d: bool = False
 
     def validate(self) -> None:
         if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:

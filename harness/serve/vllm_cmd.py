@@ -114,6 +114,7 @@ class ServerSpec:
     pipeline_parallel_size: int | None = None  # P: pipeline stages, each at ``tp``
     decode_context_parallel_size: int | None = None  # D and the baseline: DCP within the TP group
     kv_offload_bytes: int | None = None  # P and D: a MultiConnector of Nixl and Offloading with this host memory
+    enable_expert_parallel: bool = False  # D and the baseline: an MoE's experts split over the ranks
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -271,6 +272,8 @@ def _axes_args(spec: ServerSpec) -> list[str]:
         argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.pipeline_parallel_size is not None and spec.pipeline_parallel_size > 1:
         argv += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
+    if spec.enable_expert_parallel:
+        argv.append("--enable-expert-parallel")
     if spec.decode_context_parallel_size is not None and spec.decode_context_parallel_size > 1:
         argv += ["--decode-context-parallel-size", str(spec.decode_context_parallel_size)]
     if spec.data_parallel_size is not None and spec.data_parallel_size > 1:

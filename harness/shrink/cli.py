@@ -90,6 +90,8 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
         carried.append("--async-scheduling" if axes["async_scheduling"] else "--no-async-scheduling")
     if axes.get("permute_local_kv_d"):
         carried.append("--permute-local-kv-d")
+    if axes.get("expert_parallel_d"):
+        carried.append("--expert-parallel-d")
     sequential = {p.id: p.words for p in prompt_set(int(cfg.get("seed") or 0))}
     bad = sorted((pid for pid, _ in failing(report, rule_of(report)) if pid in sequential), key=lambda p: sequential[p])
     return str(failure["class"]), start, carried, tuple(bad)

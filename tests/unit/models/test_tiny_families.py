@@ -57,6 +57,8 @@ def test_bad_family_specs(kw, msg):
         ("mistral", 1, "mistral", 16, 64, False),
         ("gemma3", 1, "gemma3_text", 16, 64, False),
         ("deepseek_v2", 2, "deepseek_v2", 576, None, True),  # latent 512 + rope 64
+        ("qwen3_moe", 1, "qwen3_moe", 16, None, False),
+        ("mimo", 1, "qwen2", 16, None, False),  # MiMo is a Qwen2 to transformers; vLLM picks MiMo by architecture
         ("granitemoehybrid", 1, "granitemoehybrid", 16, None, False),  # K and head_dim of the attention layers
     ],
 )
@@ -88,6 +90,31 @@ def test_family_specifics_in_the_configs(tmp_path):
     assert q3["hidden_size"] != q3["num_attention_heads"] * q3["head_dim"]  # head_dim apart from the hidden size
     g3 = json.loads((ensure_tiny_model(TinyModelSpec(family="gemma3", **SMALL), tmp_path) / "config.json").read_text())
     assert g3["architectures"] == ["Gemma3ForCausalLM"] and g3["layer_types"] == ["sliding_attention", "full_attention"]
+
+
+def test_the_moe_config_routes_every_layer_over_experts_an_ep_pair_can_split(tmp_path):
+    spec = TinyModelSpec(family="qwen3_moe", **SMALL)
+    c = json.loads((ensure_tiny_model(spec, tmp_path) / "config.json").read_text())
+    assert c["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert c["decoder_sparse_step"] == 1 and c["mlp_only_layers"] == []  # no dense layer: every MLP routes
+    experts = c["num_local_experts"]  # transformers 5 writes Qwen3-MoE's num_experts under this name; vLLM reads both
+    assert experts % 2 == 0 and c["num_experts_per_tok"] < experts  # EP 2 splits them, the router picks among them
+
+
+def test_mimo_carries_an_mtp_layer_vllm_loads_as_the_drafter(tmp_path):
+    from safetensors import safe_open
+
+    folder = ensure_tiny_model(TinyModelSpec(family="mimo", **SMALL), tmp_path)
+    c = json.loads((folder / "config.json").read_text())
+    assert c["architectures"] == ["MiMoForCausalLM"] and c["num_nextn_predict_layers"] == 1
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        # its own attention (another layer of KV for P/D to move), fed by the target's hidden state
+        assert {"model.mtp_layers.0.input_proj.weight", "model.mtp_layers.0.self_attn.k_proj.weight"} <= names
+        assert f.get_tensor("model.mtp_layers.0.input_proj.weight").shape == (c["hidden_size"], 2 * c["hidden_size"])
+        assert not f.get_tensor("model.mtp_layers.0.self_attn.k_proj.weight").equal(
+            f.get_tensor("model.layers.0.self_attn.k_proj.weight")
+        )
 
 
 def test_the_hybrid_config(tmp_path):

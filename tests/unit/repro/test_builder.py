@@ -9,7 +9,7 @@ from harness.models.tiny import TinyModelSpec, ensure_tiny_model
 from harness.repro.builder import builder_script, tiny_spec, weights_sha256
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mimo"])  # mimo: its MTP layer added after
 def test_the_standalone_script_rebuilds_the_same_weights(tmp_path, family):
     src = ensure_tiny_model(TinyModelSpec(family=family, kv_heads=1, sliding_window=64 if family == "gemma3" else None))
     script = tmp_path / "build_model.py"

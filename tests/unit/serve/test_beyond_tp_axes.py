@@ -175,3 +175,44 @@ def test_vllm_cpus_refusals_of_dcp_and_offloading_are_unsupported(line):
 
     assert classify({"decode": f"INFO starting\n{line}\n"}).cls == "unsupported"
     assert classify({"decode": "INFO starting\nException: the engine core died\n"}).cls != "unsupported"
+
+
+def test_expert_parallel_reaches_d_and_the_baseline_not_p_and_needs_more_than_one_rank(tmp_path):
+    cfg = E2EConfig(python="python3", tp_d=2, axes=ServerAxes(expert_parallel_d=True))
+    argv = {role: argv_of(cfg, role, tmp_path / role) for role in ("prefill", "decode", "baseline")}
+    assert "--enable-expert-parallel" not in argv["prefill"]  # P keeps its experts whole, as upstream's P/D EP runs
+    assert all("--enable-expert-parallel" in argv[r] for r in ("decode", "baseline"))  # the same feature without P/D
+    assert "--enable-expert-parallel" not in argv_of(E2EConfig(python="python3"), "decode", tmp_path / "plain")
+    assert cli("--tp-d", "2", "--expert-parallel-d").axes.set() == {"expert_parallel_d": True}
+    with pytest.raises(ConfigError, match="--expert-parallel-d needs D on more than one rank"):
+        cli("--expert-parallel-d")  # D at TP 1, DP 1: every expert local
+    assert E2EConfig(axes=ServerAxes(expert_parallel_d=True, data_parallel_size_d=2)).ranks("decode") == 2
+
+
+def test_the_expert_parallel_check_wants_an_ep_group_of_all_d_ranks_each_holding_a_share():
+    from harness.checks.expert_parallel import check_d_expert_parallel
+
+    def line(rank: int, size: int, local: int) -> str:  # vLLM 0.32.0's wording (fused_moe/layer.py)
+        return (
+            f"(Worker_TP{rank} pid=1) INFO [layer.py:251] [EP Rank {rank}/{size}] Expert parallelism is enabled. "
+            f"Expert placement strategy: linear. Local/global number of experts: {local}/4. Experts local to "
+            "global index map: 0->0, 1->1.\n"
+        )
+
+    # vLLM logs it from each node's first rank only (info_once, scope "local"): on one host, rank 0's line
+    ok = check_d_expert_parallel({"decode": line(0, 2, 2)}, 2)
+    assert ok.passed and ok.data == {"0": {"ep_size": 2, "local": 2, "global": 4}}
+    assert check_d_expert_parallel({"decode": line(0, 2, 2) + line(1, 2, 2)}, 2).passed  # both, where both log
+    assert not check_d_expert_parallel({"decode": line(0, 2, 4)}, 2).passed  # every expert on the rank
+    small = check_d_expert_parallel({"decode": line(0, 2, 2)}, 4)  # EP over 2 of D's 4 ranks
+    assert not small.passed and "not over its 4 ranks" in small.detail
+    none = check_d_expert_parallel({"decode": "INFO Starting vLLM API server\n"}, 2)
+    assert not none.passed and "did not take effect" in none.detail
+
+
+def test_shrink_carries_expert_parallel():
+    from harness.shrink.cli import start_of
+
+    cfg = {"tp_p": 1, "tp_d": 2, "device": "cpu", "seed": 0, "axes": {"expert_parallel_d": True}}
+    carried = start_of({"verdict": "fail", "failure": {"class": "decode-died"}, "config": cfg})[2]
+    assert "--expert-parallel-d" in carried  # every probe keeps EP; the search moves TP, blocks and prompts
