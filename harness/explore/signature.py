@@ -1,11 +1,13 @@
 """What a failed sample shows, and whether it is new (pure).
 
 A signature is the run's outcome (its failure class in the matrix's words) and the checks that failed: two samples
-with one signature are one finding, counted, not two. A finding is *expected* when the topology predicted that
-outcome, *known* when configs/known_issues.yaml matches its class (and log signature) or an edge-matrix entry
-records a known failure of that class on settings the sample also has, and *new* otherwise. The axis values that
-matter are those every failing sample of a signature has and no passing sample has: a planted fault that one axis
-value triggers is found as that value.
+with one signature are one finding, counted, not two. Checks that only run with an axis or a phase (D's prefix-cache
+scenarios, the load phase, spec decode's acceptance, DP, preemption, EP) count only when no check of every run
+failed: a wrong KV block fails the prefix-cache scenarios too where they run, and is still one finding. A finding
+is *expected* when the topology predicted that outcome, *known* when configs/known_issues.yaml matches its class (and
+log signature) or an edge-matrix entry records a known failure of that class on settings the sample also has, and
+*new* otherwise. The axis values that matter are those every failing sample of a signature has and no passing sample
+has: a planted fault that one axis value triggers is found as that value.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from harness.checks import expert_parallel, spec_decode
 from harness.matrix.config import MatrixFile
 from harness.upstream.known import KnownIssues
 
@@ -29,12 +32,23 @@ class Signature:
         return self.outcome + (f" ({', '.join(self.checks)})" if self.checks else "")
 
 
+# Checks a run makes only with an axis or a phase (the rest every run makes)
+AXIS_CHECK_PREFIXES = ("prefix_cache_", "load_")
+AXIS_CHECKS = frozenset({spec_decode.CHECK_NAME, expert_parallel.CHECK_NAME, "dp_engines_each_received", "d_preempted"})
+
+
+def is_axis_check(name: str) -> bool:
+    return name in AXIS_CHECKS or name.startswith(AXIS_CHECK_PREFIXES)
+
+
 def signature_of(observed: str, report: Mapping[str, Any]) -> Signature | None:
-    """The signature of a run's outcome (None: it passed)."""
+    """The signature of a run's outcome (None: it passed): its failed checks that every run makes, or, when only
+    an axis's checks failed, those."""
     if observed == "ok":
         return None
     failed = sorted(str(c.get("name")) for c in report.get("checks") or [] if not c.get("passed"))
-    return Signature(observed, tuple(failed))
+    core = [name for name in failed if not is_axis_check(name)]
+    return Signature(observed, tuple(core or failed))
 
 
 def known_edge_failure(

@@ -164,3 +164,21 @@ def test_an_hours_budget_is_parsed_as_a_number_and_bounds_the_loop(tmp_path, mon
     oracle = PlantedFault()
     ran = explore(new_explore(tmp_path, oracle), Sampler(space(), 5), runs=None, hours=1.0)
     assert 1 <= ran == len(oracle.ran) < 6  # the hour ran out: no sample started after it
+
+
+def test_a_signature_is_the_failed_checks_every_run_makes_and_an_axis_check_only_when_alone():
+    from harness.explore.signature import signature_of
+
+    def report(*failed: str) -> dict:
+        return {"checks": [{"name": n, "passed": False} for n in failed] + [{"name": "no_kv_leak", "passed": True}]}
+
+    digest = ("kv_digest_match", "outputs_match_baseline")
+    plain = signature_of("output-mismatch", report(*digest))
+    # the same wrong blocks with D's prefix cache on also fail the prefix-cache scenarios: still one finding
+    cached = signature_of(
+        "output-mismatch", report(*digest, "prefix_cache_outputs_match", "prefix_cache_sources_exact")
+    )
+    assert plain == cached and plain is not None and plain.checks == digest
+    alone = signature_of("checks-failed", report("spec_decode_acceptance_matches_baseline"))
+    assert alone is not None and alone.checks == ("spec_decode_acceptance_matches_baseline",)
+    assert signature_of("ok", report()) is None
