@@ -9,7 +9,7 @@ drafts, draft tokens and accepted tokens on /metrics (the same counters upstream
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from harness.checks.check import Check
 from harness.serve.prometheus import Sample, metric_sum
@@ -55,16 +55,45 @@ def acceptance(before: Sequence[Sample], after: Sequence[Sample]) -> Acceptance 
     return Acceptance(*values)
 
 
-def acceptance_check(pd: Acceptance, baseline: Acceptance, tolerance: float = TOLERANCE) -> Check | str:
-    """The check, or why it cannot be judged (a reason for the report's skipped checks)."""
+def padded_first_steps(prompt_tokens: Sequence[int | None]) -> int:
+    """How many of D's requests (one at a time, by their prompt lengths) start with a padded step: vLLM's scheduler
+    (v1/core/sched/scheduler.py, ``pad_spec_decode``) schedules a new request that has computed tokens and one token
+    left to compute as ``1 + num_spec_tokens`` tokens with ``-1`` placeholder drafts, and counts them as a draft with
+    none accepted. On D that is every request whose prompt KV came from P (all but its last token); a one-token prompt
+    takes nothing from P (D computes it whole) and is not padded."""
+    return sum(1 for n in prompt_tokens if (n or 0) >= 2)
+
+
+def without_placeholders(d: Acceptance, padded: int, spec_tokens: int) -> Acceptance:
+    """D's counters less ``padded`` placeholder drafts of ``spec_tokens`` tokens each (none of them accepted)."""
+    return Acceptance(d.drafts - padded, d.draft_tokens - padded * spec_tokens, d.accepted)
+
+
+def acceptance_check(
+    pd: Acceptance, baseline: Acceptance, tolerance: float = TOLERANCE, padded: int = 0, spec_tokens: int = 0
+) -> Check | str:
+    """The check, or why it cannot be judged (a reason for the report's skipped checks). ``padded`` placeholder
+    drafts of ``spec_tokens`` tokens (padded_first_steps) are taken out of D's counters first: they are vLLM's
+    bookkeeping of the step D takes a request over from P, not drafts of D's drafter."""
     if baseline.mean_length is None:
         return "the baseline drafted nothing on these prompts: there is no acceptance to compare"
+    counted = pd
+    if padded and spec_tokens and pd.drafts >= padded and pd.draft_tokens >= padded * spec_tokens:
+        pd = without_placeholders(pd, padded, spec_tokens)
     if pd.mean_length is None:
         return Check(CHECK_NAME, False, f"D drafted nothing while the baseline did: baseline {baseline.text()}")
     rel = abs(pd.mean_length - baseline.mean_length) / baseline.mean_length
+    less = (
+        f" (D's counters, {counted.text()}, less {padded} placeholder drafts of {spec_tokens} tokens: vLLM pads the "
+        "first step of each request whose prompt KV came from P and counts it as a rejected draft)"
+        if pd is not counted
+        else ""
+    )
+    data = {"d_counted": asdict(counted), "d": asdict(pd), "baseline": asdict(baseline), "placeholder_drafts": padded}
     return Check(
         CHECK_NAME,
         rel <= tolerance,
-        f"D {pd.text()}; baseline {baseline.text()}; mean acceptance length differs by {rel:.1%} "
+        f"D {pd.text()}{less}; baseline {baseline.text()}; mean acceptance length differs by {rel:.1%} "
         f"(tolerance {tolerance:.0%})",
+        data,
     )

