@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from harness.checks.check import Check
-from harness.serve.prometheus import Sample, metric_sum
+from harness.serve.prometheus import Sample, delta
 
 CHECK_NAME = "spec_decode_acceptance_matches_baseline"
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -46,13 +46,10 @@ class Acceptance:
 
 def acceptance(before: Sequence[Sample], after: Sequence[Sample]) -> Acceptance | None:
     """The counters' growth between two /metrics reads (None: the server exports no spec-decode counters)."""
-    values = []
-    for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED):
-        a = metric_sum(after, name)
-        if a is None:
-            return None
-        values.append(a - (metric_sum(before, name) or 0.0))
-    return Acceptance(*values)
+    grown = [delta(before, after, name) for name in (DRAFTS, DRAFT_TOKENS, ACCEPTED)]
+    if not all(g.present for g in grown):
+        return None
+    return Acceptance(*(g.delta for g in grown))
 
 
 def padded_first_steps(prompt_tokens: Sequence[int | None]) -> int:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.models.perturb import perturbed_layer
+
 EAGLE_SUFFIX = "-eagle"
 BUILT_MARK = "harness_eagle_head.json"  # written last: a folder without it is an interrupted build
 
@@ -37,10 +39,8 @@ def ensure_eagle_head(target: Path, seed: int = 0) -> Path:
     gen = torch.Generator().manual_seed(seed)
     head = {"embed_tokens.weight": weights["model.embed_tokens.weight"].clone()}
     head["fc.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
-    for name, tensor in weights.items():  # the target's first layer as a start, then perturbed: another layer's KV
-        if name.startswith("model.layers.0.") and "input_layernorm" not in name:
-            noise = torch.randn(tensor.shape, generator=gen) * 0.02
-            head[name.removeprefix("model.")] = (tensor + noise).contiguous()
+    # the target's first layer, perturbed: another layer's KV (no input norm: EAGLE's first layer has none)
+    head.update(perturbed_layer(weights, "model.layers.0.", "layers.0.", gen, skip=("input_layernorm",)))
     out.mkdir(parents=True, exist_ok=True)
     save_file(head, str(out / "model.safetensors"))
     (out / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}, indent=2))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from harness.models.perturb import perturbed_layer
+
 MTP_ARCHITECTURE = "MiMoForCausalLM"
 MTP_LAYERS = 1  # vLLM's MiMo MTP predicts one token (``mimo_mtp only support predict one token now``)
 
@@ -35,10 +37,7 @@ def add_mtp_layers(folder: Path, seed: int = 0) -> None:
         for norm in ("token_layernorm", "hidden_layernorm", "final_layernorm"):
             weights[f"{prefix}{norm}.weight"] = torch.ones(hidden)
         weights[f"{prefix}input_proj.weight"] = torch.randn(hidden, 2 * hidden, generator=gen) / (2 * hidden) ** 0.5
-        for name, tensor in list(weights.items()):  # the target's first layer, perturbed: a layer of its own KV
-            if name.startswith("model.layers.0."):
-                noise = torch.randn(tensor.shape, generator=gen) * 0.02
-                weights[prefix + name.removeprefix("model.layers.0.")] = (tensor + noise).contiguous()
+        weights.update(perturbed_layer(weights, "model.layers.0.", prefix, gen))  # a layer with KV of its own
     save_file(weights, str(weights_path), metadata={"format": "pt"})
     config.update({"architectures": [MTP_ARCHITECTURE], "num_nextn_predict_layers": MTP_LAYERS})
     config_path.write_text(json.dumps(config, indent=2))

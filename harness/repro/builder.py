@@ -13,7 +13,7 @@ import json
 import pprint
 from pathlib import Path
 
-from harness.models import mtp, tiny
+from harness.models import mtp, perturb, tiny
 
 SPEC_FILE = "harness_tiny_model.json"  # written next to a tiny model by the recipe
 
@@ -100,6 +100,9 @@ def builder_script(spec: dict, run_weights_sha256: str | None) -> str:
         parts.append("\n" + inspect.getsource(tiny.build_family_model))
     parts.append(f"\n\nMTP_FAMILIES = {tiny.MTP_FAMILIES!r}\n")
     if family in tiny.MTP_FAMILIES:  # the MTP layers the run's model carries, added to the checkpoint as there
-        parts.append(f"MTP_ARCHITECTURE = {mtp.MTP_ARCHITECTURE!r}\nMTP_LAYERS = {mtp.MTP_LAYERS}\n")
-        parts.append("\n" + inspect.getsource(mtp.add_mtp_layers))
+        parts.append(
+            f"MTP_ARCHITECTURE = {mtp.MTP_ARCHITECTURE!r}\nMTP_LAYERS = {mtp.MTP_LAYERS}\nNOISE = {perturb.NOISE}\n"
+        )
+        for mtp_fn in (perturb.perturbed_layer, mtp.add_mtp_layers):
+            parts.append("\n" + inspect.getsource(mtp_fn))
     return "".join(parts) + FOOTER

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from harness.accuracy.checks import accuracy_checks
 from harness.checks import kv_digest, spec_decode, transfer
 from harness.checks.check import Check
@@ -131,7 +129,6 @@ def spec_decode_checks(ctx: RunContext, baseline: BaselineResult, pd: PDResult) 
         )
     else:
         pd_acceptance = spec_decode.acceptance(pd.metrics_before, pd.metrics_after)
-        spec = json.loads(ctx.cfg.axes.speculative_config)
         padded = spec_decode.padded_first_steps([c.prompt_tokens for c in pd.completions.completions])
         got = (
             "D exports no spec-decode counters"
@@ -140,7 +137,7 @@ def spec_decode_checks(ctx: RunContext, baseline: BaselineResult, pd: PDResult) 
                 pd_acceptance,
                 baseline.acceptance,
                 padded=padded,
-                spec_tokens=int(spec.get("num_speculative_tokens") or 0),
+                spec_tokens=ctx.cfg.axes.spec_tokens,
             )
         )
     if isinstance(got, Check):

@@ -83,6 +83,13 @@ class ServerAxes:
         return self.pipeline_parallel_size_p or 1
 
     @property
+    def spec_tokens(self) -> int:
+        """The speculative config's ``num_speculative_tokens``: 0 without the axis or without the key."""
+        if self.speculative_config is None:
+            return 0
+        return int(speculative_problem(self.speculative_config).get("num_speculative_tokens") or 0)
+
+    @property
     def dp_d(self) -> int:
         """D's data-parallel ranks (engines): 1 without the axis."""
         return self.data_parallel_size_d or 1
@@ -96,23 +103,23 @@ class ServerAxes:
         return asdict(self)
 
 
-def json_object_problem(name: str, text: str) -> dict:
-    """The JSON object ``text`` holds; ValueError (one line naming ``name``) when it is not one."""
+def json_object_problem(name: str, text: str, shape: str = "a JSON object") -> dict:
+    """The JSON object ``text`` holds; ValueError (one line naming ``name`` and the ``shape`` wanted) when it is not
+    one."""
     try:
         obj = json.loads(text)
     except ValueError as e:
         raise ValueError(f"{name} is not JSON: {e}") from None
     if not isinstance(obj, dict):
-        raise ValueError(f"{name} must be a JSON object, got {text!r}")
+        raise ValueError(f"{name} must be {shape}, got {text!r}")
     return obj
 
 
-def speculative_problem(text: str) -> None:
-    """ValueError (one line) unless ``text`` is a JSON object naming a speculative ``method`` (vLLM's schema, checked
-    by vLLM itself when the server starts: here only what makes the flag unusable)."""
-    try:
-        obj = json.loads(text)
-    except ValueError as e:
-        raise ValueError(f"speculative_config is not JSON: {e}") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("method"), str):
-        raise ValueError(f'speculative_config must be a JSON object with a "method", got {text!r}')
+def speculative_problem(text: str) -> dict:
+    """The speculative config ``text`` holds; ValueError (one line) unless it is a JSON object naming a ``method``
+    (vLLM's schema, checked by vLLM itself when the server starts: here only what makes the flag unusable)."""
+    shape = 'a JSON object with a "method"'
+    obj = json_object_problem("speculative_config", text, shape)
+    if not isinstance(obj.get("method"), str):
+        raise ValueError(f"speculative_config must be {shape}, got {text!r}")
+    return obj
