@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp.add_argument("--tp-d", type=positive_int, required=True)
     tp.add_argument("--block-size-p", type=positive_int, default=16)
     tp.add_argument("--block-size-d", type=positive_int)
+    tp.add_argument("--pp-p", type=positive_int, default=1, help="P's pipeline-parallel stages")
+    tp.add_argument("--dcp-d", type=positive_int, default=1, help="D's decode context parallel size")
     tp.add_argument("--vllm-version", help="e.g. 0.21.0 (default: a fixed version)")
     tp.add_argument("--json", action="store_true")
 
@@ -189,7 +191,7 @@ def topology_main(a: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}: not a model vLLM loads", file=sys.stderr)
         return 2
-    t = predict(shape, a.tp_p, a.tp_d, a.block_size_p, a.block_size_d, a.vllm_version)
+    t = predict(shape, a.tp_p, a.tp_d, a.block_size_p, a.block_size_d, a.vllm_version, pp_p=a.pp_p, dcp_d=a.dcp_d)
     if a.json:
         print(json.dumps(t.to_dict(), indent=2))
     else:
@@ -198,6 +200,13 @@ def topology_main(a: argparse.Namespace) -> int:
             f"  heads per rank: P {t.p_heads_per_rank}, D {t.d_heads_per_rank}; tp_ratio {t.tp_ratio}; "
             f"block length P {t.p_block_len} B, D {t.d_block_len} B"
         )
+        if t.pp_p > 1 or t.dcp_d > 1:
+            print(f"  P pipeline stages {t.pp_p}, D decode context parallel {t.dcp_d}")
+        if t.d_sources:
+            reads = "; ".join(
+                f"D{r} <- " + ", ".join(f"P stage {s} rank {p}" for s, p in src) for r, src in enumerate(t.d_sources)
+            )
+            print(f"  reads: {reads}")
         print(
             f"  expected on vLLM {t.vllm_version or '(fixed)'} [{t.version_family}]: {t.expected} - {t.expected_reason}"
         )

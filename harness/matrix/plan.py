@@ -71,7 +71,16 @@ def plan(
         if not _selected(e, models, only, model, tp_p, tp_d):
             continue
         shape = shape_of(e, models[e.model])
-        t = predict(shape, e.tp_p, e.tp_d, e.block_size_p or 16, e.block_size_d, vllm_version=vllm_version)
+        t = predict(
+            shape,
+            e.tp_p,
+            e.tp_d,
+            e.block_size_p or 16,
+            e.block_size_d,
+            vllm_version=vllm_version,
+            pp_p=e.axes.pipeline_parallel_size_p or 1,
+            dcp_d=e.axes.decode_context_parallel_size_d or 1,
+        )
         skip = skip_reason(e, device, gpus_present, cpu_flags)
         out.append(
             PlannedPair(

@@ -64,10 +64,15 @@ class Topology:
     version_family: str
     expected: str  # ok | assert-45330 | rejected | invalid
     expected_reason: str
+    pp_p: int = 1  # P's pipeline stages: each holds a slice of the layers, and D reads every stage
+    dcp_d: int = 1  # D's decode context parallel size (its ranks split the tokens, not the P ranks they read)
+    # for each D TP rank, the P ranks it reads, as (pipeline stage, TP rank) pairs (vLLM's handshake_target_ranks)
+    d_sources: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["invalid_reasons"] = list(self.invalid_reasons)
+        d["d_sources"] = [[list(src) for src in rank] for rank in self.d_sources]
         return d
 
 
@@ -112,6 +117,28 @@ def validity(shape: ModelShape, p: int, d: int, bs_p: int, bs_d: int) -> list[st
     return reasons + [r for r in (pair, blocks) if r]
 
 
+def parallel_problems(tp_d: int, pp_p: int, dcp_d: int) -> list[str]:
+    """What vLLM (config/parallel.py, 0.32.0) refuses of P's pipeline stages and D's decode context parallel size."""
+    reasons = [
+        f"{name} must be >= 1, got {v}" for name, v in (("P's pipeline stages", pp_p), ("D's DCP", dcp_d)) if v < 1
+    ]
+    if not reasons and tp_d >= 1 and tp_d % dcp_d:
+        reasons.append(f"D's TP size {tp_d} must be divisible by its decode context parallel size {dcp_d}")
+    return reasons
+
+
+def d_sources(tp_p: int, tp_d: int, pp_p: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """For each D TP rank, the (P stage, P TP rank) pairs it reads: vLLM's ``handshake_target_ranks`` (0.32.0,
+    kv_connector/utils.py) against every one of P's pipeline stages (its handshake walks them all). D's own DCP
+    leaves this unchanged while P's is 1: a DCP-sharded D rank still reads the P rank its TP rank maps to."""
+    ratio = tp_ratio(tp_p, tp_d)
+    out = []
+    for r in range(tp_d):
+        ranks = [r // ratio] if ratio > 0 else [r * -ratio + i for i in range(-ratio)]
+        out.append(tuple((stage, p) for stage in range(pp_p) for p in ranks))
+    return tuple(out)
+
+
 def parse_version(v: str) -> tuple[int, ...]:
     core = v.split("+")[0].split("rc")[0].split(".dev")[0]
     parts = []
@@ -150,10 +177,12 @@ def predict(
     block_size_d: int | None = None,
     vllm_version: str | None = None,
     fixed_in: tuple[int, ...] | None = None,
+    pp_p: int = 1,
+    dcp_d: int = 1,
 ) -> Topology:
     bs_d = block_size_d or block_size_p
     k = shape.kv_heads
-    reasons = validity(shape, tp_p, tp_d, block_size_p, bs_d)
+    reasons = validity(shape, tp_p, tp_d, block_size_p, bs_d) + parallel_problems(tp_d, pp_p, dcp_d)
     valid = not reasons
     # MLA: vLLM's get_num_kv_heads is 1 for MLA at any TP (vllm/config/model.py).
     hp = 1 if shape.mla else heads_per_rank(k, max(tp_p, 1))
@@ -187,6 +216,8 @@ def predict(
             )
     else:
         expected, why = "ok", "handshake compatible"
+    if valid and pp_p > 1:
+        why += f"; P in {pp_p} pipeline stages: each D rank reads its P rank(s) of every stage"
     return Topology(
         tp_p,
         tp_d,
@@ -208,4 +239,7 @@ def predict(
         family,
         expected,
         why,
+        pp_p,
+        dcp_d,
+        d_sources(tp_p, tp_d, pp_p) if valid else (),
     )

@@ -191,6 +191,8 @@ class PDRun:
                 cfg.device,
                 mla=bool(heads.get("mla")),
                 head_dim=heads.get("head_dim"),
+                pp_p=cfg.axes.pp_p,
+                dcp_d=cfg.axes.dcp_d,
             )
             config["topology"] = pf.topology.to_dict() if pf.topology else None
             if pf.problems:

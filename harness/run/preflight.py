@@ -59,12 +59,15 @@ def preflight(
     vllm_version: str | None = None,
     mla: bool = False,
     head_dim: int | None = None,
+    pp_p: int = 1,
+    dcp_d: int = 1,
 ) -> Preflight:
     """Problems and the predicted topology for a run. Heads ``None``: the model is unknown, head checks are skipped.
     ``mla``: the model uses MLA (no K rule; regime M); ``head_dim``: for the block lengths (default 64).
 
     Block sizes ``None`` mean the harness default (32 on CPU, vLLM's own on GPU); D's defaults to P's.
-    ``cpu_cores`` (CPU only) defaults to the cores this process may use.
+    ``cpu_cores`` (CPU only) defaults to the cores this process may use. ``pp_p``, ``dcp_d``: P's pipeline stages
+    and D's decode context parallel size, for the topology.
     """
     problems: list[str] = []
     sides = (("prefill", tp_p), ("decode", tp_d))
@@ -119,7 +122,7 @@ def preflight(
         if mla and device == "cpu":
             p = d = CPU_MLA_BLOCK
         shape = ModelShape(attention_heads, kv_heads, head_dim or 64, mla=mla)
-        topo = predict(shape, tp_p, tp_d, p, d, vllm_version)
+        topo = predict(shape, tp_p, tp_d, p, d, vllm_version, pp_p=pp_p, dcp_d=dcp_d)
     return Preflight(tuple(problems), topo)
 
 
@@ -189,6 +192,8 @@ def preflight_config(cfg: E2EConfig, cpu_cores: int | None = None, vllm_version:
         vllm_version,
         mla,
         head_dim,
+        cfg.axes.pp_p,
+        cfg.axes.dcp_d,
     )
     missing = model_problem(cfg.model)  # first: without the model the head checks had nothing to check
     return Preflight((missing, *pf.problems), pf.topology) if missing else pf

@@ -90,6 +90,11 @@ class ServerAxes:
         return int(speculative_problem(self.speculative_config).get("num_speculative_tokens") or 0)
 
     @property
+    def dcp_d(self) -> int:
+        """D's decode context parallel size: 1 without the axis."""
+        return self.decode_context_parallel_size_d or 1
+
+    @property
     def dp_d(self) -> int:
         """D's data-parallel ranks (engines): 1 without the axis."""
         return self.data_parallel_size_d or 1

@@ -156,3 +156,25 @@ def test_heads_not_a_multiple_of_k_is_no_model(heads, k):
     assert shape_problem(ModelShape(heads, k)) in t.invalid_reasons
     assert shape_problem(ModelShape(heads, 1)) is None and shape_problem(ModelShape(heads * k, k)) is None
     assert shape_problem(ModelShape(heads, k, 576, mla=True)) is None  # MLA: no GQA groups
+
+
+def test_each_d_rank_reads_the_p_ranks_vllms_handshake_targets():
+    # D at twice P's TP: two D ranks per P rank; D at half: each D rank merges two P ranks (regime E)
+    assert predict(TINYLLAMA, 2, 4).d_sources == (((0, 0),), ((0, 0),), ((0, 1),), ((0, 1),))
+    assert predict(TINYLLAMA, 4, 2).d_sources == (((0, 0), (0, 1)), ((0, 2), (0, 3)))
+
+
+def test_p_in_pipeline_stages_is_read_stage_by_stage_and_leaves_the_handshake_outcome_alone():
+    t = predict(TINY, 1, 2, pp_p=2, vllm_version="0.32.0")
+    assert t.expected == "ok" and "2 pipeline stages" in t.expected_reason
+    assert t.d_sources == (((0, 0), (1, 0)), ((0, 0), (1, 0)))  # every D rank reads both stages
+    assert predict(TINY, 1, 2, pp_p=2, vllm_version="0.21.0").expected == "assert-45330"  # block lengths still decide
+    assert t.to_dict()["d_sources"] == [[[0, 0], [1, 0]], [[0, 0], [1, 0]]]  # JSON-ready for the report
+
+
+def test_decode_context_parallel_must_divide_ds_tp_and_keeps_ds_sources():
+    ok = predict(TINY, 1, 2, dcp_d=2)
+    assert ok.valid and ok.dcp_d == 2 and ok.d_sources == predict(TINY, 1, 2).d_sources
+    bad = predict(TINY, 1, 2, dcp_d=4)
+    assert bad.expected == "invalid" and "divisible by its decode context parallel size 4" in bad.expected_reason
+    assert bad.d_sources == ()
