@@ -62,6 +62,12 @@ def _e2e_servers_args(e: argparse.ArgumentParser) -> None:
         '"prompt_lookup_max":3}\') for every server, the baseline included',
     )
     g.add_argument(
+        "--speculative-tokens-p",
+        type=positive_int,
+        help="P's num_speculative_tokens in --speculative-config (D and the baseline keep the config's; upstream's "
+        "P/D spec-decode test gives P 1)",
+    )
+    g.add_argument(
         "--compilation-config",
         help='vLLM --compilation-config (JSON, e.g. \'{"custom_ops":["-rotary_embedding"]}\') for every server, '
         "the baseline included",
@@ -373,6 +379,7 @@ def _axes(a: argparse.Namespace) -> ServerAxes:
         kv_buffer_device=a.kv_buffer_device,
         permute_local_kv_d=a.permute_local_kv_d,
         speculative_config=a.speculative_config,
+        speculative_tokens_p=a.speculative_tokens_p,
         max_num_batched_tokens_p=a.max_num_batched_tokens_p,
         compilation_config=a.compilation_config,
         data_parallel_size_d=a.data_parallel_size_d,

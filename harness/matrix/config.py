@@ -78,6 +78,7 @@ class Axes(BaseModel):
     kv_buffer_device: Literal[KV_BUFFER_DEVICES] | None = None  # type: ignore[valid-type]
     permute_local_kv_d: bool = False
     speculative_config: str | None = None  # JSON, every server (serve/axes.py)
+    speculative_tokens_p: int | None = Field(default=None, ge=1)  # P's num_speculative_tokens (serve/axes.py)
     max_num_batched_tokens_p: int | None = Field(default=None, ge=1)
     compilation_config: str | None = None  # JSON, every server (serve/axes.py)
     data_parallel_size_d: int | None = Field(default=None, ge=1)  # D's and the baseline's DP ranks (serve/axes.py)

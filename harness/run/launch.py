@@ -207,7 +207,7 @@ def _spec(cfg: E2EConfig, want: WantedServer, cpu_bind: str | None) -> ServerSpe
         kv_cache_dtype=cfg.axes.kv_cache_dtype,
         async_scheduling=cfg.axes.async_scheduling,
         attention_backend=cfg.axes.attention_backend,
-        speculative_config=speculative_for(cfg.axes.speculative_config, model),
+        speculative_config=speculative_for(cfg.axes.speculative_config_for(role), model),
         compilation_config=cfg.axes.compilation_config,
         pipeline_parallel_size=cfg.axes.pipeline_parallel_size_p if role == "prefill" else None,
         decode_context_parallel_size=cfg.axes.decode_context_parallel_size_d if role != "prefill" else None,

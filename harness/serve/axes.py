@@ -29,6 +29,9 @@ class ServerAxes:
     # --speculative-config (JSON) on every server, the baseline included: P/D decodes speculatively against a baseline
     # that does too, so the comparison stays greedy-exact and an acceptance drop is P/D's
     speculative_config: str | None = None
+    # P's num_speculative_tokens in that config (D and the baseline keep the config's): upstream's P/D spec-decode test
+    # gives P one speculative token and D several, since P only prefills
+    speculative_tokens_p: int | None = None
     # P's --max-num-batched-tokens: below the prompt length, P prefills in chunks (D and the baseline keep theirs)
     max_num_batched_tokens_p: int | None = None
     # --compilation-config (JSON) on every server, the baseline included: e.g. a custom op turned off (the CPU
@@ -65,6 +68,11 @@ class ServerAxes:
 
         if self.speculative_config is not None:
             speculative_problem(self.speculative_config)
+        if self.speculative_tokens_p is not None:
+            if self.speculative_config is None:
+                raise ValueError("speculative_tokens_p needs speculative_config (P's tokens of which config?)")
+            if self.speculative_tokens_p < 1:
+                raise ValueError(f"speculative_tokens_p must be >= 1, got {self.speculative_tokens_p!r}")
         if self.compilation_config is not None:
             json_object_problem("compilation_config", self.compilation_config)
         for name in ("pipeline_parallel_size_p", "decode_context_parallel_size_d", "kv_offload_bytes"):
@@ -88,6 +96,13 @@ class ServerAxes:
         if self.speculative_config is None:
             return 0
         return int(speculative_problem(self.speculative_config).get("num_speculative_tokens") or 0)
+
+    def speculative_config_for(self, role: str) -> str | None:
+        """The speculative config ``role`` gets: the axis's, with P's own num_speculative_tokens where one is set."""
+        if self.speculative_config is None or role != "prefill" or self.speculative_tokens_p is None:
+            return self.speculative_config
+        obj = speculative_problem(self.speculative_config)
+        return json.dumps({**obj, "num_speculative_tokens": self.speculative_tokens_p}, separators=(",", ":"))
 
     @property
     def dcp_d(self) -> int:

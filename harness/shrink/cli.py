@@ -76,6 +76,7 @@ def start_of(report: dict) -> tuple[str, Settings, list[str], tuple[str, ...]]:
         ("--attention-backend", axes.get("attention_backend")),
         ("--kv-buffer-device", axes.get("kv_buffer_device")),
         ("--speculative-config", axes.get("speculative_config")),
+        ("--speculative-tokens-p", axes.get("speculative_tokens_p")),
         ("--max-num-batched-tokens-p", axes.get("max_num_batched_tokens_p")),
         ("--compilation-config", axes.get("compilation_config")),
         ("--data-parallel-size-d", axes.get("data_parallel_size_d")),

@@ -3,6 +3,8 @@ included where the comparison needs it, and a value that cannot work is refused 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from harness.cli import build_parser, config_from_args
@@ -216,3 +218,24 @@ def test_shrink_carries_expert_parallel():
     cfg = {"tp_p": 1, "tp_d": 2, "device": "cpu", "seed": 0, "axes": {"expert_parallel_d": True}}
     carried = start_of({"verdict": "fail", "failure": {"class": "decode-died"}, "config": cfg})[2]
     assert "--expert-parallel-d" in carried  # every probe keeps EP; the search moves TP, blocks and prompts
+
+
+def test_p_can_draft_fewer_tokens_than_d_as_upstreams_spec_decode_test_runs_it(tmp_path):
+    # upstream's P/D acceptance test: P at num_speculative_tokens 1, D at 3; the baseline decodes as D does
+    cfg = cli(
+        "--speculative-config",
+        '{"method":"draft_model","model":"{model}","num_speculative_tokens":2}',
+        "--speculative-tokens-p",
+        "1",
+    )
+    argv = {role: argv_of(cfg, role, tmp_path / role) for role in ("prefill", "decode", "baseline")}
+    got = {role: json.loads(value(a, "--speculative-config") or "{}") for role, a in argv.items()}
+    assert got["prefill"] == {"method": "draft_model", "model": "/m", "num_speculative_tokens": 1}
+    assert got["decode"]["num_speculative_tokens"] == got["baseline"]["num_speculative_tokens"] == 2
+    assert cfg.axes.spec_tokens == 2  # D's placeholder drafts are counted with D's tokens
+    with pytest.raises(ConfigError, match="needs speculative_config"):
+        cli("--speculative-tokens-p", "1")
+    from harness.shrink.cli import start_of
+
+    carried = start_of({"verdict": "fail", "failure": {"class": "x"}, "config": {"axes": cfg.axes.to_dict()}})[2]
+    assert carried[carried.index("--speculative-tokens-p") + 1] == "1"
