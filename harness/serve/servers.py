@@ -327,19 +327,35 @@ def read_json(url: str, source: str, timeout_s: float = 30.0) -> dict:
         raise MetricsUnavailable(source, f"GET {url}: {type(e).__name__}: {e}") from None
 
 
+# A refused connection is a server closing its port on the way out (vLLM's API server stops listening, then takes
+# seconds to stop its engine and exit): its death, with its log, is the story, not the read that raced it.
+EXIT_GRACE_S = 15.0
+
+
+def dying_first(servers: ServerSet, grace_s: float = EXIT_GRACE_S, poll_s: float = 0.25) -> None:
+    """Raise the failure of a server that dies within ``grace_s`` (ProcessFailed, ...); return if none does."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        servers.check(force=True)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(poll_s)
+
+
 def server_metrics(
     servers: ServerSet, endpoints: list[Endpoint] | None = None, timeout_s: float = 30.0, check: bool = True
 ) -> dict[str, list[Sample]]:
     """/metrics of each server (default: every P and D) by its name. A dead server fails as such first, unless
-    ``check`` is False (after a run's failure, which named its cause already: a failed read is then only that)."""
+    ``check`` is False (after a run's failure, which named its cause already: a failed read is then only that); one
+    that refused the connection is given EXIT_GRACE_S to show it is exiting."""
     out: dict[str, list[Sample]] = {}
     for ep in servers.prefill + servers.decode if endpoints is None else endpoints:
         try:
             r = requests.get(f"{ep.url}/metrics", timeout=timeout_s)
             r.raise_for_status()
         except requests.RequestException as e:
-            if check:
-                servers.check(force=True)  # a server that died is the real story: say so, with its log
+            if check:  # a server that died is the real story: say so, with its log
+                dying_first(servers, EXIT_GRACE_S if isinstance(e, requests.ConnectionError) else 0.0)
             raise MetricsUnavailable(ep.name, f"GET {ep.url}/metrics: {type(e).__name__}: {e}") from None
         out[ep.name] = parse_metrics(r.text)
     return out

@@ -9,7 +9,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from harness.serve.procs import ProcessFailed
-from harness.serve.servers import AttachedServers, MetricsUnavailable, decode_metrics, endpoints, served_model
+from harness.serve.servers import (
+    AttachedServers,
+    Endpoint,
+    MetricsUnavailable,
+    decode_metrics,
+    endpoints,
+    served_model,
+)
 
 
 class FakeServer:
@@ -179,3 +186,45 @@ def test_metrics_of_a_live_server_that_fail_are_their_own_error(fake):
 
 def test_served_model_reads_v1_models(fake):
     assert served_model(fake.url) == ("/models/m", "served")
+
+
+class ExitingServers:
+    """A server that closed its port and exits ``exits_after`` checks later (vLLM's API server on its way out)."""
+
+    attached = False
+
+    def __init__(self, url: str, exits_after: int | None):
+        self.prefill: list[Endpoint] = []
+        self.decode = endpoints("decode", [url])
+        self.exits_after, self.checks = exits_after, 0
+
+    def start(self, stack: contextlib.ExitStack) -> dict[str, float]:
+        return {}
+
+    def check(self, force: bool = False) -> None:
+        self.checks += 1
+        if self.exits_after is not None and self.checks > self.exits_after:
+            raise ProcessFailed("decode", "exited while serving", 1, None, "engine died", after_ready=True)
+
+    def logs(self) -> dict[str, str]:
+        return {}
+
+    def leftover_pids(self) -> list[int]:
+        return []
+
+
+def test_a_refused_metrics_read_waits_for_the_server_that_is_exiting_and_names_its_death(fake, monkeypatch):
+    # the race the pipeline-parallel entry hit: P's port refused /metrics while P was still exiting
+    import harness.serve.servers as servers
+
+    fake.close()  # its port now refuses connections
+    monkeypatch.setattr(servers, "EXIT_GRACE_S", 5.0)
+    dying = ExitingServers(fake.url, exits_after=3)
+    with pytest.raises(ProcessFailed) as e:
+        servers.decode_metrics(dying)
+    assert e.value.after_ready and dying.checks == 4
+    monkeypatch.setattr(servers, "EXIT_GRACE_S", 0.5)
+    alive = ExitingServers(fake.url, exits_after=None)  # never exits: the read's own failure, after the grace
+    with pytest.raises(MetricsUnavailable):
+        servers.decode_metrics(alive)
+    assert alive.checks > 1
