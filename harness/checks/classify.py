@@ -70,7 +70,9 @@ SIGNATURES: tuple[Signature, ...] = (
     # An error (never a warning) saying this build cannot do what was asked: an axis value vLLM refuses.
     _sig(
         "unsupported",
-        r"NotImplementedError: .+|(?:ValueError|RuntimeError|TypeError|AssertionError|Exception): .*"
+        # "Assertion failed, ...": an assert in one of vLLM's pydantic configs, as ValidationError reports it
+        r"NotImplementedError: .+|"
+        r"(?:(?:ValueError|RuntimeError|TypeError|AssertionError|Exception): |Assertion failed, ).*"
         r"(?:not supported|unsupported|is only supported|only supports|requires x86|does not satisfy every supported|"
         r"is currently only supported|requires attention implementations to .+, but \w+ does not)",
         "vLLM refuses a setting of this run (an axis value this build or device does not support)",

@@ -62,7 +62,7 @@ class Topology:
     invalid_reasons: tuple[str, ...]
     vllm_version: str | None
     version_family: str
-    expected: str  # ok | assert-45330 | rejected | invalid
+    expected: str  # ok | assert-45330 | rejected | unsupported | invalid
     expected_reason: str
     pp_p: int = 1  # P's pipeline stages: each holds a slice of the layers, and D reads every stage
     dcp_d: int = 1  # D's decode context parallel size (its ranks split the tokens, not the P ranks they read)
@@ -118,12 +118,13 @@ def validity(shape: ModelShape, p: int, d: int, bs_p: int, bs_d: int) -> list[st
 
 
 def parallel_problems(tp_d: int, pp_p: int, dcp_d: int) -> list[str]:
-    """What vLLM (config/parallel.py, 0.32.0) refuses of P's pipeline stages and D's decode context parallel size."""
+    """What vLLM 0.32.0 refuses of P's pipeline stages and D's decode context parallel size with a KV connector: DCP
+    must be 1 or D's whole TP group (config/vllm.py, the NIXL transfer parallel size)."""
     reasons = [
         f"{name} must be >= 1, got {v}" for name, v in (("P's pipeline stages", pp_p), ("D's DCP", dcp_d)) if v < 1
     ]
-    if not reasons and tp_d >= 1 and tp_d % dcp_d:
-        reasons.append(f"D's TP size {tp_d} must be divisible by its decode context parallel size {dcp_d}")
+    if not reasons and tp_d >= 1 and dcp_d not in (1, tp_d):
+        reasons.append(f"D's decode context parallel size {dcp_d} must be 1 or D's TP size {tp_d} (vLLM, with P/D)")
     return reasons
 
 
@@ -196,6 +197,8 @@ def predict(
     family = version_family(vllm_version, fixed_in)
     if not valid:
         expected, why = "invalid", "; ".join(reasons)
+    elif dcp_d > 1 and not shape.mla:
+        expected, why = "unsupported", "vLLM runs P/D with decode context parallel on MLA models only (config/vllm.py)"
     elif shape.mla:
         # 0.21.0 and 0.32.0 both treat MLA as replicated (nixl base_worker.py _validate_remote_agent_handshake):
         # block lengths equal up to block_size_ratio, which they are by construction; no P > D refusal.

@@ -134,8 +134,8 @@ def test_check_config_for_a_run():
     assert t is not None and t.expected == "rejected"
 
 
-def test_the_predicted_topology_carries_ps_stages_and_ds_dcp_and_refuses_a_dcp_that_does_not_divide_d():
+def test_the_predicted_topology_carries_ps_stages_and_ds_dcp_and_refuses_a_dcp_short_of_ds_tp():
     t = preflight(4, 1, 1, 2, cpu_cores=8, pp_p=2, dcp_d=2).topology
     assert t is not None and (t.pp_p, t.dcp_d) == (2, 2) and t.d_sources[1] == ((0, 0), (1, 0))
-    bad = preflight(4, 1, 1, 2, cpu_cores=8, dcp_d=4).topology
+    bad = preflight(4, 1, 1, 4, cpu_cores=8, dcp_d=2).topology
     assert bad is not None and bad.expected == "invalid"

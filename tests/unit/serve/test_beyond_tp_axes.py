@@ -170,6 +170,9 @@ def test_kv_offload_wraps_nixl_in_a_multiconnector_on_p_and_d_not_the_baseline(t
         "during decode, but CPUMLAImpl does not. Try a different backend by setting --attention-backend or disable "
         "DCP.",
         "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs",
+        # vLLM's VllmConfig (config/vllm.py), on any device: DCP through P/D on a model without MLA
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n  Assertion failed, PD with "
+        "decode_context_parallel_size > 1 is only supported for MLA models. [type=assertion_error, input_value=...]",
     ],
 )
 def test_vllm_cpus_refusals_of_dcp_and_offloading_are_unsupported(line):
