@@ -56,7 +56,7 @@ def known_edge_failure(
 ) -> str | None:
     """The edge entry that records a known failure of ``outcome`` on settings the sample also has: the same model
     family (its K where both name one) with a subset of its settings, or, for an entry of another model, settings
-    of its own that the sample has (None: none)."""
+    of its own that the sample has, unless the failure is the entry's model's own (``model_only``) (None: none)."""
     for e in edge.entries:
         kf = e.known_failure
         if kf is None or kf.cls != outcome:
@@ -65,7 +65,7 @@ def known_edge_failure(
         if not all(settings.get(k) == v for k, v in mine.items()):
             continue
         same_model = e.model == model and (e.kv_heads is None or kv_heads is None or e.kv_heads == kv_heads)
-        if same_model or mine:
+        if same_model or (mine and not kf.model_only):
             return e.id
     return None
 

@@ -50,6 +50,8 @@ class KnownFailure(BaseModel):
     # what the KV digest (kv_digest_match, docs/kv-digest.md) showed on a real run of this pair: which layers, heads
     # and positions differ and what D holds instead; a cause it shows is stated as shown
     digest: str | None = Field(default=None, min_length=1)
+    # the failure is the model's (an MoE's experts, ...), not the settings': explore matches it for this model only
+    model_only: bool = False
 
     @model_validator(mode="after")
     def _known_class(self) -> KnownFailure:

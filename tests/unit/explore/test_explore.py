@@ -147,6 +147,12 @@ def test_a_failure_an_edge_entry_records_for_that_model_family_is_known_not_new(
         model="tiny-qwen3",
     )
     assert bs[0] == KNOWN  # the block-size finding's entries name the settings, whatever the model
+    # the MoE's crash at D data parallel 2 is its own: a dense model dying at DP 2 would be new
+    dp = {"data_parallel_size_d": 2, "block_size_p": 32, "block_size_d": 32}
+    died = Signature("decode-died", ())
+    moe = classify("decode-died", "ok", died, dp, load_known(), edge, model="tiny-qwen3-moe", kv_heads=None)
+    assert moe[0] == KNOWN and "edge-dp2-qwen3moe" in moe[1]
+    assert classify("decode-died", "ok", died, dp, load_known(), edge, model="tiny-llama", kv_heads=1)[0] == NEW
 
 
 def test_an_hours_budget_is_parsed_as_a_number_and_bounds_the_loop(tmp_path, monkeypatch):
