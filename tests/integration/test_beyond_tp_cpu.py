@@ -39,7 +39,7 @@ ENTRIES = (
     "edge-dcp2-k1-p1-d2",
     "edge-offload-k1-p1-d1",
 )
-LOAD_REQUESTS = 16  # the load phase's 8 concurrent requests are what preemption and DP need, not its length
+LOAD_REQUESTS = 32  # 4 client cancels: one that lands while P prefills is a race, two give it room
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ CUT = (
     DRAFT,
     *((FP8, P_GT_D_BLOCKS) if FULL else ()),
 )
-LOAD_REQUESTS = 16  # each pair's load phase (8 at once), below a run's default: the axes are what this test is about
+LOAD_REQUESTS = 32  # each pair's load phase, below a run's default: 4 cancels, so a prefill-hop one lands (a race)
 
 
 @pytest.fixture(scope="module")
